@@ -1,0 +1,19 @@
+#include "kvstash/common/logging.h"
+
+#include <string>
+
+namespace kvstash {
+
+Status SetLogLevel(std::string_view level) {
+  spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(level));
+  // from_str maps unknown names to `off`; only accept "off" when it was asked for.
+  if (parsed == spdlog::level::off && level != "off") {
+    return InvalidArgumentError(
+        "unknown log level '{}' (expected trace, debug, info, warn, error, critical or off)",
+        level);
+  }
+  spdlog::set_level(parsed);
+  return Status::OK();
+}
+
+}  // namespace kvstash

@@ -1,0 +1,54 @@
+# Shared set-up for scripts/test.sh and scripts/demo.sh: installs the Debian packages the build
+# needs (only those missing; `apt-get update` at most once) and configures + builds the tree.
+# Source it; it defines functions and changes nothing by itself.
+
+KVSTASH_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+KVSTASH_BUILD_DIR="${KVSTASH_BUILD_DIR:-$KVSTASH_ROOT/build}"
+
+# Every Debian package the build and the tests use. Keep in step with the README.
+KVSTASH_PACKAGES=(
+  build-essential cmake ninja-build pkg-config clang-format
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libspdlog-dev libfmt-dev libxxhash-dev libcli11-dev
+)
+
+kvstash_log() { printf '\033[1m== %s\033[0m\n' "$*"; }
+
+kvstash_install_deps() {
+  local missing=()
+  local pkg
+  for pkg in "${KVSTASH_PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+      missing+=("$pkg")
+    fi
+  done
+  if [ "${#missing[@]}" -eq 0 ]; then
+    kvstash_log "dependencies: all ${#KVSTASH_PACKAGES[@]} packages present"
+    return 0
+  fi
+  kvstash_log "dependencies: installing ${missing[*]}"
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+      sudo=(sudo)
+    else
+      echo "error: missing packages (${missing[*]}) and not root, no sudo to install them" >&2
+      return 1
+    fi
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  # Update the package lists only when an install from the current lists fails.
+  if ! "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"; then
+    "${sudo[@]}" apt-get update
+    "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
+  fi
+}
+
+kvstash_build() {
+  local build_type="${KVSTASH_BUILD_TYPE:-RelWithDebInfo}"
+  kvstash_log "configure ($build_type) in $KVSTASH_BUILD_DIR"
+  cmake -S "$KVSTASH_ROOT" -B "$KVSTASH_BUILD_DIR" -G Ninja \
+    -DCMAKE_BUILD_TYPE="$build_type" "$@"
+  kvstash_log "build"
+  cmake --build "$KVSTASH_BUILD_DIR" --parallel "$(nproc)"
+}

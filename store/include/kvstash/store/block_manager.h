@@ -1,0 +1,139 @@
+// BlockManager: the block index of one offload node tier (vLLM's CPUOffloadingManager, §1-§4 of
+// shared/reference/vllm_kv_offload.md), with LRU and ARC replacement.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "kvstash/store/lookup.h"
+#include "kvstash/store/offload_key.h"
+
+namespace kvstash::store {
+
+// The index of a block slot in a tier (the CPU slab's slot, or an SSD record id).
+using SlotId = uint32_t;
+
+enum class EvictionPolicy : uint8_t { kLru, kArc };
+
+// "lru" or "arc" (case-sensitive); InvalidArgument otherwise.
+Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
+std::string_view EvictionPolicyName(EvictionPolicy policy);
+
+struct BlockManagerOptions {
+  // Number of block slots; 1 to 2^31.
+  size_t capacity_blocks = 0;
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  // Reuse filter: when >= 2, PrepareStore only stores keys that Lookup has seen at least this
+  // many times (counted in a tracker of at most `max_tracker_size` keys, least recent dropped).
+  uint32_t store_threshold = 0;
+  size_t max_tracker_size = 64000;
+  // Record stored/removed events for TakeEvents. Off by default: nothing drains them.
+  bool enable_events = false;
+  // Tests only: the first recency stamp, set near 2^32 to exercise stamp renumbering.
+  uint32_t first_recency_stamp = 0;
+};
+
+// What PrepareStore decided.
+struct StorePlan {
+  std::vector<OffloadKey> keys_to_store;  // the keys to write, in call order
+  std::vector<SlotId> slots;              // slots[i] receives keys_to_store[i]
+  std::vector<OffloadKey> evicted;        // keys evicted to make room, in eviction order
+};
+
+struct OffloadEvent {
+  enum class Kind : uint8_t { kStored, kRemoved };
+  Kind kind;
+  std::vector<OffloadKey> keys;  // stored: in commit order; removed: in eviction order
+
+  friend bool operator==(const OffloadEvent&, const OffloadEvent&) = default;
+};
+
+// One resident block as state dumps show it.
+struct BlockInfo {
+  OffloadKey key;
+  SlotId slot;
+  int32_t ref_count;  // -1 while being written, else the number of loads pinning it
+
+  friend bool operator==(const BlockInfo&, const BlockInfo&) = default;
+};
+
+// A full dump of the manager's order-relevant state (tests, `kvstash trace`). O(n log n).
+struct BlockManagerState {
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  std::vector<BlockInfo> lru;      // LRU: every block, least recent first
+  std::vector<BlockInfo> t1, t2;   // ARC: recency and frequency lists, least recent first
+  std::vector<OffloadKey> b1, b2;  // ARC: ghost lists, oldest first
+  double arc_target = 0.0;         // ARC: p, the target size of T1
+  std::vector<SlotId> free_slots;  // freed slots; the last is reused first
+  size_t fresh_slots_used = 0;     // slots 0..n-1 have been handed out at least once
+};
+
+// Answers lookups for the blocks of one tier and decides where new blocks go and what is evicted.
+// It holds metadata only (keys, slots, ref counts, recency); block bytes live in the tier.
+//
+// A block is written in two phases: PrepareStore reserves a slot (lookups answer RETRY), the
+// caller writes the bytes, CompleteStore publishes (HIT) or drops it. Loads pin blocks
+// (PrepareLoad .. CompleteLoad) so that eviction skips them. Every operation costs O(keys in
+// the call) (plus O(log n) per block that was pinned while it reached the old end); nothing
+// scans the cache.
+//
+// Thread-safe: every method takes one internal lock.
+class BlockManager {
+ public:
+  // InvalidArgument for a capacity of 0 or above 2^31, or a tracker size of 0 with a threshold.
+  static Result<std::unique_ptr<BlockManager>> Create(const BlockManagerOptions& options);
+  virtual ~BlockManager() = default;
+
+  // HIT if stored and readable, RETRY while it is being written, else MISS. Never changes
+  // recency; counts the key in the reuse tracker when the filter is on.
+  virtual LookupResult Lookup(const OffloadKey& key) = 0;
+  // Lookup of each key, in order, under one lock. `results.size()` must equal `keys.size()`.
+  virtual void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) = 0;
+  // The maximal-prefix and sliding-window scans of lookup.h over `keys`, under one lock; the
+  // per-key lookups they make are exactly those the scans define (the tracker counts them).
+  virtual ScanResult LookupPrefix(std::span<const OffloadKey> keys) = 0;
+  virtual ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) = 0;
+
+  // Pins every key for reading and sets `slots` to their slots in key order. FailedPrecondition
+  // (and no change) if any key is not stored or still being written; ResourceExhausted if a pin
+  // count would overflow.
+  virtual Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) = 0;
+  // Unpins keys pinned by PrepareLoad. FailedPrecondition (and no change) if any key is not
+  // stored or not pinned (as many times as it appears).
+  virtual Status CompleteLoad(std::span<const OffloadKey> keys) = 0;
+  // Marks the stored keys as recently used, the first key most recent. Absent keys are
+  // ignored (ARC: a key in a ghost list adapts the T1 target).
+  virtual void Touch(std::span<const OffloadKey> keys) = 0;
+
+  // Reserves slots for the keys that are neither stored nor being written (duplicates once),
+  // evicting idle blocks if needed; never evicts a key of this call, a pinned block or one being
+  // written. ResourceExhausted, with no change at all, if it cannot make room. With the reuse
+  // filter on, keys seen fewer than `store_threshold` times are dropped first.
+  virtual Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) = 0;
+  // success: keys being written become readable (one stored event for them). Failure: keys
+  // being written are dropped and their slots freed. Keys already readable, or absent, are
+  // ignored either way.
+  virtual void CompleteStore(std::span<const OffloadKey> keys, bool success) = 0;
+
+  // Drains the events recorded since the last call (empty when events are disabled).
+  virtual std::vector<OffloadEvent> TakeEvents() = 0;
+  // Drops every block, whatever its state, and every ghost; slots are handed out from 0 again.
+  // The reuse tracker and undrained events are kept.
+  virtual void Reset() = 0;
+
+  virtual size_t capacity() const = 0;
+  virtual size_t resident_blocks() const = 0;
+  // Bytes of memory held by the manager's own structures.
+  virtual size_t MetadataBytes() const = 0;
+  virtual BlockManagerState DebugState() const = 0;
+  // Tests: sets ARC's p. FailedPrecondition under LRU, InvalidArgument outside [0, capacity].
+  virtual Status SetArcTargetForTesting(double target) = 0;
+};
+
+}  // namespace kvstash::store

@@ -1,0 +1,375 @@
+#include "kvstash/store/block_manager.h"
+
+#include <algorithm>
+#include <bit>
+#include <utility>
+
+#include "entry.h"
+#include "flat_index.h"
+#include "key_lists.h"
+#include "kvstash/common/mutex.h"
+#include "policy.h"
+
+namespace kvstash::store {
+
+Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
+  if (name == "lru") return EvictionPolicy::kLru;
+  if (name == "arc") return EvictionPolicy::kArc;
+  return InvalidArgumentError("unknown eviction policy '{}' (expected lru or arc)", name);
+}
+
+std::string_view EvictionPolicyName(EvictionPolicy policy) {
+  return policy == EvictionPolicy::kArc ? "arc" : "lru";
+}
+
+namespace {
+
+constexpr size_t kMaxCapacity = size_t{1} << 31;
+
+// Detects repeated keys within one call in O(keys): open addressing over indices into the
+// call's key array, reused across calls. Not thread-safe.
+class CallKeySet {
+ public:
+  void Reset(size_t max_keys) {
+    size_t size = std::bit_ceil(std::max<size_t>(16, 2 * max_keys));
+    if (table_.size() < size) table_.resize(size);
+    mask_ = size - 1;
+    std::fill(table_.begin(), table_.begin() + static_cast<ptrdiff_t>(size), kNoId);
+  }
+  // Records keys[index]; false if an equal key was recorded before.
+  bool Insert(std::span<const OffloadKey> keys, uint32_t index, uint64_t hash) {
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      if (table_[i] == kNoId) {
+        table_[i] = index;
+        return true;
+      }
+      if (keys[table_[i]] == keys[index]) return false;
+    }
+  }
+  size_t MemoryBytes() const { return table_.capacity() * sizeof(uint32_t); }
+
+ private:
+  std::vector<uint32_t> table_;
+  size_t mask_ = 0;
+};
+
+class BlockManagerImpl final : public BlockManager {
+ public:
+  explicit BlockManagerImpl(const BlockManagerOptions& options)
+      : options_(options),
+        entries_(options.capacity_blocks),
+        index_(options.capacity_blocks),
+        policy_(options.policy == EvictionPolicy::kArc
+                    ? MakeArcPolicy(entries_.data(), options.capacity_blocks,
+                                    options.first_recency_stamp)
+                    : MakeLruPolicy(entries_.data(), options.first_recency_stamp)) {
+    if (options.store_threshold >= 2) {
+      tracker_ = std::make_unique<KeyLists>(options.max_tracker_size);
+    }
+  }
+
+  LookupResult Lookup(const OffloadKey& key) override {
+    MutexLock lock(&mu_);
+    return LookupLocked(key, KeyHash(key));
+  }
+
+  void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) override {
+    MutexLock lock(&mu_);
+    const size_t n = std::min(keys.size(), results.size());
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kPrefetchDistance < n) index_.Prefetch(KeyHash(keys[i + kPrefetchDistance]));
+      results[i] = LookupLocked(keys[i], KeyHash(keys[i]));
+    }
+  }
+
+  ScanResult LookupPrefix(std::span<const OffloadKey> keys) override {
+    MutexLock lock(&mu_);
+    return MaximalPrefix(keys.size(), [&](size_t i) {
+      if (i + kPrefetchDistance < keys.size()) {
+        index_.Prefetch(KeyHash(keys[i + kPrefetchDistance]));
+      }
+      return LookupLocked(keys[i], KeyHash(keys[i]));
+    });
+  }
+
+  ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) override {
+    MutexLock lock(&mu_);
+    return SlidingWindow(keys.size(), window, [&](size_t i) {
+      if (i >= kPrefetchDistance) index_.Prefetch(KeyHash(keys[i - kPrefetchDistance]));
+      return LookupLocked(keys[i], KeyHash(keys[i]));
+    });
+  }
+
+  Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) override {
+    MutexLock lock(&mu_);
+    slots->clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint32_t id = Find(keys[i]);
+      if (id == kNoId || entries_[id].ref < 0) {
+        slots->clear();
+        return FailedPreconditionError("cannot load key {} ({} of {}): it is {}",
+                                       keys[i].ToString(), i + 1, keys.size(),
+                                       id == kNoId ? "not stored" : "still being written");
+      }
+      slots->push_back(id);
+    }
+    for (size_t i = 0; i < slots->size(); ++i) {
+      Entry& e = entries_[(*slots)[i]];
+      if (e.ref == Entry::kMaxRef) {
+        for (size_t j = 0; j < i; ++j) entries_[(*slots)[j]].ref -= 1;
+        slots->clear();
+        return ResourceExhaustedError("cannot load key {}: it already has {} pins",
+                                      keys[i].ToString(), Entry::kMaxRef);
+      }
+      e.ref += 1;
+    }
+    return Status::OK();
+  }
+
+  Status CompleteLoad(std::span<const OffloadKey> keys) override {
+    MutexLock lock(&mu_);
+    scratch_ids_.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint32_t id = Find(keys[i]);
+      if (id == kNoId || entries_[id].ref <= 0) {
+        for (uint32_t done : scratch_ids_) entries_[done].ref += 1;  // roll back
+        return FailedPreconditionError(
+            "cannot unload key {} ({} of {}): it is {}", keys[i].ToString(), i + 1, keys.size(),
+            id == kNoId ? "not stored" : (entries_[id].ref < 0 ? "being written" : "not pinned"));
+      }
+      entries_[id].ref -= 1;
+      scratch_ids_.push_back(id);
+    }
+    for (uint32_t id : scratch_ids_) {
+      if (entries_[id].ref == 0) policy_->OnEvictable(id);
+    }
+    return Status::OK();
+  }
+
+  void Touch(std::span<const OffloadKey> keys) override {
+    MutexLock lock(&mu_);
+    for (size_t i = keys.size(); i-- > 0;) {
+      const uint64_t hash = KeyHash(keys[i]);
+      policy_->Touch(keys[i], hash, FindHashed(keys[i], hash));
+    }
+  }
+
+  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) override {
+    MutexLock lock(&mu_);
+    plan->keys_to_store.clear();
+    plan->slots.clear();
+    plan->evicted.clear();
+
+    // Keys to store (absent, once each) and keys to protect (every key of the call that passes
+    // the reuse filter, stored or not).
+    call_keys_.Reset(keys.size());
+    scratch_ids_.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint64_t hash = KeyHash(keys[i]);
+      if (tracker_ && !PassesReuseFilter(keys[i], hash)) continue;
+      const uint32_t id = FindHashed(keys[i], hash);
+      if (id != kNoId) {
+        if (!entries_[id].marked) {
+          entries_[id].marked = 1;
+          scratch_ids_.push_back(id);
+        }
+      } else if (call_keys_.Insert(keys, static_cast<uint32_t>(i), hash)) {
+        plan->keys_to_store.push_back(keys[i]);
+      }
+    }
+    const size_t free_slots = free_count_ + (entries_.size() - fresh_used_);
+    const size_t to_store = plan->keys_to_store.size();
+    if (to_store > free_slots) {
+      victims_.clear();
+      const bool ok = policy_->Evict(to_store - free_slots, &victims_);
+      Unmark();
+      if (!ok) {
+        plan->keys_to_store.clear();
+        return ResourceExhaustedError(
+            "no room for {} new blocks: {} slots free and fewer than {} idle blocks to evict "
+            "(the others are pinned, being written, or keys of this call)",
+            to_store, free_slots, to_store - free_slots);
+      }
+      for (uint32_t id : victims_) {
+        plan->evicted.push_back(entries_[id].key);
+        index_.Erase(id, KeyHash(entries_[id].key));
+        FreeSlot(id);
+      }
+      if (options_.enable_events) {
+        events_.push_back({OffloadEvent::Kind::kRemoved, plan->evicted});
+      }
+    } else {
+      Unmark();
+    }
+    for (const OffloadKey& key : plan->keys_to_store) {
+      const uint32_t id = AllocateSlot();
+      Entry& e = entries_[id];
+      e.key = key;
+      e.ref = -1;
+      e.marked = 0;
+      const uint64_t hash = KeyHash(key);
+      index_.Insert(id, hash);
+      policy_->Insert(id, hash);
+      plan->slots.push_back(id);
+    }
+    return Status::OK();
+  }
+
+  void CompleteStore(std::span<const OffloadKey> keys, bool success) override {
+    MutexLock lock(&mu_);
+    std::vector<OffloadKey> stored;
+    for (const OffloadKey& key : keys) {
+      const uint64_t hash = KeyHash(key);
+      const uint32_t id = FindHashed(key, hash);
+      if (id == kNoId || entries_[id].ref >= 0) continue;
+      if (success) {
+        entries_[id].ref = 0;
+        policy_->OnEvictable(id);
+        if (options_.enable_events) stored.push_back(key);
+      } else {
+        policy_->Remove(id);
+        index_.Erase(id, hash);
+        FreeSlot(id);
+      }
+    }
+    if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
+  }
+
+  std::vector<OffloadEvent> TakeEvents() override {
+    MutexLock lock(&mu_);
+    return std::exchange(events_, {});
+  }
+
+  void Reset() override {
+    MutexLock lock(&mu_);
+    policy_->Clear();
+    index_.Clear();
+    for (Entry& e : entries_) e.set_where(Place::kFree);
+    fresh_used_ = 0;
+    free_head_ = kNoId;
+    free_count_ = 0;
+    resident_ = 0;
+  }
+
+  size_t capacity() const override { return entries_.size(); }
+
+  size_t resident_blocks() const override {
+    MutexLock lock(&mu_);
+    return resident_;
+  }
+
+  size_t MetadataBytes() const override {
+    MutexLock lock(&mu_);
+    size_t bytes = sizeof(*this) + entries_.capacity() * sizeof(Entry) + index_.MemoryBytes() +
+                   policy_->MemoryBytes() + call_keys_.MemoryBytes() +
+                   (victims_.capacity() + scratch_ids_.capacity()) * sizeof(uint32_t);
+    if (tracker_) bytes += tracker_->MemoryBytes();
+    return bytes;
+  }
+
+  BlockManagerState DebugState() const override {
+    MutexLock lock(&mu_);
+    BlockManagerState state;
+    state.policy = options_.policy;
+    policy_->Describe(&state);
+    for (uint32_t id = free_head_; id != kNoId; id = entries_[id].next) {
+      state.free_slots.push_back(id);
+    }
+    std::reverse(state.free_slots.begin(), state.free_slots.end());
+    state.fresh_slots_used = fresh_used_;
+    return state;
+  }
+
+  Status SetArcTargetForTesting(double target) override {
+    MutexLock lock(&mu_);
+    return policy_->SetTarget(target);
+  }
+
+ private:
+  static constexpr size_t kPrefetchDistance = 8;
+
+  uint32_t FindHashed(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
+    return index_.Find(key, hash,
+                       [this](uint32_t id) -> const OffloadKey& { return entries_[id].key; });
+  }
+  uint32_t Find(const OffloadKey& key) const REQUIRES(mu_) { return FindHashed(key, KeyHash(key)); }
+
+  LookupResult LookupLocked(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
+    if (tracker_) CountLookup(key, hash);
+    const uint32_t id = FindHashed(key, hash);
+    if (id == kNoId) return LookupResult::kMiss;
+    return entries_[id].ref < 0 ? LookupResult::kRetry : LookupResult::kHit;
+  }
+
+  void CountLookup(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
+    const uint32_t node = tracker_->Find(key, hash);
+    if (node != kNoId) {
+      tracker_->MoveToMru(node);
+      tracker_->set_value(node, std::min(tracker_->value(node) + 1, KeyLists::kMaxValue));
+      return;
+    }
+    if (tracker_->total() >= tracker_->capacity()) tracker_->PopLru(0);
+    tracker_->PushMru(0, key, hash, 1);
+  }
+
+  bool PassesReuseFilter(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
+    const uint32_t node = tracker_->Find(key, hash);
+    return node != kNoId && tracker_->value(node) >= options_.store_threshold;
+  }
+
+  void Unmark() REQUIRES(mu_) {
+    for (uint32_t id : scratch_ids_) entries_[id].marked = 0;
+    scratch_ids_.clear();
+  }
+
+  // Fresh slots first, in increasing order; then freed slots, last freed first.
+  uint32_t AllocateSlot() REQUIRES(mu_) {
+    ++resident_;
+    if (fresh_used_ < entries_.size()) return fresh_used_++;
+    const uint32_t id = free_head_;
+    free_head_ = entries_[id].next;
+    --free_count_;
+    return id;
+  }
+
+  void FreeSlot(uint32_t id) REQUIRES(mu_) {
+    --resident_;
+    entries_[id].set_where(Place::kFree);
+    entries_[id].next = free_head_;
+    free_head_ = id;
+    ++free_count_;
+  }
+
+  const BlockManagerOptions options_;
+  mutable Mutex mu_;
+  std::vector<Entry> entries_ GUARDED_BY(mu_);  // by slot; never resized (the policy points in)
+  FlatIndex index_ GUARDED_BY(mu_);
+  const std::unique_ptr<ReplacementPolicy> policy_ PT_GUARDED_BY(mu_);
+  std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);  // reuse filter, when on
+  uint32_t fresh_used_ GUARDED_BY(mu_) = 0;
+  uint32_t free_head_ GUARDED_BY(mu_) = kNoId;  // stack of freed slots through Entry::next
+  size_t free_count_ GUARDED_BY(mu_) = 0;
+  size_t resident_ GUARDED_BY(mu_) = 0;
+  std::vector<OffloadEvent> events_ GUARDED_BY(mu_);
+  // Scratch space reused across calls.
+  CallKeySet call_keys_ GUARDED_BY(mu_);
+  std::vector<uint32_t> victims_ GUARDED_BY(mu_);
+  std::vector<uint32_t> scratch_ids_ GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+Result<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOptions& options) {
+  if (options.capacity_blocks == 0 || options.capacity_blocks > kMaxCapacity) {
+    return InvalidArgumentError("capacity of {} blocks is outside [1, {}]", options.capacity_blocks,
+                                kMaxCapacity);
+  }
+  if (options.store_threshold >= 2 &&
+      (options.max_tracker_size == 0 || options.max_tracker_size > kMaxCapacity)) {
+    return InvalidArgumentError("reuse tracker size {} is outside [1, {}]",
+                                options.max_tracker_size, kMaxCapacity);
+  }
+  return std::unique_ptr<BlockManager>(std::make_unique<BlockManagerImpl>(options));
+}
+
+}  // namespace kvstash::store

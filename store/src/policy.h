@@ -1,0 +1,44 @@
+// ReplacementPolicy: the recency order and victim choice of a BlockManager.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "entry.h"
+#include "kvstash/common/status.h"
+#include "kvstash/store/block_manager.h"
+
+namespace kvstash::store {
+
+// Orders the resident entries of a BlockManager (its Entry array, indexed by slot) and chooses
+// eviction victims. The manager owns the entries, their keys and ref counts, and the index; the
+// policy owns the order. Not thread-safe (the manager's lock covers it).
+class ReplacementPolicy {
+ public:
+  virtual ~ReplacementPolicy() = default;
+
+  // Entry `id` was just created (being written): place it at the MRU end. `hash` is its KeyHash.
+  virtual void Insert(uint32_t id, uint64_t hash) = 0;
+  // Entry `id` is being dropped (failed store).
+  virtual void Remove(uint32_t id) = 0;
+  // One key of a Touch call; the manager calls these in reverse key order. `id` is the key's
+  // entry, or kNoId when it is not resident.
+  virtual void Touch(const OffloadKey& key, uint64_t hash, uint32_t id) = 0;
+  // Entry `id` just became evictable (its ref count reached 0).
+  virtual void OnEvictable(uint32_t id) = 0;
+  // Chooses `n` victims among evictable, unmarked entries, removes them from the order and
+  // appends them to `victims` in choice order. Returns false, changing nothing, when it cannot.
+  virtual bool Evict(size_t n, std::vector<uint32_t>* victims) = 0;
+  virtual void Clear() = 0;
+  virtual void Describe(BlockManagerState* state) const = 0;
+  virtual size_t MemoryBytes() const = 0;
+  virtual Status SetTarget(double target) = 0;
+};
+
+std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, uint32_t first_stamp);
+std::unique_ptr<ReplacementPolicy> MakeArcPolicy(Entry* entries, size_t capacity,
+                                                 uint32_t first_stamp);
+
+}  // namespace kvstash::store

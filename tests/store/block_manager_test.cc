@@ -1,0 +1,274 @@
+// Behaviour of the block manager beyond the reference vectors: errors change nothing, options
+// are validated, groups and namespaces never mix, and eviction skips pinned blocks cheaply.
+#include "kvstash/store/block_manager.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace kvstash::store {
+namespace {
+
+using testing::Block;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using testing::Key;
+using testing::Keys;
+using testing::MakeManager;
+using testing::PrepareLoad;
+using testing::PrepareStore;
+using testing::StoreAndCommit;
+
+class BlockManagerTest : public ::testing::TestWithParam<EvictionPolicy> {
+ protected:
+  std::unique_ptr<BlockManager> Make(size_t capacity) {
+    return MakeManager({.capacity = capacity, .policy = GetParam()});
+  }
+};
+
+// Everything except events, which tests compare separately.
+std::string StateString(const BlockManagerState& s) {
+  std::string out;
+  auto blocks = [&](const char* name, const std::vector<BlockInfo>& v) {
+    out += name;
+    for (const auto& b : v)
+      out +=
+          " " + b.key.ToString() + ":" + std::to_string(b.slot) + ":" + std::to_string(b.ref_count);
+    out += "\n";
+  };
+  auto keys = [&](const char* name, const std::vector<OffloadKey>& v) {
+    out += name;
+    for (const auto& k : v) out += " " + k.ToString();
+    out += "\n";
+  };
+  blocks("lru", s.lru);
+  blocks("t1", s.t1);
+  blocks("t2", s.t2);
+  keys("b1", s.b1);
+  keys("b2", s.b2);
+  out += "p " + std::to_string(s.arc_target) + " fresh " + std::to_string(s.fresh_slots_used) +
+         " free";
+  for (SlotId id : s.free_slots) out += " " + std::to_string(id);
+  return out;
+}
+
+TEST(BlockManagerOptionsTest, RejectsBadOptions) {
+  BlockManagerOptions options;
+  options.capacity_blocks = 0;
+  auto zero = BlockManager::Create(options);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(zero.status().message()), HasSubstr("capacity of 0 blocks"));
+
+  options.capacity_blocks = (size_t{1} << 31) + 1;
+  EXPECT_EQ(BlockManager::Create(options).status().code(), StatusCode::kInvalidArgument);
+
+  options.capacity_blocks = 4;
+  options.store_threshold = 2;
+  options.max_tracker_size = 0;
+  EXPECT_EQ(BlockManager::Create(options).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BlockManagerOptionsTest, ParsesPolicyNames) {
+  EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
+  EXPECT_EQ(*ParseEvictionPolicy("arc"), EvictionPolicy::kArc);
+  auto bad = ParseEvictionPolicy("fifo");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("'fifo'"));
+  EXPECT_EQ(EvictionPolicyName(EvictionPolicy::kArc), "arc");
+}
+
+TEST_P(BlockManagerTest, LoadOfMissingOrUnreadyKeyFailsAndChangesNothing) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1, 2}));
+  PrepareStore(*m, Keys({3}));
+  const std::string before = StateString(m->DebugState());
+  std::vector<SlotId> slots = {99};
+  Status missing = m->PrepareLoad(Keys({1, 9}), &slots);
+  EXPECT_EQ(missing.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(missing.message()), HasSubstr("ns0/g0/0x9 (2 of 2): it is not stored"));
+  EXPECT_THAT(slots, IsEmpty());
+  Status writing = m->PrepareLoad(Keys({2, 3}), &slots);
+  EXPECT_EQ(writing.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(writing.message()), HasSubstr("still being written"));
+  EXPECT_EQ(StateString(m->DebugState()), before);  // key 1 and 2 were not pinned
+}
+
+TEST_P(BlockManagerTest, UnloadOfUnpinnedKeyFailsAndChangesNothing) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1, 2}));
+  PrepareLoad(*m, Keys({1}));
+  const std::string before = StateString(m->DebugState());
+  Status unpinned = m->CompleteLoad(Keys({1, 2}));
+  EXPECT_EQ(unpinned.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(unpinned.message()), HasSubstr("not pinned"));
+  // Unloading 1 twice needs two pins.
+  EXPECT_EQ(m->CompleteLoad(Keys({1, 1})).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m->CompleteLoad(Keys({7})).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateString(m->DebugState()), before);
+  EXPECT_TRUE(m->CompleteLoad(Keys({1})).ok());
+}
+
+TEST_P(BlockManagerTest, RepeatedKeysPinAndUnpinPerOccurrence) {
+  auto m = Make(1);
+  StoreAndCommit(*m, Keys({1}));
+  EXPECT_THAT(PrepareLoad(*m, Keys({1, 1})), ElementsAre(0, 0));
+  ASSERT_TRUE(m->CompleteLoad(Keys({1})).ok());
+  // Still pinned once: a store that needs its slot is refused.
+  StorePlan plan;
+  EXPECT_EQ(m->PrepareStore(Keys({3}), &plan).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(m->CompleteLoad(Keys({1})).ok());
+  EXPECT_TRUE(m->PrepareStore(Keys({3}), &plan).ok());
+  EXPECT_EQ(plan.evicted, Keys({1}));
+}
+
+TEST_P(BlockManagerTest, RepeatedKeyInOneStoreTakesOneSlot) {
+  auto m = Make(4);
+  StorePlan plan = PrepareStore(*m, Keys({1, 2, 1, 2, 3}));
+  EXPECT_EQ(plan.keys_to_store, Keys({1, 2, 3}));
+  EXPECT_THAT(plan.slots, ElementsAre(0, 1, 2));
+  EXPECT_EQ(m->resident_blocks(), 3u);
+}
+
+TEST_P(BlockManagerTest, RefusedStoreChangesNothing) {
+  auto m = Make(3);
+  StoreAndCommit(*m, Keys({1, 2, 3}));
+  PrepareLoad(*m, Keys({1}));
+  m->Touch(Keys({2}));
+  const std::string before = StateString(m->DebugState());
+  StorePlan plan;
+  plan.keys_to_store = Keys({42});  // stale content must not survive
+  Status refused = m->PrepareStore(Keys({2, 4, 5, 6}), &plan);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("no room for 3 new blocks"));
+  EXPECT_THAT(plan.keys_to_store, IsEmpty());
+  EXPECT_EQ(StateString(m->DebugState()), before);
+  EXPECT_THAT(m->TakeEvents(), ElementsAre(testing::Stored({1, 2, 3})));
+  // One new block fits by evicting 3 (1 pinned, 2 protected).
+  EXPECT_EQ(PrepareStore(*m, Keys({2, 4})).evicted, Keys({3}));
+}
+
+TEST_P(BlockManagerTest, StoreOfPresentKeysNeverEvicts) {
+  auto m = Make(2);
+  StoreAndCommit(*m, Keys({1, 2}));
+  StorePlan plan = PrepareStore(*m, Keys({2, 1}));
+  EXPECT_THAT(plan.keys_to_store, IsEmpty());
+  EXPECT_THAT(plan.evicted, IsEmpty());
+}
+
+TEST_P(BlockManagerTest, GroupsAndNamespacesAreDistinctKeys) {
+  auto m = Make(8);
+  OffloadKey a = Key(5, 0);
+  OffloadKey b = Key(5, 1);
+  OffloadKey c = Key(5, 0);
+  c.namespace_id = 3;
+  StoreAndCommit(*m, {a});
+  EXPECT_EQ(m->Lookup(a), LookupResult::kHit);
+  EXPECT_EQ(m->Lookup(b), LookupResult::kMiss);
+  EXPECT_EQ(m->Lookup(c), LookupResult::kMiss);
+  StoreAndCommit(*m, {b, c});
+  EXPECT_EQ(m->resident_blocks(), 3u);
+}
+
+TEST_P(BlockManagerTest, CommitAndAbortIgnoreReadyAndAbsentKeys) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1}));
+  m->TakeEvents();
+  PrepareStore(*m, Keys({2}));
+  m->CompleteStore(Keys({1, 2, 9}), true);
+  EXPECT_THAT(m->TakeEvents(), ElementsAre(testing::Stored({2})));
+  m->CompleteStore(Keys({1, 2, 9}), false);  // all ready or absent: nothing dropped
+  EXPECT_EQ(m->resident_blocks(), 2u);
+  m->CompleteStore(Keys({1, 2}), true);  // already ready: no second event
+  EXPECT_THAT(m->TakeEvents(), IsEmpty());
+}
+
+TEST_P(BlockManagerTest, EventsOffRecordsNothing) {
+  auto m = MakeManager({.capacity = 1, .policy = GetParam(), .events = false});
+  StoreAndCommit(*m, Keys({1}));
+  StoreAndCommit(*m, Keys({2}));
+  EXPECT_THAT(m->TakeEvents(), IsEmpty());
+}
+
+// A long run of pinned blocks at the old end is parked once and never rescanned; after they
+// are unpinned they are evicted in their original recency order.
+TEST_P(BlockManagerTest, PinnedBlocksAtTheOldEndKeepTheirOrder) {
+  auto m = Make(8);
+  StoreAndCommit(*m, Keys({1, 2, 3, 4, 5, 6, 7, 8}));
+  PrepareLoad(*m, Keys({1, 2, 3, 4}));
+  EXPECT_EQ(PrepareStore(*m, Keys({9, 10})).evicted, Keys({5, 6}));
+  m->CompleteStore(Keys({9, 10}), true);
+  ASSERT_TRUE(m->CompleteLoad(Keys({3, 1})).ok());
+  EXPECT_EQ(PrepareStore(*m, Keys({11})).evicted, Keys({1}));
+  ASSERT_TRUE(m->CompleteLoad(Keys({4, 2})).ok());
+  EXPECT_EQ(PrepareStore(*m, Keys({12, 13, 14})).evicted, Keys({2, 3, 4}));
+  EXPECT_EQ(PrepareStore(*m, Keys({15})).evicted, Keys({7}));
+}
+
+TEST_P(BlockManagerTest, TouchOfUnpinnedParkedBlockMakesItMostRecent) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1, 2, 3, 4}));
+  PrepareLoad(*m, Keys({1}));
+  EXPECT_EQ(PrepareStore(*m, Keys({5})).evicted, Keys({2}));  // parks 1
+  m->CompleteStore(Keys({5}), true);
+  ASSERT_TRUE(m->CompleteLoad(Keys({1})).ok());
+  m->Touch(Keys({1}));
+  if (GetParam() == EvictionPolicy::kLru) {
+    EXPECT_THAT(m->DebugState().lru,
+                ElementsAre(Block(3, 2), Block(4, 3), Block(5, 1), Block(1, 0)));
+  }
+  EXPECT_EQ(PrepareStore(*m, Keys({6})).evicted, Keys({3}));
+}
+
+TEST_P(BlockManagerTest, ResetDropsPinnedAndInFlightBlocks) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1, 2}));
+  PrepareLoad(*m, Keys({1}));
+  PrepareStore(*m, Keys({3}));
+  m->Reset();
+  EXPECT_EQ(m->resident_blocks(), 0u);
+  EXPECT_EQ(m->Lookup(Key(1)), LookupResult::kMiss);
+  EXPECT_EQ(m->Lookup(Key(3)), LookupResult::kMiss);
+  // Stale completions after a reset are harmless.
+  EXPECT_EQ(m->CompleteLoad(Keys({1})).code(), StatusCode::kFailedPrecondition);
+  m->CompleteStore(Keys({3}), true);
+  EXPECT_EQ(m->Lookup(Key(3)), LookupResult::kMiss);
+  EXPECT_THAT(PrepareStore(*m, Keys({1, 2, 3, 4})).slots, ElementsAre(0, 1, 2, 3));
+}
+
+TEST_P(BlockManagerTest, StampRenumberingKeepsOrder) {
+  BlockManagerOptions options;
+  options.capacity_blocks = 4;
+  options.policy = GetParam();
+  options.first_recency_stamp = UINT32_MAX - 3;
+  auto m = std::move(BlockManager::Create(options)).value();
+  StoreAndCommit(*m, Keys({1, 2, 3, 4}));
+  PrepareLoad(*m, Keys({1}));
+  m->Touch(Keys({3, 2}));  // renumbers on the way
+  if (GetParam() == EvictionPolicy::kLru) {
+    EXPECT_THAT(m->DebugState().lru,
+                ElementsAre(Block(1, 0, 1), Block(4, 3), Block(2, 1), Block(3, 2)));
+  }
+  EXPECT_EQ(PrepareStore(*m, Keys({5})).evicted, Keys({4}));
+}
+
+TEST_P(BlockManagerTest, MetadataIsBoundedPerBlock) {
+  auto m = Make(1000);
+  std::vector<OffloadKey> keys;
+  for (uint64_t i = 0; i < 1000; ++i) keys.push_back(Key(i));
+  StoreAndCommit(*m, keys);
+  const double per_block = static_cast<double>(m->MetadataBytes()) / 1000.0;
+  EXPECT_GT(per_block, 40.0);  // at least the entries themselves
+  EXPECT_LT(per_block, GetParam() == EvictionPolicy::kLru ? 64.0 : 200.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, BlockManagerTest,
+                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kArc),
+                         [](const auto& param_info) {
+                           return std::string(EvictionPolicyName(param_info.param));
+                         });
+
+}  // namespace
+}  // namespace kvstash::store

@@ -1,0 +1,93 @@
+// Helpers shared by the store tests: keys from small integers (the reference's k(i)), managers,
+// and printable state.
+#pragma once
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvstash/store/block_manager.h"
+
+namespace kvstash::store::testing {
+
+// k(i) of the reference: block hash i, group 0, namespace 0.
+inline OffloadKey Key(uint64_t i, uint32_t group = 0) {
+  return OffloadKey{BlockHash{i, 0}, group, 0};
+}
+
+inline std::vector<OffloadKey> Keys(std::initializer_list<uint64_t> ids) {
+  std::vector<OffloadKey> keys;
+  for (uint64_t i : ids) keys.push_back(Key(i));
+  return keys;
+}
+
+struct ManagerSpec {
+  size_t capacity = 4;
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  uint32_t store_threshold = 0;
+  size_t max_tracker_size = 64000;
+  bool events = true;
+};
+
+inline std::unique_ptr<BlockManager> MakeManager(const ManagerSpec& spec) {
+  BlockManagerOptions options;
+  options.capacity_blocks = spec.capacity;
+  options.policy = spec.policy;
+  options.store_threshold = spec.store_threshold;
+  options.max_tracker_size = spec.max_tracker_size;
+  options.enable_events = spec.events;
+  auto manager = BlockManager::Create(options);
+  EXPECT_TRUE(manager.ok()) << manager.status().ToString();
+  return std::move(manager).value();
+}
+
+inline StorePlan PrepareStore(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+  StorePlan plan;
+  Status status = manager.PrepareStore(keys, &plan);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  return plan;
+}
+
+inline void StoreAndCommit(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+  PrepareStore(manager, keys);
+  manager.CompleteStore(keys, true);
+}
+
+inline std::vector<SlotId> PrepareLoad(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+  std::vector<SlotId> slots;
+  Status status = manager.PrepareLoad(keys, &slots);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  return slots;
+}
+
+// Blocks as (key, slot, ref) triples, for EXPECT_THAT on state lists.
+inline BlockInfo Block(uint64_t key, SlotId slot, int32_t ref = 0) {
+  return BlockInfo{Key(key), slot, ref};
+}
+
+inline OffloadEvent Stored(std::initializer_list<uint64_t> ids) {
+  return {OffloadEvent::Kind::kStored, Keys(ids)};
+}
+inline OffloadEvent Removed(std::initializer_list<uint64_t> ids) {
+  return {OffloadEvent::Kind::kRemoved, Keys(ids)};
+}
+
+}  // namespace kvstash::store::testing
+
+namespace kvstash::store {
+// gtest finds these by argument-dependent lookup.
+inline void PrintTo(const OffloadKey& key, std::ostream* os) { *os << key.ToString(); }
+inline void PrintTo(const BlockInfo& b, std::ostream* os) {
+  *os << "(" << b.key.ToString() << " slot " << b.slot << " ref " << b.ref_count << ")";
+}
+inline void PrintTo(const OffloadEvent& e, std::ostream* os) {
+  *os << (e.kind == OffloadEvent::Kind::kStored ? "stored{" : "removed{");
+  for (const auto& k : e.keys) *os << k.ToString() << " ";
+  *os << "}";
+}
+
+}  // namespace kvstash::store
