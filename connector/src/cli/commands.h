@@ -1,0 +1,17 @@
+// Subcommands of the `kvstash` tool. Each Add* registers its subcommand with the app and
+// returns the exit code slot the subcommand's callback fills.
+#pragma once
+
+#include "CLI/CLI.hpp"
+
+namespace kvstash::cli {
+
+// Exit codes shared by every subcommand.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;  // the operation failed (I/O, unreachable node, ...)
+inline constexpr int kExitUsage = 2;    // bad arguments or malformed input
+
+// `kvstash trace [FILE]`.
+void AddTraceCommand(CLI::App& app, int* exit_code);
+
+}  // namespace kvstash::cli
