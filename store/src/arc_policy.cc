@@ -21,15 +21,15 @@ class ArcPolicy final : public ReplacementPolicy {
   ArcPolicy(Entry* entries, size_t capacity, uint32_t first_stamp)
       : entries_(entries),
         capacity_(capacity),
-        t1_(entries, kT1, first_stamp),
-        t2_(entries, kT2, first_stamp),
-        ghosts_(2 * capacity) {}
+        t1_(entries, capacity, capacity, kT1, first_stamp),
+        t2_(entries, capacity, capacity, kT2, first_stamp),
+        ghosts_(capacity, 2) {}
 
   void Insert(uint32_t id, uint64_t hash) override {
     t1_.PushMru(id);
     // No adaptation on insert; the key simply stops being a ghost.
     const uint32_t ghost = ghosts_.Find(entries_[id].key, hash);
-    if (ghost != kNoId) ghosts_.Erase(ghost);
+    if (ghost != kNoId) ghosts_.Erase(ghost, hash);
   }
 
   void Remove(uint32_t id) override { List(id).Remove(id); }
@@ -61,6 +61,8 @@ class ArcPolicy final : public ReplacementPolicy {
 
   void OnEvictable(uint32_t id) override { List(id).OnEvictable(id); }
 
+  void Prefetch(uint64_t hash) const override { ghosts_.Prefetch(hash); }
+
   bool Evict(size_t n, std::vector<uint32_t>* victims) override {
     const size_t first = victims->size();
     const size_t target = static_cast<size_t>(target_);  // int(p): truncation toward zero
@@ -82,12 +84,23 @@ class ArcPolicy final : public ReplacementPolicy {
       victims->push_back(id);
     }
     // Evicted keys become ghosts, in choice order; each ghost list keeps its newest `capacity`
-    // keys (trimmed before the manager inserts the new keys, as vLLM does).
+    // keys, trimmed before the manager inserts the new keys (as vLLM does). No call evicts more
+    // than `capacity` blocks, so the keys trimmed are all old ghosts and can go first, together.
+    size_t pushes[2] = {0, 0};
+    hashes_.clear();
     for (size_t i = first; i < victims->size(); ++i) {
       const Entry& e = entries_[(*victims)[i]];
-      const uint32_t ghost_list = e.list == kT1 ? kB1 : kB2;
-      if (ghosts_.size(ghost_list) == capacity_) ghosts_.PopLru(ghost_list);
-      ghosts_.PushMru(ghost_list, e.key, KeyHash(e.key), 0);
+      ++pushes[e.list == kT1 ? kB1 : kB2];
+      hashes_.push_back(KeyHash(e.key));
+      ghosts_.Prefetch(hashes_.back());
+    }
+    for (uint32_t list : {kB1, kB2}) {
+      const size_t size = ghosts_.size(list);
+      if (size + pushes[list] > capacity_) ghosts_.PopLru(list, size + pushes[list] - capacity_);
+    }
+    for (size_t i = first; i < victims->size(); ++i) {
+      const Entry& e = entries_[(*victims)[i]];
+      ghosts_.PushMru(e.list == kT1 ? kB1 : kB2, e.key, hashes_[i - first], 0);
     }
     t1_.EndScan(true);
     t2_.EndScan(true);
@@ -114,7 +127,8 @@ class ArcPolicy final : public ReplacementPolicy {
   }
 
   size_t MemoryBytes() const override {
-    return sizeof(*this) + t1_.MemoryBytes() + t2_.MemoryBytes() + ghosts_.MemoryBytes();
+    return sizeof(*this) + t1_.MemoryBytes() + t2_.MemoryBytes() + ghosts_.MemoryBytes() +
+           hashes_.capacity() * sizeof(uint64_t);
   }
 
   Status SetTarget(double target) override {
@@ -134,6 +148,7 @@ class ArcPolicy final : public ReplacementPolicy {
   RecencyList t2_;
   KeyLists ghosts_;  // list kB1 and kB2
   double target_ = 0.0;
+  std::vector<uint64_t> hashes_;  // scratch
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "entry.h"
 #include "flat_index.h"
+#include "huge_array.h"
 #include "key_lists.h"
 #include "kvstash/common/mutex.h"
 #include "policy.h"
@@ -46,11 +47,59 @@ class CallKeySet {
       if (keys[table_[i]] == keys[index]) return false;
     }
   }
+  // Gives back a table grown for an unusually large call.
+  void Trim() {
+    if (table_.size() > kKeepEntries) std::vector<uint32_t>().swap(table_);
+  }
   size_t MemoryBytes() const { return table_.capacity() * sizeof(uint32_t); }
 
  private:
+  static constexpr size_t kKeepEntries = 4096;
   std::vector<uint32_t> table_;
   size_t mask_ = 0;
+};
+
+// Walks the keys of one call in scan order, hashing each key once and prefetching its index
+// bucket kBucketAhead keys ahead and its likely entry kEntryAhead keys ahead, so that the cache
+// misses of a batch overlap instead of queueing one after another. Not thread-safe.
+class PrefetchingWalk {
+ public:
+  // `policy`: also give the policy its prefetch hint (keys about to be stored or touched).
+  PrefetchingWalk(const FlatIndex& index, const Entry* entries, const ReplacementPolicy* policy,
+                  std::span<const OffloadKey> keys, bool reverse)
+      : index_(index), entries_(entries), policy_(policy), keys_(keys), reverse_(reverse) {}
+
+  // The hash of the key at the next scan position (0, 1, 2, ...).
+  uint64_t Next() {
+    const size_t n = keys_.size();
+    const size_t want = std::min(n, next_ + kBucketAhead + 1);
+    for (; hashed_ < want; ++hashed_) {
+      const uint64_t hash = KeyHash(keys_[reverse_ ? n - 1 - hashed_ : hashed_]);
+      ring_[hashed_ % kRing] = hash;
+      index_.Prefetch(hash);
+      if (policy_ != nullptr) policy_->Prefetch(hash);
+    }
+    if (next_ + kEntryAhead < hashed_) {
+      const uint32_t candidate = index_.FirstCandidate(ring_[(next_ + kEntryAhead) % kRing]);
+      if (candidate != FlatIndex::kNone) __builtin_prefetch(&entries_[candidate]);
+    }
+    return ring_[next_++ % kRing];
+  }
+
+ private:
+  static constexpr size_t kBucketAhead = 16;
+  static constexpr size_t kEntryAhead = 6;
+  static constexpr size_t kRing = 32;
+  static_assert(kBucketAhead < kRing);
+
+  const FlatIndex& index_;
+  const Entry* const entries_;
+  const ReplacementPolicy* const policy_;
+  const std::span<const OffloadKey> keys_;
+  const bool reverse_;
+  size_t next_ = 0;
+  size_t hashed_ = 0;
+  uint64_t ring_[kRing];
 };
 
 class BlockManagerImpl final : public BlockManager {
@@ -62,9 +111,10 @@ class BlockManagerImpl final : public BlockManager {
         policy_(options.policy == EvictionPolicy::kArc
                     ? MakeArcPolicy(entries_.data(), options.capacity_blocks,
                                     options.first_recency_stamp)
-                    : MakeLruPolicy(entries_.data(), options.first_recency_stamp)) {
+                    : MakeLruPolicy(entries_.data(), options.capacity_blocks,
+                                    options.first_recency_stamp)) {
     if (options.store_threshold >= 2) {
-      tracker_ = std::make_unique<KeyLists>(options.max_tracker_size);
+      tracker_ = std::make_unique<KeyLists>(options.max_tracker_size, 1);
     }
   }
 
@@ -76,35 +126,29 @@ class BlockManagerImpl final : public BlockManager {
   void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) override {
     MutexLock lock(&mu_);
     const size_t n = std::min(keys.size(), results.size());
-    for (size_t i = 0; i < n; ++i) {
-      if (i + kPrefetchDistance < n) index_.Prefetch(KeyHash(keys[i + kPrefetchDistance]));
-      results[i] = LookupLocked(keys[i], KeyHash(keys[i]));
-    }
+    PrefetchingWalk walk = Walk(keys.first(n));
+    for (size_t i = 0; i < n; ++i) results[i] = LookupLocked(keys[i], walk.Next());
   }
 
   ScanResult LookupPrefix(std::span<const OffloadKey> keys) override {
     MutexLock lock(&mu_);
-    return MaximalPrefix(keys.size(), [&](size_t i) {
-      if (i + kPrefetchDistance < keys.size()) {
-        index_.Prefetch(KeyHash(keys[i + kPrefetchDistance]));
-      }
-      return LookupLocked(keys[i], KeyHash(keys[i]));
-    });
+    PrefetchingWalk walk = Walk(keys);
+    return MaximalPrefix(keys.size(), [&](size_t i) { return LookupLocked(keys[i], walk.Next()); });
   }
 
   ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) override {
     MutexLock lock(&mu_);
-    return SlidingWindow(keys.size(), window, [&](size_t i) {
-      if (i >= kPrefetchDistance) index_.Prefetch(KeyHash(keys[i - kPrefetchDistance]));
-      return LookupLocked(keys[i], KeyHash(keys[i]));
-    });
+    PrefetchingWalk walk = Walk(keys, /*reverse=*/true);
+    return SlidingWindow(keys.size(), window,
+                         [&](size_t i) { return LookupLocked(keys[i], walk.Next()); });
   }
 
   Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) override {
     MutexLock lock(&mu_);
     slots->clear();
+    PrefetchingWalk walk = Walk(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
-      const uint32_t id = Find(keys[i]);
+      const uint32_t id = FindHashed(keys[i], walk.Next());
       if (id == kNoId || entries_[id].ref < 0) {
         slots->clear();
         return FailedPreconditionError("cannot load key {} ({} of {}): it is {}",
@@ -129,8 +173,9 @@ class BlockManagerImpl final : public BlockManager {
   Status CompleteLoad(std::span<const OffloadKey> keys) override {
     MutexLock lock(&mu_);
     scratch_ids_.clear();
+    PrefetchingWalk walk = Walk(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
-      const uint32_t id = Find(keys[i]);
+      const uint32_t id = FindHashed(keys[i], walk.Next());
       if (id == kNoId || entries_[id].ref <= 0) {
         for (uint32_t done : scratch_ids_) entries_[done].ref += 1;  // roll back
         return FailedPreconditionError(
@@ -148,8 +193,9 @@ class BlockManagerImpl final : public BlockManager {
 
   void Touch(std::span<const OffloadKey> keys) override {
     MutexLock lock(&mu_);
+    PrefetchingWalk walk = WalkForTouch(keys);
     for (size_t i = keys.size(); i-- > 0;) {
-      const uint64_t hash = KeyHash(keys[i]);
+      const uint64_t hash = walk.Next();
       policy_->Touch(keys[i], hash, FindHashed(keys[i], hash));
     }
   }
@@ -164,8 +210,9 @@ class BlockManagerImpl final : public BlockManager {
     // the reuse filter, stored or not).
     call_keys_.Reset(keys.size());
     scratch_ids_.clear();
+    PrefetchingWalk walk = Walk(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
-      const uint64_t hash = KeyHash(keys[i]);
+      const uint64_t hash = walk.Next();
       if (tracker_ && !PassesReuseFilter(keys[i], hash)) continue;
       const uint32_t id = FindHashed(keys[i], hash);
       if (id != kNoId) {
@@ -190,9 +237,15 @@ class BlockManagerImpl final : public BlockManager {
             "(the others are pinned, being written, or keys of this call)",
             to_store, free_slots, to_store - free_slots);
       }
+      hashes_.clear();
       for (uint32_t id : victims_) {
+        hashes_.push_back(KeyHash(entries_[id].key));
+        index_.Prefetch(hashes_.back());
+      }
+      for (size_t i = 0; i < victims_.size(); ++i) {
+        const uint32_t id = victims_[i];
         plan->evicted.push_back(entries_[id].key);
-        index_.Erase(id, KeyHash(entries_[id].key));
+        index_.Erase(id, hashes_[i]);
         FreeSlot(id);
       }
       if (options_.enable_events) {
@@ -201,6 +254,7 @@ class BlockManagerImpl final : public BlockManager {
     } else {
       Unmark();
     }
+    call_keys_.Trim();
     for (const OffloadKey& key : plan->keys_to_store) {
       const uint32_t id = AllocateSlot();
       Entry& e = entries_[id];
@@ -218,8 +272,9 @@ class BlockManagerImpl final : public BlockManager {
   void CompleteStore(std::span<const OffloadKey> keys, bool success) override {
     MutexLock lock(&mu_);
     std::vector<OffloadKey> stored;
+    PrefetchingWalk walk = Walk(keys);
     for (const OffloadKey& key : keys) {
-      const uint64_t hash = KeyHash(key);
+      const uint64_t hash = walk.Next();
       const uint32_t id = FindHashed(key, hash);
       if (id == kNoId || entries_[id].ref >= 0) continue;
       if (success) {
@@ -244,7 +299,7 @@ class BlockManagerImpl final : public BlockManager {
     MutexLock lock(&mu_);
     policy_->Clear();
     index_.Clear();
-    for (Entry& e : entries_) e.set_where(Place::kFree);
+    entries_.Zero();
     fresh_used_ = 0;
     free_head_ = kNoId;
     free_count_ = 0;
@@ -260,9 +315,10 @@ class BlockManagerImpl final : public BlockManager {
 
   size_t MetadataBytes() const override {
     MutexLock lock(&mu_);
-    size_t bytes = sizeof(*this) + entries_.capacity() * sizeof(Entry) + index_.MemoryBytes() +
+    size_t bytes = sizeof(*this) + entries_.MemoryBytes() + index_.MemoryBytes() +
                    policy_->MemoryBytes() + call_keys_.MemoryBytes() +
-                   (victims_.capacity() + scratch_ids_.capacity()) * sizeof(uint32_t);
+                   (victims_.capacity() + scratch_ids_.capacity()) * sizeof(uint32_t) +
+                   hashes_.capacity() * sizeof(uint64_t);
     if (tracker_) bytes += tracker_->MemoryBytes();
     return bytes;
   }
@@ -286,13 +342,22 @@ class BlockManagerImpl final : public BlockManager {
   }
 
  private:
-  static constexpr size_t kPrefetchDistance = 8;
+  PrefetchingWalk Walk(std::span<const OffloadKey> keys, bool reverse = false) const REQUIRES(mu_) {
+    return PrefetchingWalk(index_, entries_.data(), nullptr, keys, reverse);
+  }
+  // For a store's keys, mostly absent: index buckets and the policy's hint, no entries.
+  PrefetchingWalk WalkForStore(std::span<const OffloadKey> keys) const REQUIRES(mu_) {
+    return PrefetchingWalk(index_, nullptr, policy_.get(), keys, /*reverse=*/false);
+  }
+  // For a touch's keys, in reverse: entries and the policy's hint.
+  PrefetchingWalk WalkForTouch(std::span<const OffloadKey> keys) const REQUIRES(mu_) {
+    return PrefetchingWalk(index_, entries_.data(), policy_.get(), keys, /*reverse=*/true);
+  }
 
   uint32_t FindHashed(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
     return index_.Find(key, hash,
                        [this](uint32_t id) -> const OffloadKey& { return entries_[id].key; });
   }
-  uint32_t Find(const OffloadKey& key) const REQUIRES(mu_) { return FindHashed(key, KeyHash(key)); }
 
   LookupResult LookupLocked(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
     if (tracker_) CountLookup(key, hash);
@@ -308,7 +373,7 @@ class BlockManagerImpl final : public BlockManager {
       tracker_->set_value(node, std::min(tracker_->value(node) + 1, KeyLists::kMaxValue));
       return;
     }
-    if (tracker_->total() >= tracker_->capacity()) tracker_->PopLru(0);
+    if (tracker_->size(0) >= tracker_->per_list()) tracker_->PopLru(0);
     tracker_->PushMru(0, key, hash, 1);
   }
 
@@ -342,7 +407,7 @@ class BlockManagerImpl final : public BlockManager {
 
   const BlockManagerOptions options_;
   mutable Mutex mu_;
-  std::vector<Entry> entries_ GUARDED_BY(mu_);  // by slot; never resized (the policy points in)
+  HugeArray<Entry> entries_ GUARDED_BY(mu_);  // by slot; never moves (the policy points in)
   FlatIndex index_ GUARDED_BY(mu_);
   const std::unique_ptr<ReplacementPolicy> policy_ PT_GUARDED_BY(mu_);
   std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);  // reuse filter, when on
@@ -355,6 +420,7 @@ class BlockManagerImpl final : public BlockManager {
   CallKeySet call_keys_ GUARDED_BY(mu_);
   std::vector<uint32_t> victims_ GUARDED_BY(mu_);
   std::vector<uint32_t> scratch_ids_ GUARDED_BY(mu_);
+  std::vector<uint64_t> hashes_ GUARDED_BY(mu_);
 };
 
 }  // namespace

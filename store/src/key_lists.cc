@@ -2,7 +2,12 @@
 
 namespace kvstash::store {
 
-KeyLists::KeyLists(size_t capacity) : capacity_(capacity), index_(capacity) {}
+KeyLists::KeyLists(size_t per_list, uint32_t lists)
+    : per_list_(per_list), nodes_(per_list * lists), index_(per_list * lists) {
+  for (uint32_t l = 0; l < lists; ++l) {
+    lists_[l] = std::make_unique<RecencyList>(nodes_.data(), nodes_.size(), per_list, l, 0);
+  }
+}
 
 uint32_t KeyLists::PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, uint32_t value) {
   uint32_t node;
@@ -10,70 +15,65 @@ uint32_t KeyLists::PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, 
     node = free_head_;
     free_head_ = nodes_[node].next;
   } else {
-    node = static_cast<uint32_t>(nodes_.size());
-    nodes_.emplace_back();
+    node = fresh_used_++;
   }
-  Node& n = nodes_[node];
+  Entry& n = nodes_[node];
   n.key = key;
-  n.list = list;
-  n.value = value & kMaxValue;
-  Link(node);
+  n.next = value & kMaxValue;
+  lists_[list]->PushMru(node);
   index_.Insert(node, hash);
   return node;
 }
 
-void KeyLists::MoveToMru(uint32_t node) {
-  Unlink(node);
-  Link(node);
-}
-
-void KeyLists::Erase(uint32_t node) {
-  Unlink(node);
-  index_.Erase(node, KeyHash(nodes_[node].key));
+void KeyLists::Erase(uint32_t node, uint64_t hash) {
+  lists_[nodes_[node].list]->Remove(node);
+  index_.Erase(node, hash);
   nodes_[node].next = free_head_;
   free_head_ = node;
 }
 
+void KeyLists::PopLru(uint32_t list, size_t n) {
+  RecencyList& l = *lists_[list];
+  popped_.clear();
+  l.BeginScan();
+  for (size_t i = 0; i < n; ++i) popped_.push_back(l.TakeVictim());
+  l.EndScan(true);
+  popped_hashes_.clear();
+  for (uint32_t node : popped_) {
+    popped_hashes_.push_back(KeyHash(nodes_[node].key));
+    index_.Prefetch(popped_hashes_.back());
+  }
+  for (size_t i = 0; i < popped_.size(); ++i) {
+    index_.Erase(popped_[i], popped_hashes_[i]);
+    nodes_[popped_[i]].next = free_head_;
+    free_head_ = popped_[i];
+  }
+}
+
 void KeyLists::Clear() {
-  nodes_.clear();
+  for (auto& l : lists_) {
+    if (l) l->Clear();
+  }
+  nodes_.Zero();
   index_.Clear();
+  fresh_used_ = 0;
   free_head_ = kNoId;
-  head_[0] = head_[1] = tail_[0] = tail_[1] = kNoId;
-  size_[0] = size_[1] = 0;
 }
 
 void KeyLists::AppendKeys(uint32_t list, std::vector<OffloadKey>* keys) const {
-  for (uint32_t n = head_[list]; n != kNoId; n = nodes_[n].next) keys->push_back(nodes_[n].key);
+  std::vector<uint32_t> ids;
+  lists_[list]->AppendInOrder(&ids);
+  for (uint32_t id : ids) keys->push_back(nodes_[id].key);
 }
 
-void KeyLists::Link(uint32_t node) {
-  Node& n = nodes_[node];
-  const uint32_t list = n.list;
-  n.prev = tail_[list];
-  n.next = kNoId;
-  if (tail_[list] != kNoId) {
-    nodes_[tail_[list]].next = node;
-  } else {
-    head_[list] = node;
+size_t KeyLists::MemoryBytes() const {
+  size_t bytes = nodes_.MemoryBytes() + index_.MemoryBytes() +
+                 popped_.capacity() * sizeof(uint32_t) +
+                 popped_hashes_.capacity() * sizeof(uint64_t);
+  for (const auto& l : lists_) {
+    if (l) bytes += l->MemoryBytes();
   }
-  tail_[list] = node;
-  ++size_[list];
-}
-
-void KeyLists::Unlink(uint32_t node) {
-  Node& n = nodes_[node];
-  const uint32_t list = n.list;
-  if (n.prev != kNoId) {
-    nodes_[n.prev].next = n.next;
-  } else {
-    head_[list] = n.next;
-  }
-  if (n.next != kNoId) {
-    nodes_[n.next].prev = n.prev;
-  } else {
-    tail_[list] = n.prev;
-  }
-  --size_[list];
+  return bytes;
 }
 
 }  // namespace kvstash::store

@@ -8,8 +8,8 @@ namespace {
 
 class LruPolicy final : public ReplacementPolicy {
  public:
-  LruPolicy(Entry* entries, uint32_t first_stamp)
-      : entries_(entries), list_(entries, 0, first_stamp) {}
+  LruPolicy(Entry* entries, size_t capacity, uint32_t first_stamp)
+      : entries_(entries), list_(entries, capacity, capacity, 0, first_stamp) {}
 
   void Insert(uint32_t id, uint64_t /*hash*/) override { list_.PushMru(id); }
   void Remove(uint32_t id) override { list_.Remove(id); }
@@ -55,8 +55,9 @@ class LruPolicy final : public ReplacementPolicy {
 
 }  // namespace
 
-std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, uint32_t first_stamp) {
-  return std::make_unique<LruPolicy>(entries, first_stamp);
+std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, size_t capacity,
+                                                 uint32_t first_stamp) {
+  return std::make_unique<LruPolicy>(entries, capacity, first_stamp);
 }
 
 }  // namespace kvstash::store

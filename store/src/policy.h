@@ -28,6 +28,9 @@ class ReplacementPolicy {
   virtual void Touch(const OffloadKey& key, uint64_t hash, uint32_t id) = 0;
   // Entry `id` just became evictable (its ref count reached 0).
   virtual void OnEvictable(uint32_t id) = 0;
+  // A key with this hash is about to be inserted or touched: start loading what the policy
+  // will look at (ARC: its ghost index). A hint; changes nothing.
+  virtual void Prefetch(uint64_t /*hash*/) const {}
   // Chooses `n` victims among evictable, unmarked entries, removes them from the order and
   // appends them to `victims` in choice order. Returns false, changing nothing, when it cannot.
   virtual bool Evict(size_t n, std::vector<uint32_t>* victims) = 0;
@@ -37,7 +40,8 @@ class ReplacementPolicy {
   virtual Status SetTarget(double target) = 0;
 };
 
-std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, uint32_t first_stamp);
+std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, size_t capacity,
+                                                 uint32_t first_stamp);
 std::unique_ptr<ReplacementPolicy> MakeArcPolicy(Entry* entries, size_t capacity,
                                                  uint32_t first_stamp);
 

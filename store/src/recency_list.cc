@@ -1,64 +1,86 @@
 #include "recency_list.h"
 
 #include <algorithm>
+#include <bit>
 #include <utility>
 
 namespace kvstash::store {
 
-RecencyList::RecencyList(Entry* entries, uint32_t list_id, uint32_t first_stamp)
-    : entries_(entries), list_id_(list_id), first_stamp_(first_stamp), next_stamp_(first_stamp) {}
+RecencyList::RecencyList(Entry* entries, size_t entry_count, size_t max_members, uint32_t list_id,
+                         uint32_t first_stamp)
+    : entries_(entries),
+      entry_count_(entry_count),
+      list_id_(list_id),
+      first_stamp_(first_stamp),
+      // At least 1.25x the members (a power of two, for a mask instead of a division), so the
+      // window fills, moving one member to the heap, at most once per max_members/4 pushes.
+      ring_(std::bit_ceil(max_members + max_members / 4 + 64)),
+      ring_mask_(ring_.size() - 1),
+      head_stamp_(first_stamp),
+      next_stamp_(first_stamp) {}
 
 void RecencyList::PushMru(uint32_t id) {
   if (next_stamp_ == UINT32_MAX) Renumber();
+  // Keep the window within the ring: move the head past stale positions, and a member at the
+  // head out to the heap.
+  while (next_stamp_ - head_stamp_ >= ring_.size()) {
+    const uint32_t head_id = RingAt(head_stamp_);
+    if (LiveAt(head_stamp_, head_id)) EvictHeadToHeap(head_id);
+    ++head_stamp_;
+  }
   Entry& e = entries_[id];
-  e.stamp = next_stamp_++;
+  e.stamp = next_stamp_;
   e.list = list_id_;
-  LinkTail(id);
+  e.set_where(Place::kActive);
+  ring_[next_stamp_ & ring_mask_] = id;
+  ++next_stamp_;
   ++size_;
 }
 
 void RecencyList::Remove(uint32_t id) {
   Entry& e = entries_[id];
-  switch (e.where()) {
-    case Place::kActive:
-      Unlink(id);
-      break;
-    case Place::kParked:
-      Unpark(id);
-      break;
-    case Place::kReturned:
-      HeapErase(e.prev);
-      break;
-    case Place::kFree:
-      return;
-  }
+  if (e.where() == Place::kFree) return;
+  if (e.where() == Place::kReturned) HeapErase(e.prev);
+  // A ring position goes stale by itself once the entry stops being kActive.
   e.set_where(Place::kFree);
   --size_;
 }
 
 void RecencyList::OnEvictable(uint32_t id) {
-  if (entries_[id].where() != Place::kParked) return;  // still in the active list (or heap)
-  Unpark(id);
-  HeapPush(id);
+  if (entries_[id].where() == Place::kParked) HeapPush(id);
+}
+
+void RecencyList::EvictHeadToHeap(uint32_t id) {
+  if (entries_[id].ref != 0) {
+    Park(id);
+  } else {
+    HeapPush(id);
+  }
 }
 
 void RecencyList::Clear() {
-  head_ = tail_ = parked_head_ = kNoId;
+  head_stamp_ = next_stamp_ = first_stamp_;
   heap_.clear();
   size_ = 0;
-  next_stamp_ = first_stamp_;
 }
 
 void RecencyList::CollectMembers(std::vector<uint32_t>* ids) const {
-  for (uint32_t id = head_; id != kNoId; id = entries_[id].next) ids->push_back(id);
-  for (uint32_t id = parked_head_; id != kNoId; id = entries_[id].next) ids->push_back(id);
+  for (uint32_t s = head_stamp_; s != next_stamp_; ++s) {
+    const uint32_t id = RingAt(s);
+    if (LiveAt(s, id)) ids->push_back(id);
+  }
   ids->insert(ids->end(), heap_.begin(), heap_.end());
+  for (size_t id = 0; id < entry_count_; ++id) {
+    const Entry& e = entries_[id];
+    if (e.where() == Place::kParked && e.list == list_id_)
+      ids->push_back(static_cast<uint32_t>(id));
+  }
 }
 
 void RecencyList::AppendInOrder(std::vector<uint32_t>* ids) const {
   const size_t first = ids->size();
   CollectMembers(ids);
-  std::sort(ids->begin() + first, ids->end(),
+  std::sort(ids->begin() + static_cast<ptrdiff_t>(first), ids->end(),
             [this](uint32_t a, uint32_t b) { return Older(a, b); });
 }
 
@@ -66,60 +88,16 @@ void RecencyList::Renumber() {
   std::vector<uint32_t> ids;
   ids.reserve(size_);
   AppendInOrder(&ids);
-  // A monotone relabelling: the active list stays sorted and the heap stays a heap.
+  // A monotone relabelling: the heap stays a heap; the ring is rewritten for its members.
   uint32_t stamp = 0;
-  for (uint32_t id : ids) entries_[id].stamp = stamp++;
+  for (uint32_t id : ids) {
+    Entry& e = entries_[id];
+    e.stamp = stamp;
+    if (e.where() == Place::kActive) ring_[stamp & ring_mask_] = id;
+    ++stamp;
+  }
+  head_stamp_ = 0;
   next_stamp_ = stamp;
-}
-
-// ---- active list --------------------------------------------------------------------------
-
-void RecencyList::LinkTail(uint32_t id) {
-  Entry& e = entries_[id];
-  e.set_where(Place::kActive);
-  e.prev = tail_;
-  e.next = kNoId;
-  if (tail_ != kNoId) {
-    entries_[tail_].next = id;
-  } else {
-    head_ = id;
-  }
-  tail_ = id;
-}
-
-void RecencyList::Unlink(uint32_t id) {
-  Entry& e = entries_[id];
-  if (e.prev != kNoId) {
-    entries_[e.prev].next = e.next;
-  } else {
-    head_ = e.next;
-  }
-  if (e.next != kNoId) {
-    entries_[e.next].prev = e.prev;
-  } else {
-    tail_ = e.prev;
-  }
-}
-
-// ---- parked set (unordered, doubly linked) ------------------------------------------------
-
-void RecencyList::Park(uint32_t id) {
-  Entry& e = entries_[id];
-  e.set_where(Place::kParked);
-  e.prev = kNoId;
-  e.next = parked_head_;
-  if (parked_head_ != kNoId) entries_[parked_head_].prev = id;
-  parked_head_ = id;
-}
-
-void RecencyList::Unpark(uint32_t id) {
-  Entry& e = entries_[id];
-  if (e.prev != kNoId) {
-    entries_[e.prev].next = e.next;
-  } else {
-    parked_head_ = e.next;
-  }
-  if (e.next != kNoId) entries_[e.next].prev = e.prev;
 }
 
 // ---- heap of returned entries (position kept in Entry::prev) -------------------------------
@@ -173,34 +151,47 @@ void RecencyList::SiftDown(size_t pos) {
 // ---- victim scan ---------------------------------------------------------------------------
 
 void RecencyList::BeginScan() {
-  cursor_ = head_;
-  taken_active_.clear();
+  cursor_ = head_stamp_;
+  // The first candidates are independent loads: start them all now. TakeVictim keeps the
+  // prefetch kPrefetchAhead positions ahead from here on.
+  for (uint32_t s = head_stamp_; s != next_stamp_ && s - head_stamp_ < kPrefetchAhead; ++s) {
+    __builtin_prefetch(&entries_[RingAt(s)]);
+  }
+  taken_ring_.clear();
   taken_heap_.clear();
   set_aside_.clear();
 }
 
 uint32_t RecencyList::TakeVictim() {
-  // The oldest candidate in the active list. Entries that are not evictable are parked for
-  // good (until they become evictable); marked ones are stepped over and stay.
-  while (cursor_ != kNoId) {
-    Entry& e = entries_[cursor_];
-    if (e.ref != 0) {
-      const uint32_t id = cursor_;
-      cursor_ = e.next;
-      Unlink(id);
-      Park(id);
-      continue;
+  // The oldest candidate in the ring. Positions at the head that hold nothing takeable leave
+  // the window for good: stale ones are dropped, members not evictable are parked, marked
+  // ones move to the heap (where the scan sets them aside). Positions after a taken entry
+  // must stay until the scan commits, so there the cursor only steps over them.
+  uint32_t ring_id = kNoId;
+  while (cursor_ != next_stamp_) {
+    if (next_stamp_ - cursor_ > kPrefetchAhead) {
+      __builtin_prefetch(&entries_[RingAt(cursor_ + kPrefetchAhead)]);
     }
-    if (e.marked) {
-      cursor_ = e.next;
-      continue;
+    const uint32_t id = RingAt(cursor_);
+    if (LiveAt(cursor_, id)) {
+      const Entry& e = entries_[id];
+      if (e.ref == 0 && !e.marked) {
+        ring_id = id;
+        break;
+      }
+      if (e.ref != 0) {
+        Park(id);  // its position is stale from now on
+      } else if (cursor_ == head_stamp_) {
+        HeapPush(id);  // marked: out of the head's way, set aside below
+      }
     }
-    break;
+    if (cursor_ == head_stamp_) ++head_stamp_;
+    ++cursor_;
   }
   // The oldest candidate among returned entries.
   while (!heap_.empty()) {
     const uint32_t top = heap_[0];
-    Entry& e = entries_[top];
+    const Entry& e = entries_[top];
     if (e.ref == 0 && !e.marked) break;
     HeapErase(0);
     if (e.ref != 0) {
@@ -209,11 +200,10 @@ uint32_t RecencyList::TakeVictim() {
       set_aside_.push_back(top);
     }
   }
-  if (cursor_ != kNoId && (heap_.empty() || Older(cursor_, heap_[0]))) {
-    const uint32_t id = cursor_;
-    cursor_ = entries_[id].next;
-    taken_active_.push_back(id);
-    return id;
+  if (ring_id != kNoId && (heap_.empty() || Older(ring_id, heap_[0]))) {
+    taken_ring_.push_back(ring_id);
+    ++cursor_;
+    return ring_id;
   }
   if (!heap_.empty()) {
     const uint32_t id = heap_[0];
@@ -226,26 +216,25 @@ uint32_t RecencyList::TakeVictim() {
 
 void RecencyList::EndScan(bool commit) {
   if (commit) {
-    for (uint32_t id : taken_active_) {
-      Unlink(id);
-      entries_[id].set_where(Place::kFree);
-    }
+    for (uint32_t id : taken_ring_) entries_[id].set_where(Place::kFree);
     for (uint32_t id : taken_heap_) entries_[id].set_where(Place::kFree);
-    size_ -= taken_active_.size() + taken_heap_.size();
+    size_ -= taken_ring_.size() + taken_heap_.size();
   } else {
+    // Taken ring entries go to the heap (same stamps, same order), so that they do not hold
+    // the head back and a run of refused stores never re-walks the stale positions behind them.
+    for (uint32_t id : taken_ring_) HeapPush(id);
     for (uint32_t id : taken_heap_) HeapPush(id);
   }
   for (uint32_t id : set_aside_) HeapPush(id);
-  cursor_ = kNoId;
-  taken_active_.clear();
+  taken_ring_.clear();
   taken_heap_.clear();
   set_aside_.clear();
 }
 
 size_t RecencyList::MemoryBytes() const {
-  return (heap_.capacity() + taken_active_.capacity() + taken_heap_.capacity() +
-          set_aside_.capacity()) *
-         sizeof(uint32_t);
+  return ring_.MemoryBytes() + (heap_.capacity() + taken_ring_.capacity() + taken_heap_.capacity() +
+                                set_aside_.capacity()) *
+                                   sizeof(uint32_t);
 }
 
 }  // namespace kvstash::store

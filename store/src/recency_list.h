@@ -6,32 +6,41 @@
 #include <vector>
 
 #include "entry.h"
+#include "huge_array.h"
 
 namespace kvstash::store {
 
-// Entries in recency order (least recent first) in which finding the least recent *evictable*
-// entry costs amortized O(1), however many pinned or in-flight entries sit at the old end.
+// Entries in recency order (least recent first) where taking the least recent *evictable*
+// entries costs amortized O(1) each, however many pinned or in-flight entries sit at the old
+// end, and where those victims can be found without chasing pointers through cold memory.
 //
-// Every push to the MRU end stamps the entry with an increasing number, so the list is sorted
-// by stamp. A victim scan that meets an entry which is not evictable (pinned, or being written)
-// unlinks it into an unordered "parked" set, so no later scan walks past it again. When the entry
-// becomes evictable again it enters a min-heap keyed by its stamp: it keeps its place in the
-// recency order, and scans merge the active list and the heap by stamp. A touch moves it back to
-// the active list's MRU end. An entry is parked at most once per pin or write, so a scan costs
-// O(victims + entries the caller protects) plus O(log n) per victim taken from the heap.
+// Every push to the MRU end gives the entry the next stamp s and records its id in a ring,
+// ring[s mod L]. The ring is the list: its window [head, next) holds every member in stamp
+// order, plus stale positions (entries since touched, removed or parked) that are recognised
+// because the entry no longer carries that stamp. A victim scan walks the ring sequentially
+// and prefetches the entries a few positions ahead.
+//
+// An entry found not evictable (pinned, being written) is parked: it leaves the ring for good,
+// so no later scan walks past it. When it becomes evictable again it enters a min-heap keyed by
+// its stamp, keeping its place in the recency order; scans merge ring and heap by stamp. An
+// entry that holds the head back (skipped because the caller protects it, or still present when
+// the window would exceed the ring) moves to that heap too, so each stale position is passed
+// O(1) times. Costs: O(victims + protected keys) per scan plus O(log n) per heap operation.
 //
 // Works on the caller's entry array, which must outlive the list and never move. Stamps are 32
 // bits; when they run out the list renumbers its members (O(n log n), once per 2^32 pushes).
 // Not thread-safe.
 class RecencyList {
  public:
-  RecencyList(Entry* entries, uint32_t list_id, uint32_t first_stamp);
+  // `max_members`: the most entries the list can hold. `entry_count`: entries in the array.
+  RecencyList(Entry* entries, size_t entry_count, size_t max_members, uint32_t list_id,
+              uint32_t first_stamp);
 
   size_t size() const { return size_; }
 
-  // Links entry `id` (in no list) at the MRU end.
+  // Puts entry `id` (in no list) at the MRU end.
   void PushMru(uint32_t id);
-  // Unlinks entry `id` (a member) from wherever it is held.
+  // Takes entry `id` (a member) out of the list.
   void Remove(uint32_t id);
   void MoveToMru(uint32_t id) {
     Remove(id);
@@ -41,13 +50,13 @@ class RecencyList {
   void OnEvictable(uint32_t id);
   // Forgets every member (the caller resets the entries).
   void Clear();
-  // Appends the members' ids, least recent first. O(n log n): for state dumps, not hot paths.
+  // Appends the members' ids, least recent first. O(entry_count): for state dumps only.
   void AppendInOrder(std::vector<uint32_t>* ids) const;
 
   // Victim scan, in recency order over evictable, unmarked members. Between BeginScan and
   // EndScan the list may only be scanned. TakeVictim returns kNoId when none is left.
-  // EndScan(true) removes the taken entries from the list; EndScan(false) leaves it as it was
-  // (apart from parking, which changes no observable order).
+  // EndScan(true) removes the taken entries from the list; EndScan(false) leaves its order as
+  // it was (what a scan moves between ring, heap and parked set changes no observable order).
   void BeginScan();
   uint32_t TakeVictim();
   void EndScan(bool commit);
@@ -58,12 +67,19 @@ class RecencyList {
   uint32_t next_stamp() const { return next_stamp_; }
 
  private:
-  bool Older(uint32_t a, uint32_t b) const { return entries_[a].stamp < entries_[b].stamp; }
+  static constexpr size_t kPrefetchAhead = 8;
 
-  void LinkTail(uint32_t id);
-  void Unlink(uint32_t id);
-  void Park(uint32_t id);
-  void Unpark(uint32_t id);
+  bool Older(uint32_t a, uint32_t b) const { return entries_[a].stamp < entries_[b].stamp; }
+  uint32_t RingAt(uint32_t stamp) const { return ring_[stamp & ring_mask_]; }
+  // Whether the ring position of `stamp` holds a member (else it is stale).
+  bool LiveAt(uint32_t stamp, uint32_t id) const {
+    const Entry& e = entries_[id];
+    return e.where() == Place::kActive && e.list == list_id_ && e.stamp == stamp;
+  }
+  // Moves the member at the head of the window (live, not taken) out of the ring: parked if
+  // not evictable, else into the heap.
+  void EvictHeadToHeap(uint32_t id);
+  void Park(uint32_t id) { entries_[id].set_where(Place::kParked); }
   void HeapPush(uint32_t id);
   void HeapErase(size_t pos);
   void SiftUp(size_t pos);
@@ -73,19 +89,19 @@ class RecencyList {
   void CollectMembers(std::vector<uint32_t>* ids) const;
 
   Entry* const entries_;
+  const size_t entry_count_;
   const uint32_t list_id_;
   const uint32_t first_stamp_;
+  HugeArray<uint32_t> ring_;
+  const uint32_t ring_mask_;
+  uint32_t head_stamp_;  // no member of the ring has a smaller stamp
   uint32_t next_stamp_;
   size_t size_ = 0;
-
-  uint32_t head_ = kNoId;  // least recent active member
-  uint32_t tail_ = kNoId;  // most recent active member
-  uint32_t parked_head_ = kNoId;
   std::vector<uint32_t> heap_;  // kReturned members, min-heap by stamp
 
   // Scan state.
-  uint32_t cursor_ = kNoId;
-  std::vector<uint32_t> taken_active_;
+  uint32_t cursor_ = 0;  // next ring stamp to examine
+  std::vector<uint32_t> taken_ring_;
   std::vector<uint32_t> taken_heap_;
   std::vector<uint32_t> set_aside_;  // popped from the heap because marked
 };

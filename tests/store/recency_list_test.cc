@@ -17,7 +17,7 @@ using ::testing::ElementsAre;
 class RecencyListTest : public ::testing::Test {
  protected:
   explicit RecencyListTest(uint32_t first_stamp = 0)
-      : entries_(64), list_(entries_.data(), 0, first_stamp) {}
+      : entries_(64), list_(entries_.data(), 64, 64, 0, first_stamp) {}
 
   std::vector<uint32_t> Order() const {
     std::vector<uint32_t> ids;

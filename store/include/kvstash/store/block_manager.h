@@ -112,9 +112,10 @@ class BlockManager {
   virtual void Touch(std::span<const OffloadKey> keys) = 0;
 
   // Reserves slots for the keys that are neither stored nor being written (duplicates once),
-  // evicting idle blocks if needed; never evicts a key of this call, a pinned block or one being
-  // written. ResourceExhausted, with no change at all, if it cannot make room. With the reuse
-  // filter on, keys seen fewer than `store_threshold` times are dropped first.
+  // evicting idle blocks if needed; never evicts a key of this call (that passed the reuse
+  // filter), a pinned block or one being written. ResourceExhausted, with no change at all, if it
+  // cannot make room. With the reuse filter on, keys seen fewer than `store_threshold` times are
+  // dropped first.
   virtual Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) = 0;
   // success: keys being written become readable (one stored event for them). Failure: keys
   // being written are dropped and their slots freed. Keys already readable, or absent, are

@@ -28,8 +28,8 @@ struct OffloadKey {
 
 // The hash that in-memory tables use for a key (not stable across versions; never persist it).
 inline uint64_t KeyHash(const OffloadKey& key) {
-  uint64_t tag = (uint64_t{key.namespace_id} << 32) | key.group;
-  return Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ Mix64(tag)));
+  const uint64_t tag = ((uint64_t{key.namespace_id} << 32) | key.group) * 0x9e3779b97f4a7c15ULL;
+  return Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ tag));
 }
 
 }  // namespace kvstash::store

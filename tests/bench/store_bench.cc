@@ -1,0 +1,279 @@
+// Benchmarks of the block manager and the CPU slab, each against the limit that matters:
+//  - PrefixLookup: keys/s of maximal-prefix lookups over 1,000-key chains (goal >= 20 M/s).
+//  - StoreEvict: ns per evicted block with the cache full, at 10^3..10^6 resident blocks; the
+//    `pinned` variants keep a quarter of the blocks pinned at the old end, the `churn` variants
+//    pin and release blocks just before they reach the old end. Flat across sizes = O(1).
+//    meta_B_per_block: the manager's own bytes per resident block (goal <= 64 B).
+//  - SlabCopy: copying a block into a slot vs plain memcpy of the same size, interleaved in the
+//    same run; `ratio` = slab GB/s / memcpy GB/s (goal >= 0.9).
+//  - MemoryRandomRead: this machine's cost of a cache line read at random from DRAM, dependent
+//    (latency) and independent (throughput). Beyond the caches, StoreEvict pays about this
+//    much per cold line a block touches (LRU ~3-4 lines, ARC ~12 with its ghost directory), so
+//    its time rises from 10^3 to 10^6 blocks by that, while its work per block stays constant.
+//
+// `store_bench --smoke` runs every benchmark at tiny sizes (ctest does, so they cannot rot).
+#include <benchmark/benchmark.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvstash/store/block_manager.h"
+#include "kvstash/store/block_slab.h"
+
+namespace kvstash::store {
+namespace {
+
+bool g_smoke = false;
+
+// Keys as an engine makes them (random 128-bit hashes), from a generator cheap enough not to
+// show in the timings.
+class KeyGenerator {
+ public:
+  explicit KeyGenerator(uint64_t seed) : next_(seed << 32) {}
+  OffloadKey operator()() {
+    ++next_;
+    return OffloadKey{BlockHash{Mix64(next_), Mix64(next_ ^ 0x5bd1e995)}, 0, 0};
+  }
+
+ private:
+  uint64_t next_;
+};
+
+std::unique_ptr<BlockManager> NewManager(size_t capacity, EvictionPolicy policy) {
+  BlockManagerOptions options;
+  options.capacity_blocks = capacity;
+  options.policy = policy;
+  return std::move(BlockManager::Create(options)).value();
+}
+
+void StoreAll(BlockManager& m, const std::vector<OffloadKey>& keys) {
+  StorePlan plan;
+  for (size_t i = 0; i < keys.size(); i += 1000) {
+    std::span<const OffloadKey> batch(keys.data() + i, std::min<size_t>(1000, keys.size() - i));
+    if (!m.PrepareStore(batch, &plan).ok()) std::abort();
+    m.CompleteStore(batch, true);
+  }
+}
+
+// Args: resident blocks, policy (0 lru, 1 arc).
+void BM_PrefixLookup(benchmark::State& state) {
+  const size_t resident = static_cast<size_t>(state.range(0));
+  const auto policy = static_cast<EvictionPolicy>(state.range(1));
+  constexpr size_t kChain = 1000;
+  auto m = NewManager(resident, policy);
+  std::mt19937_64 rng(1);
+  KeyGenerator key_gen(1);
+  std::vector<OffloadKey> keys(resident);
+  for (auto& k : keys) k = key_gen();
+  StoreAll(*m, keys);
+  const size_t chains = resident / kChain;
+  std::vector<size_t> order(chains);
+  for (size_t i = 0; i < chains; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  size_t next = 0;
+  for (auto _ : state) {
+    std::span<const OffloadKey> chain(keys.data() + order[next] * kChain, kChain);
+    ScanResult hit = m->LookupPrefix(chain);
+    if (!hit || *hit != kChain) state.SkipWithError("chain did not hit in full");
+    benchmark::DoNotOptimize(hit);
+    next = next + 1 == chains ? 0 : next + 1;
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * kChain));
+  state.counters["ns_per_key"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * kChain),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+enum Variant { kPlain = 0, kPinned = 1, kChurn = 2 };
+
+// Args: resident blocks, policy, variant. Each iteration stores a batch of 16 new blocks into a
+// full cache (evicting 16) and commits it.
+void BM_StoreEvict(benchmark::State& state) {
+  const size_t resident = static_cast<size_t>(state.range(0));
+  const auto policy = static_cast<EvictionPolicy>(state.range(1));
+  const auto variant = static_cast<Variant>(state.range(2));
+  constexpr size_t kBatch = 16;
+  auto m = NewManager(resident, policy);
+  KeyGenerator key_gen(2);
+  // Keys in insertion order; the oldest resident key is keys[oldest].
+  std::vector<OffloadKey> keys(resident);
+  for (auto& k : keys) k = key_gen();
+  StoreAll(*m, keys);
+  std::vector<SlotId> slots;
+  if (variant == kPinned) {
+    // A quarter of the cache pinned at the old end, for the whole run.
+    std::span<const OffloadKey> pinned(keys.data(), resident / 4);
+    if (!m->PrepareLoad(pinned, &slots).ok()) std::abort();
+  }
+  // Ring of live keys, oldest first, for the churn variant.
+  std::vector<OffloadKey> ring = keys;
+  size_t oldest = variant == kPinned ? resident / 4 : 0;
+  std::vector<OffloadKey> batch(kBatch);
+  std::vector<OffloadKey> pins;  // churn: keys pinned, released kChurnDelay iterations later
+  constexpr size_t kChurnDelay = 64;
+  size_t pin_head = 0;
+  StorePlan plan;
+  for (auto _ : state) {
+    if (variant == kChurn && ring.size() > 4 * kBatch) {
+      // Pin a block a little ahead of the old end; release the one pinned kChurnDelay ago.
+      const OffloadKey& k = ring[(oldest + 2 * kBatch) % ring.size()];
+      if (m->PrepareLoad({&k, 1}, &slots).ok()) pins.push_back(k);
+      if (pins.size() - pin_head > kChurnDelay) {
+        if (!m->CompleteLoad({&pins[pin_head], 1}).ok()) std::abort();
+        ++pin_head;
+      }
+    }
+    for (auto& k : batch) k = key_gen();
+    if (!m->PrepareStore(batch, &plan).ok()) {
+      state.SkipWithError("store refused");
+      break;
+    }
+    m->CompleteStore(batch, true);
+    for (size_t i = 0; i < kBatch; ++i) ring[(oldest + i) % ring.size()] = batch[i];
+    oldest = (oldest + kBatch) % ring.size();
+    if (variant == kPinned && oldest < resident / 4) oldest = resident / 4;
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * kBatch));
+  state.counters["ns_per_block"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * kBatch),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  // At steady state (ARC's ghost lists have filled).
+  state.counters["meta_B_per_block"] =
+      static_cast<double>(m->MetadataBytes()) / static_cast<double>(m->resident_blocks());
+}
+
+// Args: block bytes. Copies into every slot of a slab in turn, and memcpy into a same-sized,
+// equally pre-faulted buffer, in alternating rounds.
+void BM_SlabCopy(benchmark::State& state) {
+  const size_t block = static_cast<size_t>(state.range(0));
+  const size_t total = g_smoke ? (size_t{8} << 20) : (size_t{512} << 20);
+  const size_t count = std::max<size_t>(4, total / block);
+  auto slab = std::move(BlockSlab::Create({.slot_bytes = block, .slot_count = count})).value();
+  const size_t stride = slab->slot_stride();
+  auto* baseline = static_cast<std::byte*>(std::aligned_alloc(4096, count * stride));
+  std::memset(baseline, 1, count * stride);  // fault it in, like the slab
+  std::vector<std::byte> source(block, std::byte{7});
+  constexpr size_t kRound = 32;
+  double slab_seconds = 0, memcpy_seconds = 0;
+  size_t slot = 0, copies = 0;
+  using Clock = std::chrono::steady_clock;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    for (size_t i = 0; i < kRound; ++i) {
+      if (!slab->Write(static_cast<SlotId>((slot + i) % count), source).ok()) std::abort();
+    }
+    auto t1 = Clock::now();
+    for (size_t i = 0; i < kRound; ++i) {
+      std::memcpy(baseline + ((slot + i) % count) * stride, source.data(), block);
+    }
+    auto t2 = Clock::now();
+    benchmark::ClobberMemory();
+    slab_seconds += std::chrono::duration<double>(t1 - t0).count();
+    memcpy_seconds += std::chrono::duration<double>(t2 - t1).count();
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
+    slot = (slot + kRound) % count;
+    copies += kRound;
+  }
+  std::free(baseline);
+  const double bytes = static_cast<double>(copies) * static_cast<double>(block);
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  state.counters["slab_GBps"] = bytes / slab_seconds / 1e9;
+  state.counters["memcpy_GBps"] = bytes / memcpy_seconds / 1e9;
+  state.counters["ratio"] = memcpy_seconds / slab_seconds;
+}
+
+// The machine's own limits for the numbers above, in the same run: a cache line read at random
+// from `bytes` of memory, either each read depending on the last (latency) or independent
+// (throughput, limited by how many misses a core keeps in flight). A block operation that
+// touches k cold lines costs about k x the independent figure.
+void BM_MemoryRandomRead(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const bool dependent = state.range(1) != 0;
+  const size_t lines = bytes / 64;
+  auto* buf = static_cast<uint64_t*>(std::aligned_alloc(size_t{2} << 20, lines * 64));
+  madvise(buf, lines * 64, MADV_HUGEPAGE);
+  // A random cyclic permutation of the lines (Sattolo), stored in each line's first word.
+  std::vector<uint64_t> perm(lines);
+  for (size_t i = 0; i < lines; ++i) perm[i] = i;
+  std::mt19937_64 rng(3);
+  for (size_t i = lines - 1; i > 0; --i) std::swap(perm[i], perm[rng() % i]);
+  for (size_t i = 0; i < lines; ++i) buf[perm[i] * 8] = perm[(i + 1) % lines];
+  constexpr size_t kReads = 4096;
+  uint64_t p = perm[0], sum = 0, x = 1;
+  for (auto _ : state) {
+    if (dependent) {
+      for (size_t i = 0; i < kReads; ++i) p = buf[p * 8];
+    } else {
+      for (size_t i = 0; i < kReads; ++i) {
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        sum += buf[((x >> 20) % lines) * 8];
+      }
+    }
+  }
+  benchmark::DoNotOptimize(p + sum);
+  std::free(buf);
+  state.counters["ns_per_line"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * kReads),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+void Register() {
+  const std::vector<int64_t> lookup_sizes =
+      g_smoke ? std::vector<int64_t>{2000} : std::vector<int64_t>{10000, 1000000};
+  const std::vector<int64_t> evict_sizes =
+      g_smoke ? std::vector<int64_t>{1000} : std::vector<int64_t>{1000, 100000, 1000000};
+  for (int64_t policy : {0, 1}) {
+    for (int64_t n : lookup_sizes) {
+      benchmark::RegisterBenchmark(policy ? "PrefixLookup/arc" : "PrefixLookup/lru",
+                                   BM_PrefixLookup)
+          ->Args({n, policy});
+    }
+  }
+  for (int64_t variant : {kPlain, kPinned, kChurn}) {
+    for (int64_t policy : {0, 1}) {
+      const std::string name = std::string("StoreEvict/") + (policy ? "arc" : "lru") +
+                               (variant == kPinned  ? "/pinned"
+                                : variant == kChurn ? "/churn"
+                                                    : "");
+      for (int64_t n : evict_sizes) {
+        benchmark::RegisterBenchmark(name.c_str(), BM_StoreEvict)->Args({n, policy, variant});
+      }
+    }
+  }
+  const int64_t memory = g_smoke ? (int64_t{4} << 20) : (int64_t{256} << 20);
+  benchmark::RegisterBenchmark("MemoryRandomRead/dependent", BM_MemoryRandomRead)
+      ->Args({memory, 1});
+  benchmark::RegisterBenchmark("MemoryRandomRead/independent", BM_MemoryRandomRead)
+      ->Args({memory, 0});
+  for (int64_t block : {int64_t{256} << 10, int64_t{2} << 20}) {
+    benchmark::RegisterBenchmark("SlabCopy", BM_SlabCopy)->Arg(block)->UseManualTime();
+  }
+}
+
+}  // namespace
+}  // namespace kvstash::store
+
+int main(int argc, char** argv) {
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--smoke") {
+      kvstash::store::g_smoke = true;
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  kvstash::store::Register();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
