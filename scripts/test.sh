@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test (unit, integration, fault) through ctest.
-# Extra arguments go to ctest, e.g. `scripts/test.sh -L unit` or `scripts/test.sh -R Arc`.
+#
+# First the unit tests run under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/;
+# skip with KVSTASH_SANITIZE_PASS=0), then the normal build runs everything and ctest's summary
+# closes the output. Extra arguments go to that last ctest: `scripts/test.sh -L unit`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/setup.sh"
 
 kvstash_install_deps
-kvstash_build -DKVSTASH_BUILD_TESTS=ON -DKVSTASH_BUILD_BENCHMARKS=ON
+
+if [ "${KVSTASH_SANITIZE_PASS:-1}" != 0 ]; then
+  kvstash_log "unit tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+  kvstash_build "$KVSTASH_ROOT/build-asan" -DKVSTASH_SANITIZE=address \
+    -DKVSTASH_BUILD_TESTS=ON -DKVSTASH_BUILD_BENCHMARKS=OFF
+  (cd "$KVSTASH_ROOT/build-asan" && ctest --output-on-failure --timeout 600 -j "$(nproc)" -L unit)
+fi
+
+kvstash_build "$KVSTASH_BUILD_DIR" -DKVSTASH_BUILD_TESTS=ON -DKVSTASH_BUILD_BENCHMARKS=ON
 kvstash_log "test"
 cd "$KVSTASH_BUILD_DIR"
 ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@"

@@ -44,11 +44,21 @@ kvstash_install_deps() {
   fi
 }
 
+# kvstash_build [BUILD_DIR] [cmake -D options...] [-- targets...]: configures and builds.
 kvstash_build() {
+  local dir="$1"
+  shift
+  local options=() targets=()
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do options+=("$1"); shift; done
+  [ "$#" -gt 0 ] && shift
+  targets=("$@")
   local build_type="${KVSTASH_BUILD_TYPE:-RelWithDebInfo}"
-  kvstash_log "configure ($build_type) in $KVSTASH_BUILD_DIR"
-  cmake -S "$KVSTASH_ROOT" -B "$KVSTASH_BUILD_DIR" -G Ninja \
-    -DCMAKE_BUILD_TYPE="$build_type" "$@"
-  kvstash_log "build"
-  cmake --build "$KVSTASH_BUILD_DIR" --parallel "$(nproc)"
+  kvstash_log "configure ($build_type) in $dir"
+  cmake -S "$KVSTASH_ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" "${options[@]}"
+  kvstash_log "build${targets[*]:+ ${targets[*]}}"
+  if [ "${#targets[@]}" -gt 0 ]; then
+    cmake --build "$dir" --parallel "$(nproc)" --target "${targets[@]}"
+  else
+    cmake --build "$dir" --parallel "$(nproc)"
+  fi
 }
