@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <new>
 #include <utility>
 
 #include "entry.h"
@@ -106,6 +107,7 @@ class BlockManagerImpl final : public BlockManager {
  public:
   explicit BlockManagerImpl(const BlockManagerOptions& options)
       : options_(options),
+        capacity_(options.capacity_blocks),
         entries_(options.capacity_blocks),
         index_(options.capacity_blocks),
         policy_(options.policy == EvictionPolicy::kArc
@@ -133,14 +135,19 @@ class BlockManagerImpl final : public BlockManager {
   ScanResult LookupPrefix(std::span<const OffloadKey> keys) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = Walk(keys);
-    return MaximalPrefix(keys.size(), [&](size_t i) { return LookupLocked(keys[i], walk.Next()); });
+    return MaximalPrefix(keys.size(), [&](size_t i) {
+      mu_.AssertHeld();
+      return LookupLocked(keys[i], walk.Next());
+    });
   }
 
   ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = Walk(keys, /*reverse=*/true);
-    return SlidingWindow(keys.size(), window,
-                         [&](size_t i) { return LookupLocked(keys[i], walk.Next()); });
+    return SlidingWindow(keys.size(), window, [&](size_t i) {
+      mu_.AssertHeld();
+      return LookupLocked(keys[i], walk.Next());
+    });
   }
 
   Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) override {
@@ -224,7 +231,7 @@ class BlockManagerImpl final : public BlockManager {
         plan->keys_to_store.push_back(keys[i]);
       }
     }
-    const size_t free_slots = free_count_ + (entries_.size() - fresh_used_);
+    const size_t free_slots = free_count_ + (capacity_ - fresh_used_);
     const size_t to_store = plan->keys_to_store.size();
     if (to_store > free_slots) {
       victims_.clear();
@@ -306,7 +313,7 @@ class BlockManagerImpl final : public BlockManager {
     resident_ = 0;
   }
 
-  size_t capacity() const override { return entries_.size(); }
+  size_t capacity() const override { return capacity_; }
 
   size_t resident_blocks() const override {
     MutexLock lock(&mu_);
@@ -328,7 +335,7 @@ class BlockManagerImpl final : public BlockManager {
     BlockManagerState state;
     state.policy = options_.policy;
     policy_->Describe(&state);
-    for (uint32_t id = free_head_; id != kNoId; id = entries_[id].next) {
+    for (uint32_t id = free_head_; id != kNoId; id = entries_[id].aux) {
       state.free_slots.push_back(id);
     }
     std::reverse(state.free_slots.begin(), state.free_slots.end());
@@ -355,8 +362,10 @@ class BlockManagerImpl final : public BlockManager {
   }
 
   uint32_t FindHashed(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
-    return index_.Find(key, hash,
-                       [this](uint32_t id) -> const OffloadKey& { return entries_[id].key; });
+    return index_.Find(key, hash, [this](uint32_t id) -> const OffloadKey& {
+      mu_.AssertHeld();
+      return entries_[id].key;
+    });
   }
 
   LookupResult LookupLocked(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
@@ -390,9 +399,9 @@ class BlockManagerImpl final : public BlockManager {
   // Fresh slots first, in increasing order; then freed slots, last freed first.
   uint32_t AllocateSlot() REQUIRES(mu_) {
     ++resident_;
-    if (fresh_used_ < entries_.size()) return fresh_used_++;
+    if (fresh_used_ < capacity_) return fresh_used_++;
     const uint32_t id = free_head_;
-    free_head_ = entries_[id].next;
+    free_head_ = entries_[id].aux;
     --free_count_;
     return id;
   }
@@ -400,19 +409,20 @@ class BlockManagerImpl final : public BlockManager {
   void FreeSlot(uint32_t id) REQUIRES(mu_) {
     --resident_;
     entries_[id].set_where(Place::kFree);
-    entries_[id].next = free_head_;
+    entries_[id].aux = free_head_;
     free_head_ = id;
     ++free_count_;
   }
 
   const BlockManagerOptions options_;
+  const size_t capacity_;
   mutable Mutex mu_;
   HugeArray<Entry> entries_ GUARDED_BY(mu_);  // by slot; never moves (the policy points in)
   FlatIndex index_ GUARDED_BY(mu_);
   const std::unique_ptr<ReplacementPolicy> policy_ PT_GUARDED_BY(mu_);
   std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);  // reuse filter, when on
   uint32_t fresh_used_ GUARDED_BY(mu_) = 0;
-  uint32_t free_head_ GUARDED_BY(mu_) = kNoId;  // stack of freed slots through Entry::next
+  uint32_t free_head_ GUARDED_BY(mu_) = kNoId;  // stack of freed slots through Entry::aux
   size_t free_count_ GUARDED_BY(mu_) = 0;
   size_t resident_ GUARDED_BY(mu_) = 0;
   std::vector<OffloadEvent> events_ GUARDED_BY(mu_);
@@ -435,7 +445,12 @@ Result<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOpt
     return InvalidArgumentError("reuse tracker size {} is outside [1, {}]",
                                 options.max_tracker_size, kMaxCapacity);
   }
-  return std::unique_ptr<BlockManager>(std::make_unique<BlockManagerImpl>(options));
+  try {
+    return std::unique_ptr<BlockManager>(std::make_unique<BlockManagerImpl>(options));
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("cannot allocate the metadata of {} blocks",
+                                  options.capacity_blocks);
+  }
 }
 
 }  // namespace kvstash::store

@@ -11,21 +11,22 @@ inline constexpr uint32_t kNoId = UINT32_MAX;
 
 // Where an entry is with respect to its recency list (see RecencyList).
 enum class Place : uint8_t {
-  kFree = 0,      // slot not in use; `next` links the free stack
-  kActive = 1,    // linked into the list in recency order
-  kParked = 2,    // known not evictable; held aside in an unordered list
+  kFree = 0,      // not in any list (a free slot, or a key being dropped)
+  kActive = 1,    // in the list's ring, at the position of its stamp
+  kParked = 2,    // known not evictable; out of the ring until it becomes evictable
   kReturned = 3,  // evictable again after being parked; in the list's stamp-ordered heap
 };
 
-// 40 bytes, so that a million resident blocks cost 40 MB here (plus 10 B each in the index).
-// Fields are plain data owned by BlockManagerImpl and the policy's lists; not thread-safe.
+// One block's metadata: 40 bytes, so a million resident blocks cost 40 MB here (plus about
+// 13 B each in the index and 4-10 B in the recency ring). Plain data owned by BlockManagerImpl
+// (or KeyLists) and the policy's lists; not thread-safe.
 struct Entry {
   static constexpr int32_t kMaxRef = (1 << 23) - 1;
 
   OffloadKey key;
   uint32_t stamp;       // recency within its list: larger is more recent
-  uint32_t prev;        // list link; heap position while kReturned
-  uint32_t next;        // list link; free-stack link while kFree
+  uint32_t heap_pos;    // position in the list's heap while kReturned
+  uint32_t aux;         // the owner's: free-stack link while the slot is free; KeyLists' value
   int32_t ref : 24;     // -1 being written, 0 idle (evictable), k > 0 pinned by k loads
   uint32_t place : 2;   // a Place
   uint32_t list : 1;    // which list of the policy (ARC: 0 = T1, 1 = T2)
@@ -33,7 +34,6 @@ struct Entry {
 
   Place where() const { return static_cast<Place>(place); }
   void set_where(Place p) { place = static_cast<uint32_t>(p); }
-  bool evictable() const { return ref == 0 && !marked; }
 };
 static_assert(sizeof(Entry) == 40, "keep the per-block metadata at 40 bytes");
 

@@ -13,13 +13,13 @@ uint32_t KeyLists::PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, 
   uint32_t node;
   if (free_head_ != kNoId) {
     node = free_head_;
-    free_head_ = nodes_[node].next;
+    free_head_ = nodes_[node].aux;
   } else {
     node = fresh_used_++;
   }
   Entry& n = nodes_[node];
   n.key = key;
-  n.next = value & kMaxValue;
+  n.aux = value & kMaxValue;
   lists_[list]->PushMru(node);
   index_.Insert(node, hash);
   return node;
@@ -28,7 +28,7 @@ uint32_t KeyLists::PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, 
 void KeyLists::Erase(uint32_t node, uint64_t hash) {
   lists_[nodes_[node].list]->Remove(node);
   index_.Erase(node, hash);
-  nodes_[node].next = free_head_;
+  nodes_[node].aux = free_head_;
   free_head_ = node;
 }
 
@@ -45,7 +45,7 @@ void KeyLists::PopLru(uint32_t list, size_t n) {
   }
   for (size_t i = 0; i < popped_.size(); ++i) {
     index_.Erase(popped_[i], popped_hashes_[i]);
-    nodes_[popped_[i]].next = free_head_;
+    nodes_[popped_[i]].aux = free_head_;
     free_head_ = popped_[i];
   }
 }

@@ -30,8 +30,8 @@ class KeyLists {
   // Starts loading the index bucket of `hash` (before a Find, PushMru or Erase of that key).
   void Prefetch(uint64_t hash) const { index_.Prefetch(hash); }
   uint32_t list_of(uint32_t node) const { return nodes_[node].list; }
-  uint32_t value(uint32_t node) const { return nodes_[node].next; }
-  void set_value(uint32_t node, uint32_t value) { nodes_[node].next = value & kMaxValue; }
+  uint32_t value(uint32_t node) const { return nodes_[node].aux; }
+  void set_value(uint32_t node, uint32_t value) { nodes_[node].aux = value & kMaxValue; }
   const OffloadKey& key(uint32_t node) const { return nodes_[node].key; }
   size_t size(uint32_t list) const { return lists_[list]->size(); }
   size_t per_list() const { return per_list_; }
@@ -56,7 +56,7 @@ class KeyLists {
   FlatIndex index_;
   std::unique_ptr<RecencyList> lists_[2];
   uint32_t fresh_used_ = 0;
-  uint32_t free_head_ = kNoId;    // free nodes, linked through Entry::next
+  uint32_t free_head_ = kNoId;    // free nodes, linked through Entry::aux
   std::vector<uint32_t> popped_;  // scratch
   std::vector<uint64_t> popped_hashes_;
 };

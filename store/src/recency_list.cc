@@ -40,7 +40,7 @@ void RecencyList::PushMru(uint32_t id) {
 void RecencyList::Remove(uint32_t id) {
   Entry& e = entries_[id];
   if (e.where() == Place::kFree) return;
-  if (e.where() == Place::kReturned) HeapErase(e.prev);
+  if (e.where() == Place::kReturned) HeapErase(e.heap_pos);
   // A ring position goes stale by itself once the entry stops being kActive.
   e.set_where(Place::kFree);
   --size_;
@@ -100,11 +100,11 @@ void RecencyList::Renumber() {
   next_stamp_ = stamp;
 }
 
-// ---- heap of returned entries (position kept in Entry::prev) -------------------------------
+// ---- heap of returned entries (position kept in Entry::heap_pos) -------------------------------
 
 void RecencyList::HeapSet(size_t pos, uint32_t id) {
   heap_[pos] = id;
-  entries_[id].prev = static_cast<uint32_t>(pos);
+  entries_[id].heap_pos = static_cast<uint32_t>(pos);
 }
 
 void RecencyList::HeapPush(uint32_t id) {

@@ -16,4 +16,5 @@
 #define ACQUIRE(...) KVSTASH_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
 #define RELEASE(...) KVSTASH_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
 #define EXCLUDES(...) KVSTASH_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
+#define ASSERT_CAPABILITY(x) KVSTASH_THREAD_ANNOTATION(assert_capability(x))
 #define NO_THREAD_SAFETY_ANALYSIS KVSTASH_THREAD_ANNOTATION(no_thread_safety_analysis)
