@@ -217,7 +217,7 @@ class BlockManagerImpl final : public BlockManager {
     // the reuse filter, stored or not).
     call_keys_.Reset(keys.size());
     scratch_ids_.clear();
-    PrefetchingWalk walk = Walk(keys);
+    PrefetchingWalk walk = WalkForStore(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
       const uint64_t hash = walk.Next();
       if (tracker_ && !PassesReuseFilter(keys[i], hash)) continue;
