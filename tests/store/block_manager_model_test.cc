@@ -72,28 +72,26 @@ std::vector<OffloadKey> MakeKeys(const std::vector<KeyId>& ids) {
   return keys;
 }
 
-std::string IdsStr(const std::vector<KeyId>& ids) {
+// "[a,b,c]", each element printed as `show(element)` gives it.
+template <typename T, typename Show>
+std::string ListStr(const std::vector<T>& items, Show show) {
   std::ostringstream out;
   out << "[";
-  for (size_t i = 0; i < ids.size(); ++i) out << (i ? "," : "") << ids[i];
+  for (size_t i = 0; i < items.size(); ++i) out << (i ? "," : "") << show(items[i]);
   out << "]";
   return out.str();
+}
+
+std::string IdsStr(const std::vector<KeyId>& ids) {
+  return ListStr(ids, [](KeyId id) { return id; });
 }
 
 std::string KeysStr(const std::vector<OffloadKey>& keys) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < keys.size(); ++i) out << (i ? "," : "") << IdOf(keys[i]);
-  out << "]";
-  return out.str();
+  return ListStr(keys, [](const OffloadKey& k) { return IdOf(k); });
 }
 
 std::string SlotsStr(const std::vector<SlotId>& slots) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < slots.size(); ++i) out << (i ? "," : "") << slots[i];
-  out << "]";
-  return out.str();
+  return ListStr(slots, [](SlotId slot) { return slot; });
 }
 
 // (key,slot,ref) triples, least recent first.
