@@ -297,6 +297,84 @@ class BlockManagerImpl final : public BlockManager {
     if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
   }
 
+  size_t Remove(std::span<const OffloadKey> keys) override {
+    MutexLock lock(&mu_);
+    std::vector<OffloadKey> removed;
+    PrefetchingWalk walk = Walk(keys);
+    for (const OffloadKey& key : keys) {
+      const uint64_t hash = walk.Next();
+      const uint32_t id = FindHashed(key, hash);
+      if (id == kNoId || entries_[id].ref != 0) continue;
+      policy_->Remove(id);
+      index_.Erase(id, hash);
+      FreeSlot(id);
+      removed.push_back(key);
+    }
+    const size_t count = removed.size();
+    if (options_.enable_events && count > 0) {
+      events_.push_back({OffloadEvent::Kind::kRemoved, std::move(removed)});
+    }
+    return count;
+  }
+
+  Status Restore(std::span<const BlockInfo> blocks) override {
+    MutexLock lock(&mu_);
+    if (fresh_used_ != 0) {
+      return InvalidArgumentError("cannot restore {} blocks: the manager is already in use",
+                                  blocks.size());
+    }
+    std::vector<bool> slot_used(capacity_, false);
+    uint32_t end = 0;
+    for (const BlockInfo& block : blocks) {
+      if (block.slot >= capacity_) {
+        return InvalidArgumentError("cannot restore key {} at slot {}: the capacity is {} blocks",
+                                    block.key.ToString(), block.slot, capacity_);
+      }
+      if (slot_used[block.slot]) {
+        return InvalidArgumentError("cannot restore key {}: slot {} is given twice",
+                                    block.key.ToString(), block.slot);
+      }
+      slot_used[block.slot] = true;
+      end = std::max(end, block.slot + 1);
+    }
+    size_t inserted = 0;
+    for (const BlockInfo& block : blocks) {
+      const uint64_t hash = KeyHash(block.key);
+      if (FindHashed(block.key, hash) != kNoId) {
+        for (size_t i = 0; i < inserted; ++i) {  // roll back
+          const uint32_t id = blocks[i].slot;
+          policy_->Remove(id);
+          index_.Erase(id, KeyHash(blocks[i].key));
+          entries_[id].set_where(Place::kFree);
+        }
+        resident_ = 0;
+        return InvalidArgumentError("cannot restore key {}: it is given twice",
+                                    block.key.ToString());
+      }
+      Entry& e = entries_[block.slot];
+      e.key = block.key;
+      e.ref = -1;
+      e.marked = 0;
+      index_.Insert(block.slot, hash);
+      policy_->Insert(block.slot, hash);
+      e.ref = 0;
+      policy_->OnEvictable(block.slot);
+      ++resident_;
+      ++inserted;
+    }
+    // Slots below the highest restored one that hold nothing become free slots, reused (after
+    // the fresh ones) lowest first.
+    fresh_used_ = end;
+    for (uint32_t id = end; id-- > 0;) {
+      if (slot_used[id]) continue;
+      entries_[id].set_where(Place::kFree);
+      entries_[id].aux = free_head_;
+      free_head_ = id;
+      ++free_count_;
+    }
+    return Status::OK();
+  }
+
   std::vector<OffloadEvent> TakeEvents() override {
     MutexLock lock(&mu_);
     return std::exchange(events_, {});

@@ -19,6 +19,7 @@ using testing::Keys;
 using testing::MakeManager;
 using testing::PrepareLoad;
 using testing::PrepareStore;
+using testing::Removed;
 using testing::StoreAndCommit;
 
 class BlockManagerTest : public ::testing::TestWithParam<EvictionPolicy> {
@@ -266,6 +267,54 @@ TEST_P(BlockManagerTest, MetadataIsBoundedPerBlock) {
   const double per_block = static_cast<double>(m->MetadataBytes()) / kBlocks;
   EXPECT_GT(per_block, 40.0);  // at least the entries themselves
   EXPECT_LT(per_block, GetParam() == EvictionPolicy::kLru ? 64.0 : 200.0);
+}
+
+TEST_P(BlockManagerTest, RemoveDropsOnlyIdleStoredKeys) {
+  auto m = Make(4);
+  StoreAndCommit(*m, Keys({1, 2, 3}));
+  PrepareLoad(*m, Keys({2}));
+  PrepareStore(*m, Keys({4}));
+  m->TakeEvents();
+  // 1 idle: dropped; 2 pinned, 4 being written, 9 absent: skipped.
+  EXPECT_EQ(m->Remove(Keys({1, 2, 4, 9})), 1u);
+  EXPECT_THAT(m->TakeEvents(), ElementsAre(Removed({1})));
+  EXPECT_EQ(m->Lookup(Key(1)), LookupResult::kMiss);
+  EXPECT_EQ(m->Lookup(Key(2)), LookupResult::kHit);
+  EXPECT_EQ(m->Lookup(Key(4)), LookupResult::kRetry);
+  EXPECT_EQ(m->resident_blocks(), 3u);
+  // The freed slot is reused first, and no ghost of key 1 is kept.
+  EXPECT_THAT(PrepareStore(*m, Keys({5})).slots, ElementsAre(0));
+  const BlockManagerState state = m->DebugState();
+  EXPECT_TRUE(state.b1.empty());
+  EXPECT_TRUE(state.b2.empty());
+}
+
+TEST_P(BlockManagerTest, RestoreRebuildsIndexInGivenOrder) {
+  auto m = Make(6);
+  const std::vector<BlockInfo> blocks = {Block(7, 4), Block(8, 1), Block(9, 2)};
+  ASSERT_TRUE(m->Restore(blocks).ok());
+  EXPECT_EQ(m->resident_blocks(), 3u);
+  for (uint64_t k : {7, 8, 9}) EXPECT_EQ(m->Lookup(Key(k)), LookupResult::kHit);
+  EXPECT_THAT(PrepareLoad(*m, Keys({7, 8, 9})), ElementsAre(4, 1, 2));
+  ASSERT_TRUE(m->CompleteLoad(Keys({7, 8, 9})).ok());
+  // As always, fresh slots first; then the holes below the highest restored slot, lowest first.
+  EXPECT_THAT(PrepareStore(*m, Keys({10, 11, 12})).slots, ElementsAre(5, 0, 3));
+  m->CompleteStore(Keys({10, 11, 12}), true);
+  // The first restored block is the least recent: it is evicted first.
+  EXPECT_THAT(PrepareStore(*m, Keys({13})).evicted, ElementsAre(Key(7)));
+}
+
+TEST_P(BlockManagerTest, RestoreRejectsBadInputAndChangesNothing) {
+  auto m = Make(4);
+  EXPECT_EQ(m->Restore(std::vector<BlockInfo>{Block(1, 4)}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->Restore(std::vector<BlockInfo>{Block(1, 0), Block(2, 0)}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->Restore(std::vector<BlockInfo>{Block(1, 0), Block(1, 1)}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->resident_blocks(), 0u);
+  EXPECT_EQ(m->Lookup(Key(1)), LookupResult::kMiss);
+  EXPECT_THAT(PrepareStore(*m, Keys({1, 2})).slots, ElementsAre(0, 1));
+  EXPECT_EQ(m->Restore(std::vector<BlockInfo>{Block(3, 3)}).code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, BlockManagerTest,

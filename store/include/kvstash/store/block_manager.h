@@ -122,6 +122,16 @@ class BlockManager {
   // ignored either way.
   virtual void CompleteStore(std::span<const OffloadKey> keys, bool success) = 0;
 
+  // Drops the keys that are stored, readable and not pinned (a corrupt record, an explicit
+  // delete) and frees their slots; no ghost is kept. Absent, pinned and being-written keys are
+  // skipped. Returns how many were dropped (one removed event for them).
+  virtual size_t Remove(std::span<const OffloadKey> keys) = 0;
+  // Rebuilds the index of a persistent tier after a restart: on a manager that has not stored
+  // anything since it was created or Reset, inserts each block as readable and idle at the
+  // given slot, the first least recent. InvalidArgument, and no change, for a slot outside the
+  // capacity, a slot or key given twice, or a manager already in use. No events.
+  virtual Status Restore(std::span<const BlockInfo> blocks) = 0;
+
   // Drains the events recorded since the last call (empty when events are disabled).
   virtual std::vector<OffloadEvent> TakeEvents() = 0;
   // Drops every block, whatever its state, and every ghost; slots are handed out from 0 again.
