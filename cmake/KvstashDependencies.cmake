@@ -6,6 +6,8 @@ find_package(fmt REQUIRED)
 find_package(spdlog REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 find_package(CLI11 REQUIRED)
+pkg_check_modules(ROCKSDB REQUIRED IMPORTED_TARGET rocksdb)
+find_package(nlohmann_json REQUIRED)
 
 if(KVSTASH_BUILD_TESTS)
   find_package(GTest REQUIRED)

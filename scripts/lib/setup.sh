@@ -10,6 +10,7 @@ KVSTASH_PACKAGES=(
   build-essential cmake ninja-build pkg-config clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
   libspdlog-dev libfmt-dev libxxhash-dev libcli11-dev
+  librocksdb-dev nlohmann-json3-dev fio util-linux
 )
 
 kvstash_log() { printf '\033[1m== %s\033[0m\n' "$*"; }

@@ -297,7 +297,7 @@ class BlockManagerImpl final : public BlockManager {
     if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
   }
 
-  size_t Remove(std::span<const OffloadKey> keys) override {
+  size_t Remove(std::span<const OffloadKey> keys, std::vector<OffloadKey>* out) override {
     MutexLock lock(&mu_);
     std::vector<OffloadKey> removed;
     PrefetchingWalk walk = Walk(keys);
@@ -311,6 +311,7 @@ class BlockManagerImpl final : public BlockManager {
       removed.push_back(key);
     }
     const size_t count = removed.size();
+    if (out != nullptr) out->insert(out->end(), removed.begin(), removed.end());
     if (options_.enable_events && count > 0) {
       events_.push_back({OffloadEvent::Kind::kRemoved, std::move(removed)});
     }

@@ -124,8 +124,10 @@ class BlockManager {
 
   // Drops the keys that are stored, readable and not pinned (a corrupt record, an explicit
   // delete) and frees their slots; no ghost is kept. Absent, pinned and being-written keys are
-  // skipped. Returns how many were dropped (one removed event for them).
-  virtual size_t Remove(std::span<const OffloadKey> keys) = 0;
+  // skipped. Returns how many were dropped (one removed event for them) and, when `removed` is
+  // given, appends them to it.
+  virtual size_t Remove(std::span<const OffloadKey> keys,
+                        std::vector<OffloadKey>* removed = nullptr) = 0;
   // Rebuilds the index of a persistent tier after a restart: on a manager that has not stored
   // anything since it was created or Reset, inserts each block as readable and idle at the
   // given slot, the first least recent. InvalidArgument, and no change, for a slot outside the

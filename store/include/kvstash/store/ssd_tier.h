@@ -1,0 +1,138 @@
+// SsdTier: whole KV blocks on a local SSD, with RocksDB as the persistent index.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "kvstash/store/block_manager.h"
+#include "kvstash/store/lookup.h"
+#include "kvstash/store/offload_key.h"
+
+namespace kvstash::store {
+
+struct SsdTierOptions {
+  // The tier's directory; created if missing. It holds `blocks.dat` (the block slots) and
+  // `index/` (the RocksDB index). One process at a time (RocksDB's lock file enforces it).
+  std::string dir;
+  // Bytes of block slots; rounded down to whole slots. At least one slot.
+  uint64_t capacity_bytes = 0;
+  // The largest block the tier holds. Each block takes one slot of this size rounded up to
+  // 4 KiB. A directory keeps the block size it was created with; reopening it with another is
+  // an error.
+  size_t block_bytes = 0;
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  // O_DIRECT on the slot file (no page cache: the CPU tier is the cache). Falls back to buffered
+  // I/O, with a warning, on file systems that refuse it (tmpfs).
+  bool direct_io = true;
+  // fdatasync the slot file and sync RocksDB's log before a store returns. Off: a committed
+  // block survives a process crash (kill -9) but not a power loss.
+  bool sync = false;
+};
+
+// Counters since Open. Monotonic; read without a lock.
+struct SsdTierStats {
+  uint64_t blocks_written = 0;
+  uint64_t bytes_written = 0;
+  uint64_t blocks_read = 0;
+  uint64_t bytes_read = 0;
+  uint64_t write_failures = 0;     // stores that failed (no space, I/O error); nothing kept
+  uint64_t checksum_failures = 0;  // reads whose bytes did not match the record: a miss
+  uint64_t read_errors = 0;        // reads that failed or came back short: a miss
+  uint64_t evictions = 0;
+  uint64_t restored_blocks = 0;  // index records recovered by Open
+  uint64_t dropped_records = 0;  // index records Open found bad, duplicate or out of range
+};
+
+// One block to write into a slot reserved by PrepareStore.
+struct SsdWrite {
+  OffloadKey key;
+  SlotId slot;
+  std::span<const std::byte> data;  // at most block_bytes
+};
+
+// A tier of fixed-size block slots in one file, indexed by RocksDB and managed (capacity,
+// LRU/ARC eviction, two-phase stores, pins) by a BlockManager.
+//
+// Layout, chosen by measurement (see ssd_tier.cc): block bytes go to `blocks.dat` at
+// slot * stride with direct I/O; RocksDB holds only a small index record per block (slot,
+// length, sequence number, checksum). Every read verifies the block's checksum, which also
+// covers the key and the sequence number, so a torn, stale or corrupt slot is never served: it
+// reads as a miss, is dropped and counted.
+//
+// Crash safety: a block's index record is written only after its bytes are in the slot file,
+// and an evicted block's record is deleted before its slot is reused; Open rebuilds the index
+// from the records, least recently written first.
+//
+// Thread-safe. I/O runs on the calling thread, outside every lock.
+class SsdTier {
+ public:
+  // Opens or creates the tier in `options.dir` and rebuilds its index. InvalidArgument for bad
+  // options or a directory created with another block size; the I/O error otherwise.
+  static Result<std::unique_ptr<SsdTier>> Open(const SsdTierOptions& options);
+  ~SsdTier();
+  SsdTier(const SsdTier&) = delete;
+  SsdTier& operator=(const SsdTier&) = delete;
+
+  // One-call operations (tools, tests, the benchmark).
+  //
+  // Stores `data` under `key`, evicting idle blocks if needed. OK without writing if the key is
+  // already stored. Unavailable while another store of the key is in flight; ResourceExhausted
+  // when nothing can be evicted or the disk is full; nothing is kept on failure.
+  Status Put(const OffloadKey& key, std::span<const std::byte> data);
+  // Reads the block into `out` (resized to the block's length). NotFound if absent, Unavailable
+  // while being written, DataLoss if its bytes are corrupt (the block is dropped).
+  Status Get(const OffloadKey& key, std::vector<std::byte>* out);
+  // NotFound if absent; FailedPrecondition while it is pinned or being written.
+  Status Delete(const OffloadKey& key);
+
+  // The two-phase protocol of BlockManager, for the tiered store.
+  LookupResult Lookup(const OffloadKey& key) { return index_->Lookup(key); }
+  void Touch(std::span<const OffloadKey> keys) { index_->Touch(keys); }
+  // Reserves slots as BlockManager::PrepareStore does; the records of evicted blocks are
+  // deleted before this returns, so their slots may be overwritten.
+  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan);
+  // Writes the blocks into their reserved slots and commits them (lookups HIT) with one index
+  // batch. On any failure nothing of the call is committed: every key is aborted, its slot freed.
+  Status WriteAndCommit(std::span<const SsdWrite> writes);
+  // Drops reserved keys without writing them.
+  void Abort(std::span<const OffloadKey> keys) { index_->CompleteStore(keys, false); }
+  Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) {
+    return index_->PrepareLoad(keys, slots);
+  }
+  // Reads the pinned block in `slot` into `out` (at least block_bytes). Returns its length.
+  // DataLoss for a checksum mismatch, Unavailable for a failed or short read; either way the
+  // caller unpins and calls Remove.
+  Result<size_t> Read(const OffloadKey& key, SlotId slot, std::span<std::byte> out);
+  Status CompleteLoad(std::span<const OffloadKey> keys) { return index_->CompleteLoad(keys); }
+  // Drops idle stored keys and their index records. Returns how many were dropped.
+  size_t Remove(std::span<const OffloadKey> keys);
+
+  size_t block_bytes() const { return block_bytes_; }
+  size_t slot_stride() const { return stride_; }
+  size_t capacity_blocks() const { return index_->capacity(); }
+  size_t resident_blocks() const { return index_->resident_blocks(); }
+  bool direct_io() const { return direct_io_; }
+  SsdTierStats stats() const;
+
+ private:
+  struct Impl;
+  SsdTier(std::unique_ptr<Impl> impl, std::unique_ptr<BlockManager> index, size_t block_bytes,
+          size_t stride, bool direct_io);
+
+  // Deletes the index records of `keys` (evicted or dropped blocks).
+  Status DeleteRecords(std::span<const OffloadKey> keys);
+
+  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<BlockManager> index_;
+  const size_t block_bytes_;
+  const size_t stride_;
+  const bool direct_io_;
+};
+
+}  // namespace kvstash::store
