@@ -212,6 +212,7 @@ class BlockManagerImpl final : public BlockManager {
     plan->keys_to_store.clear();
     plan->slots.clear();
     plan->evicted.clear();
+    plan->evicted_slots.clear();
 
     // Keys to store (absent, once each) and keys to protect (every key of the call that passes
     // the reuse filter, stored or not).
@@ -252,6 +253,7 @@ class BlockManagerImpl final : public BlockManager {
       for (size_t i = 0; i < victims_.size(); ++i) {
         const uint32_t id = victims_[i];
         plan->evicted.push_back(entries_[id].key);
+        plan->evicted_slots.push_back(id);
         index_.Erase(id, hashes_[i]);
         FreeSlot(id);
       }

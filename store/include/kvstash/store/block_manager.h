@@ -44,6 +44,8 @@ struct StorePlan {
   std::vector<OffloadKey> keys_to_store;  // the keys to write, in call order
   std::vector<SlotId> slots;              // slots[i] receives keys_to_store[i]
   std::vector<OffloadKey> evicted;        // keys evicted to make room, in eviction order
+  std::vector<SlotId> evicted_slots;      // the slot each evicted key held (its bytes are still
+                                          // there until the new key is written)
 };
 
 struct OffloadEvent {

@@ -1,0 +1,158 @@
+// TieredStore: one offload node's store, a CPU tier in front of an optional SSD tier.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "kvstash/store/block_manager.h"
+#include "kvstash/store/block_slab.h"
+#include "kvstash/store/lookup.h"
+#include "kvstash/store/offload_key.h"
+#include "kvstash/store/ssd_tier.h"
+
+namespace kvstash::store {
+
+// When a committed block reaches the SSD tier.
+enum class CascadeMode : uint8_t {
+  kWriteThrough,  // as soon as it is committed in the CPU tier (vLLM's tiering)
+  kWriteBack,     // only when the CPU tier evicts it (and at Flush)
+};
+
+// "write-through" or "write-back"; InvalidArgument otherwise.
+Result<CascadeMode> ParseCascadeMode(std::string_view name);
+std::string_view CascadeModeName(CascadeMode mode);
+
+struct TieredStoreOptions {
+  // Bytes of every block (the CPU slot size; the SSD tier's block size).
+  size_t block_bytes = 0;
+  size_t cpu_capacity_blocks = 0;
+  EvictionPolicy cpu_policy = EvictionPolicy::kLru;
+  bool prefault = true;
+  // The SSD tier; its block_bytes is set from the field above. None: CPU only.
+  std::optional<SsdTierOptions> ssd;
+  CascadeMode cascade = CascadeMode::kWriteThrough;
+  // Threads that move blocks between the tiers.
+  size_t io_threads = 2;
+  // Write-back: blocks evicted from the CPU tier are copied to this many staging buffers and
+  // written in the background; when all are busy the evicting call writes them itself.
+  size_t writeback_staging_blocks = 16;
+  // Tests only: runs on the I/O thread before each background job.
+  std::function<void()> before_job_for_testing;
+};
+
+// Counters since Open. Monotonic.
+struct TieredStoreStats {
+  uint64_t promotions_started = 0;  // blocks
+  uint64_t promotions_done = 0;
+  uint64_t promotion_failures = 0;  // unreadable on SSD: dropped, a miss
+  uint64_t cascades_done = 0;       // blocks written to SSD after a commit or an eviction
+  uint64_t cascade_failures = 0;    // blocks the SSD tier could not take (full, no space)
+  uint64_t writebacks_staged = 0;   // write-back blocks copied to staging
+  uint64_t writebacks_inline = 0;   // write-back blocks written by the evicting call
+};
+
+// The store of one offload node, with the tiering of reference §5 adapted to one node:
+//   - stores land in the CPU tier (PrepareStore, write the slot, CompleteStore);
+//   - a committed block reaches SSD at once (write-through) or when evicted (write-back);
+//   - a lookup that finds a block only on SSD answers RETRY and starts promoting it to the
+//     CPU tier in the background, one job per lookup call; once the promotion is done,
+//     lookups answer HIT;
+//   - a block read by a promotion (its SSD copy) or a cascade (its CPU copy) is pinned, and a
+//     promotion's CPU slot is being written, so neither can be evicted under the I/O.
+// Loads (PrepareLoad .. CompleteLoad) read CPU-resident blocks only.
+//
+// Thread-safe. Tier decisions take one lock; block I/O runs on the store's I/O threads (or the
+// calling thread for inline write-backs), outside it.
+class TieredStore {
+ public:
+  // InvalidArgument for bad options; the SSD tier's error when it cannot open.
+  static Result<std::unique_ptr<TieredStore>> Open(const TieredStoreOptions& options);
+  // Waits for background work, then stops the I/O threads. Does not Flush.
+  ~TieredStore();
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+
+  LookupResult Lookup(const OffloadKey& key);
+  // Per-key lookups in order; every SSD-only key found starts one batched promotion.
+  void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results);
+  ScanResult LookupPrefix(std::span<const OffloadKey> keys);
+  ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window);
+
+  // Pins CPU-resident keys and sets `blocks` to their bytes, in key order (BlockManager's
+  // errors: FailedPrecondition if a key is not readable in the CPU tier).
+  Status PrepareLoad(std::span<const OffloadKey> keys,
+                     std::vector<std::span<const std::byte>>* blocks);
+  Status CompleteLoad(std::span<const OffloadKey> keys);
+  // Recency for both tiers, the first key most recent.
+  void Touch(std::span<const OffloadKey> keys);
+
+  // Reserves CPU slots (BlockManager::PrepareStore); write each key's bytes to
+  // CpuSlot(plan->slots[i]), then CompleteStore.
+  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan);
+  std::span<std::byte> CpuSlot(SlotId slot) { return slab_->Slot(slot); }
+  // Publishes (or on failure drops) the keys; under write-through, starts their cascade.
+  void CompleteStore(std::span<const OffloadKey> keys, bool success);
+
+  // Blocks until no background job is queued or running.
+  void WaitIdle();
+  // WaitIdle, then under write-back writes every CPU block the SSD tier lacks (shutdown).
+  Status Flush();
+
+  size_t block_bytes() const { return block_bytes_; }
+  CascadeMode cascade() const { return cascade_; }
+  BlockManager& cpu() { return *cpu_; }
+  SsdTier* ssd() { return ssd_.get(); }
+  TieredStoreStats stats() const;
+
+ private:
+  class IoPool;
+  struct Counters;
+  // Blocks moving between the tiers, by key: SSD slot, CPU slot.
+  struct Transfer {
+    std::vector<OffloadKey> keys;
+    std::vector<SlotId> cpu_slots;
+    std::vector<SlotId> ssd_slots;
+  };
+  // Work decided under the lock and carried out after it is released.
+  struct Deferred {
+    Transfer promotion;                 // SSD -> CPU: SSD copies pinned, CPU slots being written
+    std::vector<OffloadKey> evicted;    // write-back: blocks the CPU tier just evicted ...
+    std::vector<SlotId> evicted_slots;  // ... whose bytes are still in these slots
+    Transfer write_back;                // CPU -> SSD of evicted blocks: SSD slots reserved
+  };
+
+  TieredStore(const TieredStoreOptions& options, std::unique_ptr<BlockManager> cpu,
+              std::unique_ptr<BlockSlab> slab, std::unique_ptr<SsdTier> ssd);
+
+  LookupResult LookupLocked(const OffloadKey& key, Deferred* deferred);
+  // Reserves SSD slots for the evicted blocks it lacks.
+  void PlanWriteBackLocked(Deferred* deferred);
+  // Copies or writes the evicted blocks (before their CPU slots are reused), then starts the
+  // promotion. Called without the lock.
+  void Execute(Deferred deferred);
+  void RunPromotion(const Transfer& promotion);
+  // Writes blocks to their reserved SSD slots from `sources`, then commits or aborts them.
+  void WriteToSsd(const Transfer& transfer, std::span<const std::span<const std::byte>> sources);
+  // Write-through: the CPU copies of `keys` are pinned; writes them to SSD and unpins.
+  void RunCascade(const Transfer& cascade);
+  // Under write-through, starts the cascade of committed `keys` the SSD tier lacks.
+  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade);
+
+  const size_t block_bytes_;
+  const CascadeMode cascade_;
+  const size_t staging_limit_;
+  std::unique_ptr<BlockManager> cpu_;
+  std::unique_ptr<BlockSlab> slab_;
+  std::unique_ptr<SsdTier> ssd_;
+  std::unique_ptr<Counters> counters_;
+  std::unique_ptr<IoPool> io_;  // last: its threads stop first
+};
+
+}  // namespace kvstash::store

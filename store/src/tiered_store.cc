@@ -1,0 +1,466 @@
+#include "kvstash/store/tiered_store.h"
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "kvstash/common/logging.h"
+#include "kvstash/common/mutex.h"
+
+namespace kvstash::store {
+
+Result<CascadeMode> ParseCascadeMode(std::string_view name) {
+  if (name == "write-through") return CascadeMode::kWriteThrough;
+  if (name == "write-back") return CascadeMode::kWriteBack;
+  return InvalidArgumentError("unknown cascade mode '{}' (expected write-through or write-back)",
+                              name);
+}
+
+std::string_view CascadeModeName(CascadeMode mode) {
+  return mode == CascadeMode::kWriteBack ? "write-back" : "write-through";
+}
+
+// A fixed set of threads running queued jobs, with a wait for "nothing queued or running".
+class TieredStore::IoPool {
+ public:
+  IoPool(size_t threads, std::function<void()> before_job) : before_job_(std::move(before_job)) {
+    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  }
+  ~IoPool() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    work_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  void Submit(std::function<void()> job) {
+    {
+      std::lock_guard lock(mu_);
+      queue_.push_back(std::move(job));
+      ++unfinished_;
+    }
+    work_.notify_one();
+  }
+
+  void WaitIdle() {
+    std::unique_lock lock(mu_);
+    idle_.wait(lock, [this] { return unfinished_ == 0; });
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(mu_);
+        work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, nothing left
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (before_job_) before_job_();
+      job();
+      {
+        std::lock_guard lock(mu_);
+        if (--unfinished_ == 0) idle_.notify_all();
+      }
+    }
+  }
+
+  const std::function<void()> before_job_;
+  std::mutex mu_;
+  std::condition_variable work_, idle_;
+  std::deque<std::function<void()>> queue_;
+  size_t unfinished_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+struct TieredStore::Counters {
+  std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
+      cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0};
+
+  // One lock for tier decisions: a key moves between the tiers' indexes atomically with
+  // respect to lookups (it is never absent from both while in transit).
+  Mutex mu;
+
+  // Staging buffers for write-back, block_bytes each, reused.
+  std::mutex staging_mu;
+  std::vector<std::byte*> staging_free;
+  size_t staging_allocated = 0;
+  ~Counters() {
+    for (std::byte* p : staging_free) std::free(p);
+  }
+
+  // A staging buffer, or nullptr when `limit` are in use.
+  std::byte* AcquireStaging(size_t bytes, size_t limit) {
+    std::lock_guard lock(staging_mu);
+    if (!staging_free.empty()) {
+      std::byte* p = staging_free.back();
+      staging_free.pop_back();
+      return p;
+    }
+    if (staging_allocated >= limit) return nullptr;
+    void* p = nullptr;
+    if (posix_memalign(&p, 4096, (bytes + 4095) / 4096 * 4096) != 0) return nullptr;
+    ++staging_allocated;
+    return static_cast<std::byte*>(p);
+  }
+  void ReleaseStaging(std::byte* p) {
+    std::lock_guard lock(staging_mu);
+    staging_free.push_back(p);
+  }
+};
+
+Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions& options) {
+  if (options.block_bytes == 0) return InvalidArgumentError("the block size must be positive");
+  if (options.io_threads == 0 && options.ssd) {
+    return InvalidArgumentError("an SSD tier needs at least one I/O thread");
+  }
+  BlockManagerOptions cpu_options;
+  cpu_options.capacity_blocks = options.cpu_capacity_blocks;
+  cpu_options.policy = options.cpu_policy;
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockManager> cpu, BlockManager::Create(cpu_options));
+  BlockSlabOptions slab_options;
+  slab_options.slot_bytes = options.block_bytes;
+  slab_options.slot_count = options.cpu_capacity_blocks;
+  slab_options.prefault = options.prefault;
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockSlab> slab, BlockSlab::Create(slab_options));
+  std::unique_ptr<SsdTier> ssd;
+  if (options.ssd) {
+    SsdTierOptions ssd_options = *options.ssd;
+    ssd_options.block_bytes = options.block_bytes;
+    KVSTASH_ASSIGN_OR_RETURN(ssd, SsdTier::Open(ssd_options));
+  }
+  return std::unique_ptr<TieredStore>(
+      new TieredStore(options, std::move(cpu), std::move(slab), std::move(ssd)));
+}
+
+TieredStore::TieredStore(const TieredStoreOptions& options, std::unique_ptr<BlockManager> cpu,
+                         std::unique_ptr<BlockSlab> slab, std::unique_ptr<SsdTier> ssd)
+    : block_bytes_(options.block_bytes),
+      cascade_(options.cascade),
+      staging_limit_(options.writeback_staging_blocks),
+      cpu_(std::move(cpu)),
+      slab_(std::move(slab)),
+      ssd_(std::move(ssd)),
+      io_(std::make_unique<IoPool>(ssd_ ? options.io_threads : 0, options.before_job_for_testing)),
+      counters_(std::make_unique<Counters>()) {}
+
+TieredStore::~TieredStore() {
+  io_->WaitIdle();
+  io_.reset();
+}
+
+// --- Lookups and promotion -------------------------------------------------------------------
+
+LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred) {
+  const LookupResult cpu = cpu_->Lookup(key);
+  if (cpu != LookupResult::kMiss || !ssd_) return cpu;
+  const LookupResult ssd = ssd_->Lookup(key);
+  if (ssd != LookupResult::kHit) return ssd;
+  // Only on SSD: reserve a CPU slot (the CPU tier now answers RETRY, so the block is promoted
+  // once however often it is looked up) and pin the SSD copy.
+  const OffloadKey keys[] = {key};
+  StorePlan plan;
+  if (!cpu_->PrepareStore(keys, &plan).ok()) return LookupResult::kMiss;  // no CPU room
+  std::vector<SlotId> ssd_slots;
+  if (!ssd_->PrepareLoad(keys, &ssd_slots).ok()) {
+    cpu_->CompleteStore(keys, false);
+    return LookupResult::kMiss;
+  }
+  deferred->promotion.keys.push_back(key);
+  deferred->promotion.cpu_slots.push_back(plan.slots[0]);
+  deferred->promotion.ssd_slots.push_back(ssd_slots[0]);
+  counters_->promotions_started += 1;
+  // Under write-through an evicted CPU block is already on SSD (unless its cascade failed);
+  // under write-back it goes there now, before the promotion overwrites its slot.
+  if (cascade_ == CascadeMode::kWriteBack) {
+    deferred->evicted.insert(deferred->evicted.end(), plan.evicted.begin(), plan.evicted.end());
+    deferred->evicted_slots.insert(deferred->evicted_slots.end(), plan.evicted_slots.begin(),
+                                   plan.evicted_slots.end());
+  }
+  return LookupResult::kRetry;
+}
+
+LookupResult TieredStore::Lookup(const OffloadKey& key) {
+  LookupResult result;
+  std::span<LookupResult> results(&result, 1);
+  Lookup({&key, 1}, results);
+  return result;
+}
+
+void TieredStore::Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) {
+  Deferred deferred;
+  {
+    MutexLock lock(&counters_->mu);
+    const size_t n = std::min(keys.size(), results.size());
+    for (size_t i = 0; i < n; ++i) results[i] = LookupLocked(keys[i], &deferred);
+    PlanWriteBackLocked(&deferred);
+  }
+  Execute(std::move(deferred));
+}
+
+ScanResult TieredStore::LookupPrefix(std::span<const OffloadKey> keys) {
+  Deferred deferred;
+  ScanResult result;
+  {
+    MutexLock lock(&counters_->mu);
+    result = MaximalPrefix(keys.size(), [&](size_t i) { return LookupLocked(keys[i], &deferred); });
+    PlanWriteBackLocked(&deferred);
+  }
+  Execute(std::move(deferred));
+  return result;
+}
+
+ScanResult TieredStore::LookupWindow(std::span<const OffloadKey> keys, size_t window) {
+  Deferred deferred;
+  ScanResult result;
+  {
+    MutexLock lock(&counters_->mu);
+    result = SlidingWindow(keys.size(), window,
+                           [&](size_t i) { return LookupLocked(keys[i], &deferred); });
+    PlanWriteBackLocked(&deferred);
+  }
+  Execute(std::move(deferred));
+  return result;
+}
+
+void TieredStore::RunPromotion(const Transfer& promotion) {
+  std::vector<OffloadKey> good, bad;
+  for (size_t i = 0; i < promotion.keys.size(); ++i) {
+    std::span<std::byte> slot = slab_->Slot(promotion.cpu_slots[i]);
+    Result<size_t> n = ssd_->Read(promotion.keys[i], promotion.ssd_slots[i], slot);
+    if (n.ok()) {
+      // A block stored shorter than the tier's block size: the rest of the slot is zeros.
+      if (*n < slot.size()) std::memset(slot.data() + *n, 0, slot.size() - *n);
+      good.push_back(promotion.keys[i]);
+    } else {
+      KVSTASH_LOG_WARN("promotion of {} failed; it is dropped from SSD: {}",
+                       promotion.keys[i].ToString(), n.status().ToString());
+      bad.push_back(promotion.keys[i]);
+    }
+  }
+  MutexLock lock(&counters_->mu);
+  ssd_->CompleteLoad(promotion.keys).IgnoreError();
+  ssd_->Remove(bad);
+  cpu_->CompleteStore(good, true);
+  cpu_->CompleteStore(bad, false);
+  counters_->promotions_done += good.size();
+  counters_->promotion_failures += bad.size();
+}
+
+// --- Write-back ------------------------------------------------------------------------------
+
+void TieredStore::PlanWriteBackLocked(Deferred* deferred) {
+  if (deferred->evicted.empty()) return;
+  std::vector<OffloadKey> keys;
+  std::vector<SlotId> cpu_slots;
+  for (size_t i = 0; i < deferred->evicted.size(); ++i) {
+    if (ssd_->Lookup(deferred->evicted[i]) != LookupResult::kMiss) continue;  // already there
+    keys.push_back(deferred->evicted[i]);
+    cpu_slots.push_back(deferred->evicted_slots[i]);
+  }
+  if (keys.empty()) return;
+  StorePlan plan;
+  Status s = ssd_->PrepareStore(keys, &plan);
+  if (!s.ok()) {
+    counters_->cascade_failures += keys.size();
+    KVSTASH_LOG_WARN("write-back of {} evicted blocks dropped: {}", keys.size(), s.ToString());
+    return;
+  }
+  // Evicted keys are distinct and absent from SSD, so the plan stores all of them in order.
+  deferred->write_back.keys = std::move(plan.keys_to_store);
+  deferred->write_back.cpu_slots = std::move(cpu_slots);
+  deferred->write_back.ssd_slots = std::move(plan.slots);
+}
+
+void TieredStore::Execute(Deferred deferred) {
+  Transfer& wb = deferred.write_back;
+  if (!wb.keys.empty()) {
+    // Copy what fits in staging and write it in the background; write the rest here, from
+    // the CPU slots, which nobody reuses until this call returns.
+    Transfer staged, inline_writes;
+    std::vector<std::byte*> buffers;
+    std::vector<std::span<const std::byte>> inline_sources;
+    for (size_t i = 0; i < wb.keys.size(); ++i) {
+      const std::span<const std::byte> bytes = slab_->Slot(wb.cpu_slots[i]);
+      std::byte* buffer = counters_->AcquireStaging(block_bytes_, staging_limit_);
+      Transfer& to = buffer != nullptr ? staged : inline_writes;
+      to.keys.push_back(wb.keys[i]);
+      to.ssd_slots.push_back(wb.ssd_slots[i]);
+      if (buffer != nullptr) {
+        std::memcpy(buffer, bytes.data(), bytes.size());
+        buffers.push_back(buffer);
+      } else {
+        inline_sources.push_back(bytes);
+      }
+    }
+    counters_->writebacks_staged += staged.keys.size();
+    counters_->writebacks_inline += inline_writes.keys.size();
+    if (!inline_writes.keys.empty()) WriteToSsd(inline_writes, inline_sources);
+    if (!staged.keys.empty()) {
+      io_->Submit([this, staged = std::move(staged), buffers = std::move(buffers)] {
+        std::vector<std::span<const std::byte>> sources;
+        for (std::byte* b : buffers) sources.emplace_back(b, block_bytes_);
+        WriteToSsd(staged, sources);
+        for (std::byte* b : buffers) counters_->ReleaseStaging(b);
+      });
+    }
+  }
+  if (!deferred.promotion.keys.empty()) {
+    io_->Submit([this, promotion = std::move(deferred.promotion)] { RunPromotion(promotion); });
+  }
+}
+
+void TieredStore::WriteToSsd(const Transfer& transfer,
+                             std::span<const std::span<const std::byte>> sources) {
+  std::vector<SsdWrite> writes;
+  writes.reserve(transfer.keys.size());
+  for (size_t i = 0; i < transfer.keys.size(); ++i) {
+    writes.push_back({transfer.keys[i], transfer.ssd_slots[i], sources[i]});
+  }
+  Status s = ssd_->WriteAndCommit(writes);
+  if (s.ok()) {
+    counters_->cascades_done += writes.size();
+  } else {
+    counters_->cascade_failures += writes.size();
+    KVSTASH_LOG_WARN("{} blocks not written to SSD (they stay in the CPU tier until evicted): {}",
+                     writes.size(), s.ToString());
+  }
+}
+
+// --- Loads and stores ------------------------------------------------------------------------
+
+Status TieredStore::PrepareLoad(std::span<const OffloadKey> keys,
+                                std::vector<std::span<const std::byte>>* blocks) {
+  std::vector<SlotId> slots;
+  blocks->clear();
+  KVSTASH_RETURN_IF_ERROR(cpu_->PrepareLoad(keys, &slots));
+  for (SlotId slot : slots) blocks->push_back(slab_->Slot(slot));
+  return Status::OK();
+}
+
+Status TieredStore::CompleteLoad(std::span<const OffloadKey> keys) {
+  return cpu_->CompleteLoad(keys);
+}
+
+void TieredStore::Touch(std::span<const OffloadKey> keys) {
+  cpu_->Touch(keys);
+  if (ssd_) ssd_->Touch(keys);
+}
+
+Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) {
+  Deferred deferred;
+  {
+    MutexLock lock(&counters_->mu);
+    KVSTASH_RETURN_IF_ERROR(cpu_->PrepareStore(keys, plan));
+    if (ssd_ && cascade_ == CascadeMode::kWriteBack) {
+      deferred.evicted = plan->evicted;
+      deferred.evicted_slots = plan->evicted_slots;
+      PlanWriteBackLocked(&deferred);
+    }
+  }
+  Execute(std::move(deferred));
+  return Status::OK();
+}
+
+void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade) {
+  std::vector<OffloadKey> candidates;
+  for (const OffloadKey& key : keys) {
+    if (cpu_->Lookup(key) != LookupResult::kHit || ssd_->Lookup(key) != LookupResult::kMiss) {
+      continue;
+    }
+    if (std::find(candidates.begin(), candidates.end(), key) == candidates.end()) {
+      candidates.push_back(key);
+    }
+  }
+  if (candidates.empty()) return;
+  std::vector<SlotId> cpu_slots;
+  if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) return;  // pin overflow: skip
+  StorePlan plan;
+  Status s = ssd_->PrepareStore(candidates, &plan);
+  if (!s.ok()) {
+    cpu_->CompleteLoad(candidates).IgnoreError();
+    counters_->cascade_failures += candidates.size();
+    KVSTASH_LOG_WARN("cascade of {} blocks to SSD skipped: {}", candidates.size(), s.ToString());
+    return;
+  }
+  cascade->keys = std::move(candidates);
+  cascade->cpu_slots = std::move(cpu_slots);
+  cascade->ssd_slots = std::move(plan.slots);
+}
+
+void TieredStore::CompleteStore(std::span<const OffloadKey> keys, bool success) {
+  Transfer cascade;
+  {
+    MutexLock lock(&counters_->mu);
+    cpu_->CompleteStore(keys, success);
+    if (success && ssd_ && cascade_ == CascadeMode::kWriteThrough) {
+      StartCascadeLocked(keys, &cascade);
+    }
+  }
+  if (!cascade.keys.empty()) {
+    io_->Submit([this, cascade = std::move(cascade)] { RunCascade(cascade); });
+  }
+}
+
+void TieredStore::RunCascade(const Transfer& cascade) {
+  std::vector<std::span<const std::byte>> sources;
+  for (SlotId slot : cascade.cpu_slots) sources.push_back(slab_->Slot(slot));
+  WriteToSsd(cascade, sources);
+  cpu_->CompleteLoad(cascade.keys).IgnoreError();
+}
+
+void TieredStore::WaitIdle() { io_->WaitIdle(); }
+
+Status TieredStore::Flush() {
+  WaitIdle();
+  if (!ssd_ || cascade_ != CascadeMode::kWriteBack) return Status::OK();
+  const BlockManagerState state = cpu_->DebugState();
+  std::vector<OffloadKey> keys;
+  for (const auto* list : {&state.lru, &state.t1, &state.t2}) {
+    for (const BlockInfo& block : *list) {
+      if (block.ref_count >= 0) keys.push_back(block.key);
+    }
+  }
+  constexpr size_t kBatch = 64;
+  const uint64_t failures_before = counters_->cascade_failures;
+  for (size_t first = 0; first < keys.size(); first += kBatch) {
+    const std::span<const OffloadKey> batch =
+        std::span<const OffloadKey>(keys).subspan(first, std::min(kBatch, keys.size() - first));
+    Transfer cascade;
+    {
+      MutexLock lock(&counters_->mu);
+      StartCascadeLocked(batch, &cascade);
+    }
+    if (!cascade.keys.empty()) RunCascade(cascade);
+  }
+  const uint64_t failed = counters_->cascade_failures - failures_before;
+  if (failed > 0) {
+    return UnavailableError("{} of {} CPU blocks could not be written to SSD", failed, keys.size());
+  }
+  return Status::OK();
+}
+
+TieredStoreStats TieredStore::stats() const {
+  TieredStoreStats s;
+  s.promotions_started = counters_->promotions_started;
+  s.promotions_done = counters_->promotions_done;
+  s.promotion_failures = counters_->promotion_failures;
+  s.cascades_done = counters_->cascades_done;
+  s.cascade_failures = counters_->cascade_failures;
+  s.writebacks_staged = counters_->writebacks_staged;
+  s.writebacks_inline = counters_->writebacks_inline;
+  return s;
+}
+
+}  // namespace kvstash::store

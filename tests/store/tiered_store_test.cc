@@ -1,0 +1,325 @@
+#include "kvstash/store/tiered_store.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <vector>
+
+#include "block_pattern.h"
+#include "temp_dir.h"
+#include "test_util.h"
+
+namespace kvstash::store {
+namespace {
+
+using kvstash::testing::FillPattern;
+using kvstash::testing::MatchesPattern;
+using kvstash::testing::TempDir;
+using testing::Key;
+using testing::Keys;
+
+constexpr size_t kBlock = 8192;
+
+// Holds background jobs until opened; counts the jobs that started.
+class Gate {
+ public:
+  void Enter() {
+    std::unique_lock lock(mu_);
+    ++entered_;
+    cv_.wait(lock, [this] { return open_; });
+  }
+  void Open() {
+    {
+      std::lock_guard lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void Close() {
+    std::lock_guard lock(mu_);
+    open_ = false;
+  }
+  int entered() {
+    std::lock_guard lock(mu_);
+    return entered_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int entered_ = 0;
+};
+
+class TieredStoreTest : public ::testing::Test {
+ protected:
+  TieredStoreOptions Options(size_t cpu_blocks, size_t ssd_blocks,
+                             CascadeMode mode = CascadeMode::kWriteThrough) {
+    TieredStoreOptions o;
+    o.block_bytes = kBlock;
+    o.cpu_capacity_blocks = cpu_blocks;
+    o.cascade = mode;
+    o.prefault = false;
+    if (ssd_blocks > 0) {
+      SsdTierOptions ssd;
+      ssd.dir = dir_ / "ssd";
+      ssd.capacity_bytes = ssd_blocks * kBlock;
+      o.ssd = ssd;
+    }
+    o.before_job_for_testing = [this] { gate_.Enter(); };
+    return o;
+  }
+  std::unique_ptr<TieredStore> Open(const TieredStoreOptions& options) {
+    auto store = TieredStore::Open(options);
+    EXPECT_TRUE(store.ok()) << store.status().ToString();
+    return store.ok() ? std::move(store).value() : nullptr;
+  }
+  // Stores each key k with Pattern(k).
+  void Store(TieredStore& store, const std::vector<OffloadKey>& keys) {
+    StorePlan plan;
+    Status s = store.PrepareStore(keys, &plan);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    for (size_t i = 0; i < plan.keys_to_store.size(); ++i) {
+      FillPattern(plan.keys_to_store[i].hash.lo, store.CpuSlot(plan.slots[i]));
+    }
+    store.CompleteStore(keys, true);
+  }
+  void ExpectCpuBlock(TieredStore& store, uint64_t k) {
+    const std::vector<OffloadKey> keys = {Key(k)};
+    std::vector<std::span<const std::byte>> blocks;
+    Status s = store.PrepareLoad(keys, &blocks);
+    ASSERT_TRUE(s.ok()) << "key " << k << ": " << s.ToString();
+    EXPECT_TRUE(MatchesPattern(k, blocks[0])) << "key " << k;
+    ASSERT_TRUE(store.CompleteLoad(keys).ok());
+  }
+  void ExpectSsdBlock(TieredStore& store, uint64_t k) {
+    std::vector<std::byte> out;
+    Status s = store.ssd()->Get(Key(k), &out);
+    ASSERT_TRUE(s.ok()) << "key " << k << ": " << s.ToString();
+    EXPECT_TRUE(MatchesPattern(k, out)) << "key " << k;
+  }
+
+  TempDir dir_;
+  Gate gate_;
+};
+
+TEST_F(TieredStoreTest, ParsesCascadeModes) {
+  EXPECT_EQ(*ParseCascadeMode("write-through"), CascadeMode::kWriteThrough);
+  EXPECT_EQ(*ParseCascadeMode("write-back"), CascadeMode::kWriteBack);
+  EXPECT_EQ(ParseCascadeMode("writeback").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(TieredStoreTest, CpuOnlyStoreServesAndEvicts) {
+  auto store = Open(Options(2, 0));
+  EXPECT_EQ(store->ssd(), nullptr);
+  Store(*store, Keys({1, 2}));
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kHit);
+  ExpectCpuBlock(*store, 1);
+  Store(*store, Keys({3}));  // evicts 1
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kMiss);
+  ExpectCpuBlock(*store, 3);
+}
+
+TEST_F(TieredStoreTest, WriteThroughCascadesEveryCommit) {
+  auto store = Open(Options(4, 16));
+  Store(*store, Keys({1, 2, 3}));
+  store->WaitIdle();
+  EXPECT_EQ(store->ssd()->resident_blocks(), 3u);
+  for (uint64_t k : {1, 2, 3}) ExpectSsdBlock(*store, k);
+  EXPECT_EQ(store->stats().cascades_done, 3u);
+  // The CPU copies were unpinned after the cascade: all three can be evicted.
+  Store(*store, Keys({4, 5, 6, 7}));
+  store->WaitIdle();
+  EXPECT_EQ(store->cpu().resident_blocks(), 4u);
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);  // back from SSD
+}
+
+TEST_F(TieredStoreTest, WriteBackCascadesOnlyOnEviction) {
+  auto store = Open(Options(2, 16, CascadeMode::kWriteBack));
+  Store(*store, Keys({1, 2}));
+  store->WaitIdle();
+  EXPECT_EQ(store->ssd()->resident_blocks(), 0u);
+  Store(*store, Keys({3}));  // evicts 1 to SSD, then 3 overwrites its CPU slot
+  store->WaitIdle();
+  EXPECT_EQ(store->ssd()->resident_blocks(), 1u);
+  ExpectSsdBlock(*store, 1);
+  ExpectCpuBlock(*store, 3);
+  EXPECT_EQ(store->stats().writebacks_staged + store->stats().writebacks_inline, 1u);
+}
+
+TEST_F(TieredStoreTest, WriteBackWithoutStagingWritesInline) {
+  TieredStoreOptions options = Options(2, 16, CascadeMode::kWriteBack);
+  options.writeback_staging_blocks = 0;
+  auto store = Open(options);
+  Store(*store, Keys({1, 2}));
+  Store(*store, Keys({3, 4}));
+  EXPECT_EQ(store->stats().writebacks_inline, 2u);
+  EXPECT_EQ(store->ssd()->resident_blocks(), 2u);  // written before PrepareStore returned
+  ExpectSsdBlock(*store, 1);
+  ExpectSsdBlock(*store, 2);
+}
+
+TEST_F(TieredStoreTest, PromotionAnswersRetryThenHit) {
+  auto store = Open(Options(2, 16));
+  Store(*store, Keys({1, 2}));
+  store->WaitIdle();
+  Store(*store, Keys({3, 4}));  // 1 and 2 now only on SSD
+  store->WaitIdle();
+  gate_.Close();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);  // still in flight: no second copy
+  EXPECT_EQ(store->stats().promotions_started, 1u);
+  EXPECT_EQ(store->Lookup(Key(9)), LookupResult::kMiss);
+  std::vector<std::span<const std::byte>> blocks;
+  EXPECT_EQ(store->PrepareLoad(Keys({1}), &blocks).code(), StatusCode::kFailedPrecondition);
+  gate_.Open();
+  store->WaitIdle();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kHit);
+  ExpectCpuBlock(*store, 1);
+  EXPECT_EQ(store->stats().promotions_done, 1u);
+}
+
+TEST_F(TieredStoreTest, PromotionsOfOneLookupAreOneJob) {
+  auto store = Open(Options(4, 16));
+  Store(*store, Keys({1, 2, 3, 4}));
+  store->WaitIdle();
+  Store(*store, Keys({5, 6, 7, 8}));
+  store->WaitIdle();
+  const int jobs_before = gate_.entered();
+  const std::vector<OffloadKey> keys = Keys({1, 2, 3});
+  std::vector<LookupResult> results(3);
+  store->Lookup(keys, results);
+  EXPECT_THAT(results, ::testing::Each(LookupResult::kRetry));
+  store->WaitIdle();
+  EXPECT_EQ(gate_.entered() - jobs_before, 1);
+  EXPECT_EQ(store->LookupPrefix(keys), ScanResult(3));
+  for (uint64_t k : {1, 2, 3}) ExpectCpuBlock(*store, k);
+}
+
+TEST_F(TieredStoreTest, ScansStartPromotionsAndRetry) {
+  auto store = Open(Options(4, 16));
+  Store(*store, Keys({1, 2, 3, 4}));
+  store->WaitIdle();
+  Store(*store, Keys({5, 6}));  // evicts 1 and 2 from CPU
+  store->WaitIdle();
+  const std::vector<OffloadKey> keys = Keys({1, 2, 3, 4, 99});
+  // 1 and 2 are promoted, evicting 3 and 4 from CPU, which the scan then finds on SSD and
+  // promotes too (evicting 5 and 6): all four come back in one pass.
+  EXPECT_EQ(store->LookupPrefix(keys), std::nullopt);
+  EXPECT_EQ(store->stats().promotions_started, 4u);
+  store->WaitIdle();
+  EXPECT_EQ(store->LookupPrefix(keys), ScanResult(4));
+  EXPECT_EQ(store->LookupWindow(keys, 2), ScanResult(4));
+  EXPECT_EQ(store->Lookup(Key(5)), LookupResult::kRetry);
+}
+
+TEST_F(TieredStoreTest, CascadingBlockIsPinnedAgainstEviction) {
+  auto store = Open(Options(2, 16));
+  gate_.Close();
+  Store(*store, Keys({1}));  // its cascade waits at the gate: 1 is pinned in the CPU tier
+  Store(*store, Keys({2}));  // pinned too
+  StorePlan plan;
+  EXPECT_EQ(store->PrepareStore(Keys({3}), &plan).code(), StatusCode::kResourceExhausted);
+  gate_.Open();
+  store->WaitIdle();
+  ExpectSsdBlock(*store, 1);
+  Store(*store, Keys({3}));
+  EXPECT_EQ(store->Lookup(Key(2)), LookupResult::kHit);  // 1 was the least recent
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);
+  store->WaitIdle();
+}
+
+TEST_F(TieredStoreTest, PromotedBlockIsPinnedOnSsdAgainstEviction) {
+  auto store = Open(Options(2, 2));
+  for (uint64_t k : {1, 2}) {
+    std::vector<std::byte> bytes(kBlock);
+    FillPattern(k, bytes);
+    ASSERT_TRUE(store->ssd()->Put(Key(k), bytes).ok());
+  }
+  gate_.Close();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);  // promotion waits at the gate
+  // The SSD tier needs room: 1 is the least recent but pinned by the promotion, so 2 goes.
+  std::vector<std::byte> bytes(kBlock);
+  FillPattern(3, bytes);
+  ASSERT_TRUE(store->ssd()->Put(Key(3), bytes).ok());
+  EXPECT_EQ(store->ssd()->Lookup(Key(2)), LookupResult::kMiss);
+  EXPECT_EQ(store->ssd()->Lookup(Key(1)), LookupResult::kHit);
+  gate_.Open();
+  store->WaitIdle();
+  ExpectCpuBlock(*store, 1);
+}
+
+TEST_F(TieredStoreTest, FailedStoreLeavesNothing) {
+  auto store = Open(Options(4, 16));
+  StorePlan plan;
+  ASSERT_TRUE(store->PrepareStore(Keys({1, 2}), &plan).ok());
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);
+  store->CompleteStore(Keys({1, 2}), false);
+  store->WaitIdle();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kMiss);
+  EXPECT_EQ(store->Lookup(Key(2)), LookupResult::kMiss);
+  EXPECT_EQ(store->cpu().resident_blocks(), 0u);
+  EXPECT_EQ(store->ssd()->resident_blocks(), 0u);
+  EXPECT_EQ(store->stats().cascades_done, 0u);
+}
+
+TEST_F(TieredStoreTest, CorruptSsdBlockIsAMissAfterPromotion) {
+  const TieredStoreOptions options = Options(1, 16);
+  {
+    auto store = Open(options);
+    Store(*store, Keys({1}));
+    store->WaitIdle();
+  }
+  {
+    // Key 1 is in SSD slot 0.
+    std::fstream f(options.ssd->dir + "/blocks.dat", std::ios::in | std::ios::out);
+    f.seekp(100);
+    f.put('\x7f');
+  }
+  auto store = Open(options);
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);
+  store->WaitIdle();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kMiss);
+  EXPECT_EQ(store->stats().promotion_failures, 1u);
+  EXPECT_EQ(store->ssd()->stats().checksum_failures, 1u);
+  EXPECT_EQ(store->ssd()->Lookup(Key(1)), LookupResult::kMiss);
+  // The CPU slot it would have used is free again.
+  Store(*store, Keys({2}));
+  ExpectCpuBlock(*store, 2);
+}
+
+TEST_F(TieredStoreTest, RestartServesCommittedBlocksFromSsd) {
+  const TieredStoreOptions options = Options(4, 16);
+  {
+    auto store = Open(options);
+    Store(*store, Keys({1, 2, 3}));
+  }  // the destructor waits for the cascades
+  auto store = Open(options);
+  EXPECT_EQ(store->cpu().resident_blocks(), 0u);
+  const std::vector<OffloadKey> keys = Keys({1, 2, 3});
+  EXPECT_EQ(store->LookupPrefix(keys), std::nullopt);
+  store->WaitIdle();
+  EXPECT_EQ(store->LookupPrefix(keys), ScanResult(3));
+  for (uint64_t k : {1, 2, 3}) ExpectCpuBlock(*store, k);
+}
+
+TEST_F(TieredStoreTest, WriteBackFlushPersistsCpuBlocks) {
+  const TieredStoreOptions options = Options(4, 16, CascadeMode::kWriteBack);
+  {
+    auto store = Open(options);
+    Store(*store, Keys({1, 2}));
+    EXPECT_EQ(store->ssd()->resident_blocks(), 0u);
+    ASSERT_TRUE(store->Flush().ok());
+    EXPECT_EQ(store->ssd()->resident_blocks(), 2u);
+  }
+  auto store = Open(options);
+  ExpectSsdBlock(*store, 1);
+  ExpectSsdBlock(*store, 2);
+}
+
+}  // namespace
+}  // namespace kvstash::store
