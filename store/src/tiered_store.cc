@@ -152,8 +152,9 @@ TieredStore::TieredStore(const TieredStoreOptions& options, std::unique_ptr<Bloc
       cpu_(std::move(cpu)),
       slab_(std::move(slab)),
       ssd_(std::move(ssd)),
-      io_(std::make_unique<IoPool>(ssd_ ? options.io_threads : 0, options.before_job_for_testing)),
-      counters_(std::make_unique<Counters>()) {}
+      counters_(std::make_unique<Counters>()),
+      io_(std::make_unique<IoPool>(ssd_ ? options.io_threads : 0, options.before_job_for_testing)) {
+}
 
 TieredStore::~TieredStore() {
   io_->WaitIdle();
