@@ -2,7 +2,20 @@
 
 #include <string>
 
+#include "spdlog/sinks/stdout_color_sinks.h"
+
 namespace kvstash {
+
+namespace internal {
+spdlog::logger* Logger() {
+  static spdlog::logger* const logger = [] {
+    auto created = spdlog::stderr_color_mt("kvstash");
+    created->set_level(spdlog::get_level());
+    return created.get();  // the registry keeps it alive
+  }();
+  return logger;
+}
+}  // namespace internal
 
 Status SetLogLevel(std::string_view level) {
   spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(level));
@@ -13,6 +26,7 @@ Status SetLogLevel(std::string_view level) {
         level);
   }
   spdlog::set_level(parsed);
+  internal::Logger()->set_level(parsed);
   return Status::OK();
 }
 

@@ -14,4 +14,7 @@ inline constexpr int kExitUsage = 2;    // bad arguments or malformed input
 // `kvstash trace [FILE]`.
 void AddTraceCommand(CLI::App& app, int* exit_code);
 
+// `kvstash bench ssd ...`; `bench` is the parent of every benchmark subcommand.
+void AddBenchCommand(CLI::App& app, int* exit_code);
+
 }  // namespace kvstash::cli

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = kvstash::cli::kExitOk;
   kvstash::cli::AddTraceCommand(app, &exit_code);
+  kvstash::cli::AddBenchCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -15,10 +15,15 @@ namespace kvstash {
 // Returns InvalidArgument for any other name. Thread-safe.
 Status SetLogLevel(std::string_view level);
 
+namespace internal {
+// The process logger (stderr; standard output belongs to the tools' results). Thread-safe.
+spdlog::logger* Logger();
+}  // namespace internal
+
 }  // namespace kvstash
 
-#define KVSTASH_LOG_TRACE(...) SPDLOG_TRACE(__VA_ARGS__)
-#define KVSTASH_LOG_DEBUG(...) SPDLOG_DEBUG(__VA_ARGS__)
-#define KVSTASH_LOG_INFO(...) SPDLOG_INFO(__VA_ARGS__)
-#define KVSTASH_LOG_WARN(...) SPDLOG_WARN(__VA_ARGS__)
-#define KVSTASH_LOG_ERROR(...) SPDLOG_ERROR(__VA_ARGS__)
+#define KVSTASH_LOG_TRACE(...) SPDLOG_LOGGER_TRACE(::kvstash::internal::Logger(), __VA_ARGS__)
+#define KVSTASH_LOG_DEBUG(...) SPDLOG_LOGGER_DEBUG(::kvstash::internal::Logger(), __VA_ARGS__)
+#define KVSTASH_LOG_INFO(...) SPDLOG_LOGGER_INFO(::kvstash::internal::Logger(), __VA_ARGS__)
+#define KVSTASH_LOG_WARN(...) SPDLOG_LOGGER_WARN(::kvstash::internal::Logger(), __VA_ARGS__)
+#define KVSTASH_LOG_ERROR(...) SPDLOG_LOGGER_ERROR(::kvstash::internal::Logger(), __VA_ARGS__)

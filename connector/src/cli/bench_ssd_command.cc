@@ -1,0 +1,634 @@
+// `kvstash bench ssd`: the SSD tier's write and read throughput next to fio's on the same
+// directory, so the figure reads as a fraction of what the drive can do.
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "commands.h"
+#include "fmt/format.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/common/status.h"
+#include "kvstash/store/offload_key.h"
+#include "kvstash/store/ssd_tier.h"
+#include "nlohmann/json.hpp"
+
+extern char** environ;
+
+namespace kvstash::cli {
+namespace {
+
+constexpr uint64_t kMinBlockBytes = 4096;
+constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 30;
+// O_DIRECT needs block sizes (and so offsets) that are multiples of the logical sector; 4 KiB
+// covers every drive we run on, and is what the tier rounds its slots to.
+constexpr uint64_t kIoAlignment = 4096;
+constexpr char kTierSubdir[] = "kvstash-bench-ssd";
+constexpr char kFioFile[] = "kvstash-bench-fio.dat";
+
+// Parses "262144", "256K", "2MiB", "1G": an integer with an optional power-of-two suffix.
+// InvalidArgument naming `flag` otherwise.
+Result<uint64_t> ParseBytes(std::string_view flag, std::string_view text) {
+  auto bad = [&](std::string_view why) {
+    return InvalidArgumentError(
+        "{}: '{}' {} (expected an integer with an optional suffix K, M, G, KiB, MiB or GiB, "
+        "e.g. 256K or 2MiB)",
+        flag, text, why);
+  };
+  size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  if (digits == 0) return bad("is not a byte count");
+  uint64_t value = 0;
+  for (size_t i = 0; i < digits; ++i) {
+    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
+    if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) return bad("is too large");
+    value = value * 10 + d;
+  }
+  const std::string_view suffix = text.substr(digits);
+  int shift = 0;
+  if (suffix.empty()) {
+    shift = 0;
+  } else if (suffix == "K" || suffix == "k" || suffix == "KiB") {
+    shift = 10;
+  } else if (suffix == "M" || suffix == "MiB") {
+    shift = 20;
+  } else if (suffix == "G" || suffix == "GiB") {
+    shift = 30;
+  } else {
+    return bad(fmt::format("has an unknown suffix '{}'", suffix));
+  }
+  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) {
+    return bad("is too large");
+  }
+  return value << shift;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes != 0 && bytes % (uint64_t{1} << 30) == 0) return fmt::format("{} GiB", bytes >> 30);
+  if (bytes != 0 && bytes % (uint64_t{1} << 20) == 0) return fmt::format("{} MiB", bytes >> 20);
+  if (bytes != 0 && bytes % (uint64_t{1} << 10) == 0) return fmt::format("{} KiB", bytes >> 10);
+  return fmt::format("{} B", bytes);
+}
+
+struct AlignedFree {
+  void operator()(std::byte* p) const { free(p); }
+};
+using AlignedBuffer = std::unique_ptr<std::byte[], AlignedFree>;
+
+Result<AlignedBuffer> AllocateAligned(size_t bytes) {
+  void* p = nullptr;
+  const int rc = posix_memalign(&p, kIoAlignment, bytes);
+  if (rc != 0) return FromErrno(rc, fmt::format("posix_memalign of {} bytes", bytes));
+  return AlignedBuffer(static_cast<std::byte*>(p));
+}
+
+// Removes a path (file or tree) when it goes out of scope, so a failed round leaves nothing.
+class ScopedRemove {
+ public:
+  explicit ScopedRemove(std::filesystem::path path) : path_(std::move(path)) { Remove(); }
+  ~ScopedRemove() { Remove(); }
+  ScopedRemove(const ScopedRemove&) = delete;
+  ScopedRemove& operator=(const ScopedRemove&) = delete;
+
+ private:
+  void Remove() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::filesystem::path path_;
+};
+
+struct BenchConfig {
+  std::filesystem::path dir;
+  uint64_t block_bytes = 0;
+  uint64_t block_count = 0;
+  uint64_t total_bytes = 0;  // block_count * block_bytes: what both sides move
+  uint64_t capacity_bytes = 0;
+  int rounds = 3;
+  uint64_t batch = 8;  // blocks per PrepareStore/WriteAndCommit
+  bool fio = true;
+};
+
+struct TierFigures {
+  double write_gbps = 0;
+  double read_gbps = 0;
+  bool direct_io = false;
+};
+
+struct FioFigures {
+  double write_gbps = 0;
+  double read_gbps = 0;
+};
+
+double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
+  const double seconds = std::chrono::duration<double>(elapsed).count();
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+// One write pass and one read pass through a fresh SsdTier.
+Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, AlignedBuffer& dst,
+                            size_t dst_bytes) {
+  const std::filesystem::path dir = config.dir / kTierSubdir;
+  ScopedRemove cleanup(dir);
+  store::SsdTierOptions options;
+  options.dir = dir.string();
+  options.block_bytes = config.block_bytes;
+  options.capacity_bytes = config.capacity_bytes;
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<store::SsdTier> tier, store::SsdTier::Open(options));
+  if (tier->capacity_blocks() < config.block_count) {
+    return InternalError("SSD tier has {} slots for {} blocks", tier->capacity_blocks(),
+                         config.block_count);
+  }
+
+  auto key_of = [](uint64_t i) {
+    store::OffloadKey key;
+    key.hash = {.lo = i + 1, .hi = 0x6b767374617368ULL};  // "kvstash": any constant would do
+    return key;
+  };
+  TierFigures figures;
+  figures.direct_io = tier->direct_io();
+  std::vector<store::OffloadKey> keys;
+  std::vector<store::SsdWrite> writes;
+  store::StorePlan plan;
+  const auto write_start = std::chrono::steady_clock::now();
+  for (uint64_t first = 0; first < config.block_count; first += config.batch) {
+    const uint64_t n = std::min<uint64_t>(config.batch, config.block_count - first);
+    keys.clear();
+    for (uint64_t i = first; i < first + n; ++i) keys.push_back(key_of(i));
+    KVSTASH_RETURN_IF_ERROR(tier->PrepareStore(keys, &plan));
+    writes.clear();
+    for (uint64_t j = 0; j < n; ++j) {
+      std::byte* block = src.get() + j * config.block_bytes;
+      // A distinct head per block, so no layer below can deduplicate or compress the blocks.
+      const uint64_t i = first + j;
+      std::memcpy(block, &i, sizeof(i));
+      writes.push_back({plan.keys_to_store[j], plan.slots[j], {block, config.block_bytes}});
+    }
+    KVSTASH_RETURN_IF_ERROR(tier->WriteAndCommit(writes));
+  }
+  figures.write_gbps = Gbps(config.total_bytes, std::chrono::steady_clock::now() - write_start);
+
+  std::vector<store::SlotId> slots;
+  const std::span<std::byte> out(dst.get(), dst_bytes);
+  const auto read_start = std::chrono::steady_clock::now();
+  for (uint64_t i = 0; i < config.block_count; ++i) {
+    const store::OffloadKey keys[] = {key_of(i)};
+    Status s = tier->PrepareLoad(keys, &slots);
+    if (!s.ok()) return s;
+    Result<size_t> n = tier->Read(keys[0], slots[0], out);
+    Status done = tier->CompleteLoad(keys);
+    if (!n.ok()) return n.status();
+    if (!done.ok()) return done;
+    if (*n != config.block_bytes) {
+      return DataLossError("block {} read back {} bytes, wrote {}", keys[0].ToString(), *n,
+                           config.block_bytes);
+    }
+  }
+  figures.read_gbps = Gbps(config.total_bytes, std::chrono::steady_clock::now() - read_start);
+  return figures;
+}
+
+struct ProcessOutput {
+  int exit_code = -1;  // the exit status, or 128 + signal number
+  std::string out;
+  std::string err;
+};
+
+// Runs `argv` (argv[0] looked up on PATH, no shell) and collects its output. NotFound when the
+// program is not installed.
+Result<ProcessOutput> RunProgram(const std::vector<std::string>& argv) {
+  int out_pipe[2];
+  int err_pipe[2];
+  if (pipe2(out_pipe, O_CLOEXEC) != 0) return FromErrno(errno, "pipe");
+  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    const int e = errno;
+    close(out_pipe[0]);
+    close(out_pipe[1]);
+    return FromErrno(e, "pipe");
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+  if (rc != 0) {
+    close(out_pipe[0]);
+    close(err_pipe[0]);
+    if (rc == ENOENT) return NotFoundError("{} is not installed (not found on PATH)", argv[0]);
+    return FromErrno(rc, fmt::format("cannot run {}", argv[0]));
+  }
+
+  // Both pipes at once: a child blocked on a full stderr pipe would never finish its stdout.
+  ProcessOutput result;
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  std::string* sinks[2] = {&result.out, &result.err};
+  int open_fds = 2;
+  char buf[65536];
+  while (open_fds > 0) {
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        sinks[i]->append(buf, static_cast<size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
+  for (pollfd& p : fds) {
+    if (p.fd >= 0) close(p.fd);
+  }
+  int wstatus = 0;
+  while (waitpid(pid, &wstatus, 0) < 0) {
+    if (errno != EINTR) return FromErrno(errno, fmt::format("waitpid for {}", argv[0]));
+  }
+  result.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  return result;
+}
+
+// One fio job (`rw` is "write" or "read") over `file`; returns its bandwidth in GB/s.
+Result<double> RunFioJob(const BenchConfig& config, const std::string& file, std::string_view rw) {
+  const std::vector<std::string> argv = {
+      "fio",
+      "--name=kvstash-bench",
+      "--filename=" + file,
+      fmt::format("--rw={}", rw),
+      fmt::format("--bs={}", config.block_bytes),
+      fmt::format("--size={}", config.total_bytes),
+      "--direct=1",
+      "--ioengine=psync",
+      "--output-format=json",
+  };
+  KVSTASH_ASSIGN_OR_RETURN(ProcessOutput run, RunProgram(argv));
+  if (run.exit_code != 0) {
+    return UnavailableError("fio --rw={} exited with {}: {}", rw, run.exit_code,
+                            run.err.empty() ? run.out : run.err);
+  }
+  // fio prints notes ("fio: ...") ahead of the JSON on some versions; the object starts at '{'.
+  const size_t start = run.out.find('{');
+  if (start == std::string::npos) return InternalError("fio --rw={} printed no JSON", rw);
+  const nlohmann::json doc = nlohmann::json::parse(run.out.substr(start), nullptr, false);
+  if (doc.is_discarded()) return InternalError("fio --rw={} printed malformed JSON", rw);
+  const nlohmann::json* bw = nullptr;
+  if (doc.contains("jobs") && doc["jobs"].is_array() && !doc["jobs"].empty()) {
+    const nlohmann::json& job = doc["jobs"][0];
+    if (job.contains(rw) && job[rw].contains("bw_bytes")) bw = &job[rw]["bw_bytes"];
+  }
+  if (bw == nullptr || !bw->is_number()) {
+    return InternalError("fio --rw={} JSON has no jobs[0].{}.bw_bytes", rw, rw);
+  }
+  const double bytes_per_second = bw->get<double>();
+  if (!(bytes_per_second > 0)) {
+    return InternalError("fio --rw={} reported a bandwidth of {} bytes/s", rw, bytes_per_second);
+  }
+  return bytes_per_second / 1e9;
+}
+
+// fio's sequential write then read of the same bytes, direct I/O, one block per call: the same
+// pattern the tier issues, without the tier's index and checksums.
+Result<FioFigures> RunFio(const BenchConfig& config) {
+  const std::filesystem::path file = config.dir / kFioFile;
+  ScopedRemove cleanup(file);
+  FioFigures figures;
+  KVSTASH_ASSIGN_OR_RETURN(figures.write_gbps, RunFioJob(config, file.string(), "write"));
+  KVSTASH_ASSIGN_OR_RETURN(figures.read_gbps, RunFioJob(config, file.string(), "read"));
+  return figures;
+}
+
+struct RoundFigures {
+  bool fio_first = false;
+  TierFigures tier;
+  std::optional<FioFigures> fio;
+};
+
+// The median; the mean of the middle two for an even count. Preconditions: !values.empty().
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+std::optional<double> Ratio(double value, std::optional<double> reference) {
+  if (!reference.has_value() || !(*reference > 0)) return std::nullopt;
+  return value / *reference;
+}
+
+// Ordered, so the JSON lists its fields in the order the table shows them.
+using Json = nlohmann::ordered_json;
+
+Json OrNull(std::optional<double> v) { return v.has_value() ? Json(*v) : Json(nullptr); }
+
+std::string Fixed(std::optional<double> v) {
+  return v.has_value() ? fmt::format("{:.2f}", *v) : std::string("-");
+}
+
+struct Summary {
+  double write_gbps = 0;
+  double read_gbps = 0;
+  std::optional<double> fio_write_gbps;
+  std::optional<double> fio_read_gbps;
+  std::optional<double> write_ratio;
+  std::optional<double> read_ratio;
+  bool direct_io = true;
+};
+
+Summary Summarize(const std::vector<RoundFigures>& rounds) {
+  std::vector<double> write, read, fio_write, fio_read;
+  Summary s;
+  for (const RoundFigures& r : rounds) {
+    write.push_back(r.tier.write_gbps);
+    read.push_back(r.tier.read_gbps);
+    s.direct_io = s.direct_io && r.tier.direct_io;
+    if (r.fio.has_value()) {
+      fio_write.push_back(r.fio->write_gbps);
+      fio_read.push_back(r.fio->read_gbps);
+    }
+  }
+  s.write_gbps = Median(write);
+  s.read_gbps = Median(read);
+  if (!fio_write.empty()) {
+    s.fio_write_gbps = Median(fio_write);
+    s.fio_read_gbps = Median(fio_read);
+  }
+  s.write_ratio = Ratio(s.write_gbps, s.fio_write_gbps);
+  s.read_ratio = Ratio(s.read_gbps, s.fio_read_gbps);
+  return s;
+}
+
+void PrintJson(const BenchConfig& config, const std::vector<RoundFigures>& rounds,
+               const Summary& s) {
+  Json per_round = {{"order", Json::array()},
+                    {"write_gbps", Json::array()},
+                    {"read_gbps", Json::array()},
+                    {"fio_write_gbps", Json::array()},
+                    {"fio_read_gbps", Json::array()}};
+  for (const RoundFigures& r : rounds) {
+    per_round["order"].push_back(r.fio_first ? "fio,kvstash" : "kvstash,fio");
+    per_round["write_gbps"].push_back(r.tier.write_gbps);
+    per_round["read_gbps"].push_back(r.tier.read_gbps);
+    per_round["fio_write_gbps"].push_back(
+        OrNull(r.fio.has_value() ? std::optional(r.fio->write_gbps) : std::nullopt));
+    per_round["fio_read_gbps"].push_back(
+        OrNull(r.fio.has_value() ? std::optional(r.fio->read_gbps) : std::nullopt));
+  }
+  const Json doc = {
+      {"block_bytes", config.block_bytes},
+      {"total_bytes", config.total_bytes},
+      {"block_count", config.block_count},
+      {"capacity_bytes", config.capacity_bytes},
+      {"rounds", config.rounds},
+      {"batch", config.batch},
+      {"direct_io", s.direct_io},
+      {"write_gbps", s.write_gbps},
+      {"read_gbps", s.read_gbps},
+      {"fio_write_gbps", OrNull(s.fio_write_gbps)},
+      {"fio_read_gbps", OrNull(s.fio_read_gbps)},
+      {"write_ratio", OrNull(s.write_ratio)},
+      {"read_ratio", OrNull(s.read_ratio)},
+      {"per_round", per_round},
+  };
+  std::cout << doc.dump() << "\n";
+}
+
+void PrintTable(const BenchConfig& config, const std::vector<RoundFigures>& rounds,
+                const Summary& s) {
+  std::cout << fmt::format("block size  {} ({} bytes)\n", FormatBytes(config.block_bytes),
+                           config.block_bytes);
+  std::cout << fmt::format("total       {} ({} blocks)\n", FormatBytes(config.total_bytes),
+                           config.block_count);
+  std::cout << fmt::format("rounds      {} (median shown)\n", config.rounds);
+  std::cout << fmt::format("batch       {} blocks per store call\n", config.batch);
+  std::cout << fmt::format("direct I/O  {}\n", s.direct_io ? "yes" : "no");
+  std::cout << fmt::format("write  kvstash {:.2f} GB/s  fio {} GB/s  ratio {}\n", s.write_gbps,
+                           Fixed(s.fio_write_gbps), Fixed(s.write_ratio));
+  std::cout << fmt::format("read   kvstash {:.2f} GB/s  fio {} GB/s  ratio {}\n", s.read_gbps,
+                           Fixed(s.fio_read_gbps), Fixed(s.read_ratio));
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const RoundFigures& r = rounds[i];
+    std::optional<double> fw, fr;
+    if (r.fio.has_value()) {
+      fw = r.fio->write_gbps;
+      fr = r.fio->read_gbps;
+    }
+    std::cout << fmt::format(
+        "round {} ({:<13})  write kvstash {:.2f} fio {}  read kvstash {:.2f} fio {}  GB/s\n", i + 1,
+        r.fio_first ? "fio first" : "kvstash first", r.tier.write_gbps, Fixed(fw), r.tier.read_gbps,
+        Fixed(fr));
+  }
+}
+
+struct BenchSsdFlags {
+  std::string dir;
+  std::string block_size;
+  std::string total;
+  std::string capacity;
+  int rounds = 3;
+  int batch = 8;
+  bool json = false;
+  bool no_fio = false;
+};
+
+int Fail(int code, std::string_view message) {
+  std::cerr << "kvstash bench ssd: " << message << "\n";
+  return code;
+}
+
+int RunBenchSsd(const BenchSsdFlags& flags) {
+  BenchConfig config;
+  Result<uint64_t> block = ParseBytes("--block-size", flags.block_size);
+  if (!block.ok()) return Fail(kExitUsage, block.status().message());
+  Result<uint64_t> total = ParseBytes("--total", flags.total);
+  if (!total.ok()) return Fail(kExitUsage, total.status().message());
+  if (*block < kMinBlockBytes || *block > kMaxBlockBytes) {
+    return Fail(kExitUsage,
+                fmt::format("--block-size: {} bytes is outside 4096..1073741824 (1 GiB)", *block));
+  }
+  if (*block % kIoAlignment != 0) {
+    return Fail(kExitUsage,
+                fmt::format("--block-size: {} bytes is not a multiple of 4096, which direct I/O "
+                            "needs",
+                            *block));
+  }
+  if (*total < *block) {
+    return Fail(kExitUsage,
+                fmt::format("--total: {} bytes is less than one block of {}", *total, *block));
+  }
+  if (flags.rounds < 1) {
+    return Fail(kExitUsage, fmt::format("--rounds: {} is not a positive count", flags.rounds));
+  }
+  if (flags.batch < 1 || flags.batch > 1024) {
+    return Fail(kExitUsage, fmt::format("--batch: {} is outside 1..1024", flags.batch));
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_directory(flags.dir, ec)) {
+    return Fail(kExitUsage,
+                fmt::format("--dir: '{}' does not exist or is not a directory", flags.dir));
+  }
+  config.dir = flags.dir;
+  config.block_bytes = *block;
+  config.block_count = *total / *block;
+  config.total_bytes = config.block_count * config.block_bytes;
+  config.rounds = flags.rounds;
+  config.batch = static_cast<uint64_t>(flags.batch);
+  config.fio = !flags.no_fio;
+  if (config.total_bytes != *total) {
+    std::cerr << fmt::format(
+        "kvstash bench ssd: --total {} is not a whole number of blocks; using {} bytes\n", *total,
+        config.total_bytes);
+  }
+  uint64_t capacity = config.total_bytes;
+  if (!flags.capacity.empty()) {
+    Result<uint64_t> c = ParseBytes("--capacity", flags.capacity);
+    if (!c.ok()) return Fail(kExitUsage, c.status().message());
+    capacity = std::max(capacity, *c);
+  }
+  // Block sizes are 4 KiB multiples, so a slot is exactly one block: total bytes of capacity
+  // hold every block and no eviction runs inside the timed loop.
+  config.capacity_bytes = std::max(capacity, config.block_count * config.block_bytes);
+
+  // The tier's per-open info line would interleave with the table; warnings (such as a fallback
+  // to buffered I/O) still show, on stderr.
+  if (spdlog::get_level() < spdlog::level::warn) SetLogLevel("warn").IgnoreError();
+
+  Result<AlignedBuffer> src = AllocateAligned(config.block_bytes * config.batch);
+  if (!src.ok()) return Fail(kExitFailure, src.status().ToString());
+  Result<AlignedBuffer> dst = AllocateAligned(config.block_bytes);
+  if (!dst.ok()) return Fail(kExitFailure, dst.status().ToString());
+  // Non-constant bytes, so neither a compressing drive nor a deduplicating file system can
+  // shortcut the writes.
+  uint64_t x = 0x9e3779b97f4a7c15ULL;
+  for (uint64_t i = 0; i < config.block_bytes * config.batch; i += sizeof(x)) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(src->get() + i, &x, sizeof(x));
+  }
+
+  std::vector<RoundFigures> rounds;
+  for (int i = 0; i < config.rounds; ++i) {
+    RoundFigures round;
+    // Alternating the order spreads the drive's drift (thermal, SLC cache, background GC)
+    // over both sides instead of charging it to whichever runs second.
+    round.fio_first = i % 2 == 1;
+    for (int step = 0; step < 2; ++step) {
+      const bool fio_now = (step == 0) == round.fio_first;
+      if (fio_now) {
+        if (!config.fio) continue;
+        Result<FioFigures> fio = RunFio(config);
+        if (!fio.ok()) {
+          return Fail(kExitFailure, fmt::format("fio: {} (pass --no-fio to measure only kvstash)",
+                                                fio.status().message()));
+        }
+        round.fio = *fio;
+      } else {
+        Result<TierFigures> tier = RunTier(config, *src, *dst, config.block_bytes);
+        if (!tier.ok()) return Fail(kExitFailure, tier.status().ToString());
+        round.tier = *tier;
+      }
+    }
+    rounds.push_back(round);
+  }
+
+  const Summary summary = Summarize(rounds);
+  if (!summary.direct_io) {
+    std::cerr << "kvstash bench ssd: warning: the file system refused direct I/O; the kvstash "
+                 "figures include the page cache\n";
+  }
+  if (flags.json) {
+    PrintJson(config, rounds, summary);
+  } else {
+    PrintTable(config, rounds, summary);
+  }
+  std::cout.flush();
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddBenchCommand(CLI::App& app, int* exit_code) {
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Measure a component against the machine's own limit in the same run and print the ratio.");
+  bench->require_subcommand(1);
+
+  auto flags = std::make_shared<BenchSsdFlags>();
+  CLI::App* ssd = bench->add_subcommand(
+      "ssd",
+      "Write and read back --total bytes through the SSD tier (--batch blocks per store call, "
+      "as a cascade job writes them; one block per read), and the same bytes with fio "
+      "(sequential, direct I/O, psync, one block per call) on the same directory.");
+  ssd->add_option("--dir", flags->dir,
+                  "Existing directory on the drive to measure. The tier uses the subdirectory "
+                  "kvstash-bench-ssd and fio the file kvstash-bench-fio.dat; both are removed "
+                  "before and after each round")
+      ->required();
+  ssd->add_option("--block-size", flags->block_size,
+                  "Bytes per block (one tier slot, one fio I/O): 4K..1G, a multiple of 4096. "
+                  "Accepts an integer or a suffix K, M, G, KiB, MiB, GiB (powers of two)")
+      ->required();
+  ssd->add_option("--total", flags->total,
+                  "Bytes written and read per side and round, rounded down to whole blocks; at "
+                  "least one block. Same suffixes as --block-size")
+      ->required();
+  ssd->add_option("--capacity", flags->capacity,
+                  "Tier capacity in bytes (default and minimum: --total, so nothing is evicted "
+                  "while timing). Same suffixes as --block-size");
+  ssd->add_option("--rounds", flags->rounds,
+                  "Rounds to run; every figure is the median over rounds. Rounds alternate "
+                  "which side runs first")
+      ->capture_default_str();
+  ssd->add_option("--batch", flags->batch,
+                  "Blocks per store call (1..1024). The tier writes each block with its own "
+                  "direct write, one after another, and commits the batch's index records in "
+                  "one RocksDB write; 1 commits every block alone")
+      ->capture_default_str();
+  ssd->add_flag("--json", flags->json,
+                "Print one JSON object on stdout instead of the table (logs stay on stderr)");
+  ssd->add_flag("--no-fio", flags->no_fio,
+                "Skip fio (e.g. where it is not installed); fio figures and ratios are null");
+  ssd->footer(
+      "Figures: write and read throughput in GB/s (1e9 bytes/s). kvstash: SsdTier "
+      "PrepareStore/WriteAndCommit per batch (slot writes plus one index commit), then "
+      "PrepareLoad/Read/CompleteLoad per block "
+      "(slot read plus checksum check). fio: its bw_bytes for the same pattern. ratio = "
+      "kvstash / fio: the share of the drive's raw throughput the tier delivers. Per-round "
+      "figures follow the medians, to show the noise. Exits 0 on success, 1 if the tier or fio "
+      "fails (fio missing included, unless --no-fio), 2 for bad arguments.");
+  ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
+}
+
+}  // namespace kvstash::cli
