@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "block_pattern.h"
@@ -320,6 +321,113 @@ TEST_F(TieredStoreTest, WriteBackFlushPersistsCpuBlocks) {
   ExpectSsdBlock(*store, 1);
   ExpectSsdBlock(*store, 2);
 }
+
+}  // namespace
+}  // namespace kvstash::store
+
+namespace kvstash::store {
+namespace {
+
+// Several threads store, look up (promoting from SSD) and load through a small CPU tier over a
+// small SSD tier; every block any thread reads must hold exactly the bytes stored for its key.
+class TieredStoreStressTest : public ::testing::TestWithParam<CascadeMode> {};
+
+TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
+  TempDir dir;
+  TieredStoreOptions options;
+  options.block_bytes = 4096;
+  options.cpu_capacity_blocks = 16;
+  options.prefault = false;
+  options.cascade = GetParam();
+  options.writeback_staging_blocks = 4;
+  SsdTierOptions ssd;
+  ssd.dir = dir / "ssd";
+  ssd.capacity_bytes = 48 * 4096;
+  options.ssd = ssd;
+  auto opened = TieredStore::Open(options);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  TieredStore& store = **opened;
+
+  constexpr int kThreads = 4;
+  constexpr int kOps = 3000;
+  constexpr uint64_t kKeys = 96;
+  std::atomic<uint64_t> loads{0}, wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      uint64_t x = 0x9e3779b97f4a7c15ULL * (t + 1);
+      auto next = [&x] {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        return x;
+      };
+      for (int op = 0; op < kOps; ++op) {
+        const uint64_t k = next() % kKeys;
+        const std::vector<OffloadKey> keys = {Key(k), Key((k + 1) % kKeys)};
+        switch (next() % 4) {
+          case 0: {
+            StorePlan plan;
+            if (!store.PrepareStore(keys, &plan).ok()) break;
+            for (size_t i = 0; i < plan.keys_to_store.size(); ++i) {
+              FillPattern(plan.keys_to_store[i].hash.lo, store.CpuSlot(plan.slots[i]));
+            }
+            store.CompleteStore(plan.keys_to_store, next() % 8 != 0);  // some stores fail
+            break;
+          }
+          case 1: {
+            std::vector<LookupResult> results(keys.size());
+            store.Lookup(keys, results);
+            break;
+          }
+          case 2:
+            store.LookupPrefix(keys).has_value();
+            break;
+          case 3: {
+            std::vector<std::span<const std::byte>> blocks;
+            if (!store.PrepareLoad(keys, &blocks).ok()) break;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              if (!MatchesPattern(keys[i].hash.lo, blocks[i])) ++wrong;
+            }
+            loads += keys.size();
+            EXPECT_TRUE(store.CompleteLoad(keys).ok());
+            break;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  store.WaitIdle();
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_GT(loads, 0u);
+  const TieredStoreStats stats = store.stats();
+  EXPECT_GT(stats.promotions_done, 0u);
+  EXPECT_GT(stats.cascades_done, 0u);
+  EXPECT_EQ(stats.promotion_failures, 0u);
+  EXPECT_EQ(store.ssd()->stats().checksum_failures, 0u);
+  // Every block either tier holds now reads back intact.
+  for (uint64_t k = 0; k < kKeys; ++k) {
+    if (store.ssd()->Lookup(Key(k)) == LookupResult::kHit) {
+      std::vector<std::byte> out;
+      ASSERT_TRUE(store.ssd()->Get(Key(k), &out).ok()) << k;
+      EXPECT_TRUE(MatchesPattern(k, out)) << k;
+    }
+  }
+  // Nothing is left pinned or in flight: the whole CPU tier can be replaced.
+  std::vector<OffloadKey> fresh;
+  for (uint64_t k = 1000; k < 1016; ++k) fresh.push_back(Key(k));
+  StorePlan plan;
+  EXPECT_TRUE(store.PrepareStore(fresh, &plan).ok());
+  store.CompleteStore(fresh, false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TieredStoreStressTest,
+                         ::testing::Values(CascadeMode::kWriteThrough, CascadeMode::kWriteBack),
+                         [](const auto& info) {
+                           return info.param == CascadeMode::kWriteBack ? "write_back"
+                                                                        : "write_through";
+                         });
 
 }  // namespace
 }  // namespace kvstash::store
