@@ -192,15 +192,15 @@ Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, Align
   const std::span<std::byte> out(dst.get(), dst_bytes);
   const auto read_start = std::chrono::steady_clock::now();
   for (uint64_t i = 0; i < config.block_count; ++i) {
-    const store::OffloadKey keys[] = {key_of(i)};
-    Status s = tier->PrepareLoad(keys, &slots);
+    const store::OffloadKey key[] = {key_of(i)};
+    Status s = tier->PrepareLoad(key, &slots);
     if (!s.ok()) return s;
-    Result<size_t> n = tier->Read(keys[0], slots[0], out);
-    Status done = tier->CompleteLoad(keys);
+    Result<size_t> n = tier->Read(key[0], slots[0], out);
+    Status done = tier->CompleteLoad(key);
     if (!n.ok()) return n.status();
     if (!done.ok()) return done;
     if (*n != config.block_bytes) {
-      return DataLossError("block {} read back {} bytes, wrote {}", keys[0].ToString(), *n,
+      return DataLossError("block {} read back {} bytes, wrote {}", key[0].ToString(), *n,
                            config.block_bytes);
     }
   }
