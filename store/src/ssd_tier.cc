@@ -401,11 +401,23 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Open(const SsdTierOptions& options) {
   impl->next_seq = max_seq + 1;
 
   // A smaller capacity than last time: give back the space of the slots beyond it.
+  const uint64_t file_bytes = capacity_blocks * stride;
   struct stat st {};
-  if (::fstat(impl->fd, &st) == 0 && static_cast<uint64_t>(st.st_size) > capacity_blocks * stride) {
-    if (::ftruncate(impl->fd, static_cast<off_t>(capacity_blocks * stride)) != 0) {
+  if (::fstat(impl->fd, &st) == 0 && static_cast<uint64_t>(st.st_size) > file_bytes) {
+    if (::ftruncate(impl->fd, static_cast<off_t>(file_bytes)) != 0) {
       KVSTASH_LOG_WARN("SSD tier {}: cannot shrink blocks.dat: {}", options.dir,
                        std::strerror(errno));
+    }
+  }
+  if (options.preallocate) {
+    // fallocate(2), not posix_fallocate: where the file system cannot reserve space, glibc's
+    // fallback would write every block of the file.
+    const int rc = ::fallocate(impl->fd, 0, 0, static_cast<off_t>(file_bytes)) == 0 ? 0 : errno;
+    if (rc != 0) {
+      KVSTASH_LOG_WARN(
+          "SSD tier {}: cannot reserve {} bytes for blocks.dat ({}); it grows as "
+          "blocks arrive, and stores fail if the disk fills up",
+          options.dir, file_bytes, std::strerror(rc));
     }
   }
   KVSTASH_LOG_INFO("SSD tier {}: {} blocks of {} bytes ({} restored, {} records dropped), {} I/O",

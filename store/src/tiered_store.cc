@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -86,7 +87,8 @@ class TieredStore::IoPool {
 
 struct TieredStore::Counters {
   std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
-      cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0};
+      cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
+      failed_cascade_calls{0};
 
   // One lock for tier decisions: a key moves between the tiers' indexes atomically with
   // respect to lookups (it is never absent from both while in transit).
@@ -333,9 +335,15 @@ void TieredStore::WriteToSsd(const Transfer& transfer,
   if (s.ok()) {
     counters_->cascades_done += writes.size();
   } else {
-    counters_->cascade_failures += writes.size();
-    KVSTASH_LOG_WARN("{} blocks not written to SSD (they stay in the CPU tier until evicted): {}",
-                     writes.size(), s.ToString());
+    const uint64_t before = counters_->cascade_failures.fetch_add(writes.size());
+    // A full disk fails every store: log the 1st, 2nd, 4th, 8th ... failed call, not all.
+    const uint64_t calls = counters_->failed_cascade_calls.fetch_add(1) + 1;
+    if (std::has_single_bit(calls)) {
+      KVSTASH_LOG_WARN(
+          "{} blocks not written to SSD (they stay in the CPU tier until evicted; {} blocks "
+          "failed so far): {}",
+          writes.size(), before + writes.size(), s.ToString());
+    }
   }
 }
 

@@ -424,9 +424,9 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TieredStoreStressTest,
                          ::testing::Values(CascadeMode::kWriteThrough, CascadeMode::kWriteBack),
-                         [](const auto& info) {
-                           return info.param == CascadeMode::kWriteBack ? "write_back"
-                                                                        : "write_through";
+                         [](const auto& param_info) {
+                           return param_info.param == CascadeMode::kWriteBack ? "write_back"
+                                                                              : "write_through";
                          });
 
 }  // namespace
