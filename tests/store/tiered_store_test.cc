@@ -363,6 +363,9 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
         return x;
       };
       for (int op = 0; op < kOps; ++op) {
+        // Let the I/O threads catch up now and then: with every CPU block pinned by queued
+        // cascades, stores and promotions are refused (correctly) and nothing is exercised.
+        if (op % 32 == 31) store.WaitIdle();
         const uint64_t k = next() % kKeys;
         const std::vector<OffloadKey> keys = {Key(k), Key((k + 1) % kKeys)};
         switch (next() % 4) {
@@ -384,13 +387,13 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
             store.LookupPrefix(keys).has_value();
             break;
           case 3: {
+            // One key: a pair is rarely resident in a 16-block CPU tier at the same moment.
+            const std::vector<OffloadKey> one = {keys[0]};
             std::vector<std::span<const std::byte>> blocks;
-            if (!store.PrepareLoad(keys, &blocks).ok()) break;
-            for (size_t i = 0; i < keys.size(); ++i) {
-              if (!MatchesPattern(keys[i].hash.lo, blocks[i])) ++wrong;
-            }
-            loads += keys.size();
-            EXPECT_TRUE(store.CompleteLoad(keys).ok());
+            if (!store.PrepareLoad(one, &blocks).ok()) break;
+            if (!MatchesPattern(one[0].hash.lo, blocks[0])) ++wrong;
+            loads += 1;
+            EXPECT_TRUE(store.CompleteLoad(one).ok());
             break;
           }
         }
