@@ -291,9 +291,7 @@ class BlockManagerImpl final : public BlockManager {
         policy_->OnEvictable(id);
         if (options_.enable_events) stored.push_back(key);
       } else {
-        policy_->Remove(id);
-        index_.Erase(id, hash);
-        FreeSlot(id);
+        DropEntry(id, hash);
       }
     }
     if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
@@ -307,9 +305,7 @@ class BlockManagerImpl final : public BlockManager {
       const uint64_t hash = walk.Next();
       const uint32_t id = FindHashed(key, hash);
       if (id == kNoId || entries_[id].ref != 0) continue;
-      policy_->Remove(id);
-      index_.Erase(id, hash);
-      FreeSlot(id);
+      DropEntry(id, hash);
       removed.push_back(key);
     }
     const size_t count = removed.size();
@@ -485,6 +481,13 @@ class BlockManagerImpl final : public BlockManager {
     free_head_ = entries_[id].aux;
     --free_count_;
     return id;
+  }
+
+  // Takes entry `id` (key hash `hash`) out of the order and the index and frees its slot.
+  void DropEntry(uint32_t id, uint64_t hash) REQUIRES(mu_) {
+    policy_->Remove(id);
+    index_.Erase(id, hash);
+    FreeSlot(id);
   }
 
   void FreeSlot(uint32_t id) REQUIRES(mu_) {

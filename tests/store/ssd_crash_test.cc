@@ -11,6 +11,7 @@
 #include "kvstash/store/ssd_tier.h"
 #include "subprocess.h"
 #include "temp_dir.h"
+#include "test_util.h"
 
 namespace kvstash::store {
 namespace {
@@ -18,11 +19,10 @@ namespace {
 using kvstash::testing::ChildProcess;
 using kvstash::testing::MatchesPattern;
 using kvstash::testing::TempDir;
+using testing::Key;
 
 constexpr size_t kBlock = 256 * 1024;
 constexpr size_t kCapacity = 24;  // blocks: slots are reused (evicted) while the writer runs
-
-OffloadKey Key(uint64_t k) { return OffloadKey{BlockHash{k, 0}, 0, 0}; }
 
 TEST(SsdCrashTest, KilledWriterLosesNothingCommitted) {
   TempDir dir;

@@ -13,6 +13,7 @@
 #include "block_pattern.h"
 #include "kvstash/store/tiered_store.h"
 #include "temp_dir.h"
+#include "test_util.h"
 
 namespace kvstash::store {
 namespace {
@@ -20,10 +21,9 @@ namespace {
 using kvstash::testing::FillPattern;
 using kvstash::testing::MatchesPattern;
 using kvstash::testing::TempDir;
+using testing::Key;
 
 constexpr size_t kBlock = 64 * 1024;
-
-OffloadKey Key(uint64_t k) { return OffloadKey{BlockHash{k, 0}, 0, 0}; }
 
 // Mounts a tmpfs of `bytes` at `dir`, visible to this process only. False (with the reason in
 // `why`) where the test may not create mount namespaces.
