@@ -15,3 +15,11 @@ endif()
 if(KVSTASH_BUILD_BENCHMARKS)
   find_package(benchmark REQUIRED)
 endif()
+
+# Wire schema: protoc generates the code at build time; the lite runtime is all it needs.
+pkg_check_modules(PROTOBUF_LITE REQUIRED IMPORTED_TARGET protobuf-lite)
+find_program(KVSTASH_PROTOC protoc REQUIRED)
+# UCX (ucp + ucs), standalone Asio (header only).
+pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+find_path(ASIO_INCLUDE_DIR asio.hpp REQUIRED)
+find_program(KVSTASH_UCX_PERFTEST ucx_perftest)

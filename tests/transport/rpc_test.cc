@@ -1,0 +1,346 @@
+// RPC and bulk transfer over real UCX, once per transport (UCX_TLS=shm and UCX_TLS=tcp): the
+// server and the client each own a UCX context in this process and talk over loopback.
+
+#include "kvstash/transport/rpc.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "block_pattern.h"
+#include "kvstash/proto/wire.pb.h"
+
+namespace kvstash::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using ::kvstash::testing::FillPattern;
+using ::kvstash::testing::MatchesPattern;
+
+constexpr uint16_t kEcho = 1;
+constexpr uint16_t kPut = 2;     // receives the payload into server memory, replies its size
+constexpr uint16_t kGet = 3;     // replies with the block stored by the last put
+constexpr uint16_t kSilent = 4;  // never replies (keeps the call) until released
+constexpr uint16_t kDrop = 5;    // drops the call without a reply
+
+Bytes AsBytes(const std::string& s) { return std::as_bytes(std::span(s)); }
+std::string AsString(Bytes b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+class RpcTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  static constexpr size_t kMaxBlock = size_t{8} << 20;
+
+  void SetUp() override {
+    ServerOptions options;
+    options.transport.tls = GetParam();
+    options.auth_token = "secret";
+    auto server = RpcServer::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(*server);
+    auto region = server_->AllocateMemory(kMaxBlock);
+    ASSERT_TRUE(region.ok()) << region.status().ToString();
+    server_block_ = std::move(*region);
+
+    server_->Handle(kEcho, [](ServerCall call) { call.Reply(call.request()); });
+    server_->Handle(kPut, [this](ServerCall call) {
+      const size_t n = call.payload_bytes();
+      auto shared = std::make_shared<ServerCall>(std::move(call));
+      shared->ReceivePayload(server_block_.bytes(), &server_block_, [this, shared, n](Status s) {
+        if (!s.ok()) {
+          shared->ReplyError(s);
+          return;
+        }
+        stored_bytes_ = n;
+        const std::string reply = std::to_string(n);
+        shared->Reply(AsBytes(reply));
+      });
+    });
+    server_->Handle(kGet, [this](ServerCall call) {
+      call.Reply({}, server_block_.bytes().first(stored_bytes_), &server_block_);
+    });
+    server_->Handle(kSilent, [this](ServerCall call) {
+      std::lock_guard lock(mu_);
+      held_.push_back(std::move(call));
+    });
+    server_->Handle(kDrop, [](ServerCall) {});
+    ASSERT_TRUE(server_->Start().ok());
+
+    client_ = MakeClient("secret");
+    ASSERT_NE(client_, nullptr);
+  }
+
+  void TearDown() override {
+    client_.reset();
+    {
+      std::lock_guard lock(mu_);
+      held_.clear();
+    }
+    server_block_ = MemoryRegion();
+    server_.reset();
+  }
+
+  std::unique_ptr<RpcClient> MakeClient(const std::string& token) {
+    ClientOptions options;
+    options.port = server_->port();
+    options.auth_token = token;
+    options.transport.tls = GetParam();
+    options.connect_timeout = 3000ms;
+    auto client = RpcClient::Create(options);
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  CallOptions Within(std::chrono::milliseconds timeout) {
+    CallOptions options;
+    options.deadline = Clock::now() + timeout;
+    return options;
+  }
+
+  std::unique_ptr<RpcServer> server_;
+  std::unique_ptr<RpcClient> client_;
+  MemoryRegion server_block_;
+  std::atomic<size_t> stored_bytes_{0};
+  std::mutex mu_;
+  std::vector<ServerCall> held_;
+};
+
+TEST_P(RpcTest, EchoRoundTrip) {
+  std::vector<std::byte> reply;
+  for (int i = 0; i < 100; ++i) {
+    const std::string message = "hello " + std::to_string(i);
+    ASSERT_TRUE(client_->CallSync(kEcho, AsBytes(message), Within(5s), &reply).ok());
+    EXPECT_EQ(AsString(reply), message);
+  }
+  EXPECT_EQ(client_->stats().connects, 1u);
+  EXPECT_EQ(server_->connection_count(), 1u);
+}
+
+TEST_P(RpcTest, LargeMessageTravelsAsData) {
+  // Larger than any UCX AM header limit: goes as the AM data.
+  std::string message(1 << 20, 'x');
+  for (size_t i = 0; i < message.size(); ++i) message[i] = static_cast<char>('a' + i % 26);
+  std::vector<std::byte> reply;
+  ASSERT_TRUE(client_->CallSync(kEcho, AsBytes(message), Within(5s), &reply).ok());
+  EXPECT_EQ(AsString(reply), message);
+}
+
+TEST_P(RpcTest, PutThenGetBlocksFrom4KiBTo8MiB) {
+  auto send = client_->AllocateMemory(kMaxBlock);
+  auto recv = client_->AllocateMemory(kMaxBlock);
+  ASSERT_TRUE(send.ok() && recv.ok());
+  uint64_t seed = 1;
+  for (size_t size = 4096; size <= kMaxBlock; size *= 2, ++seed) {
+    for (size_t n : {size, size - 1}) {  // a power of two and an odd length
+      FillPattern(seed, send->bytes().first(n));
+      CallOptions put = Within(10s);
+      put.send_payload = send->bytes().first(n);
+      put.send_region = &*send;
+      std::vector<std::byte> reply;
+      ASSERT_TRUE(client_->CallSync(kPut, {}, put, &reply).ok()) << n;
+      EXPECT_EQ(AsString(reply), std::to_string(n));
+      EXPECT_TRUE(MatchesPattern(seed, server_block_.bytes().first(n))) << n;
+
+      std::memset(recv->data(), 0, n);
+      CallOptions get = Within(10s);
+      get.recv_payload = recv->bytes();
+      get.recv_region = &*recv;
+      size_t got = 0;
+      ASSERT_TRUE(client_->CallSync(kGet, {}, get, &reply, &got).ok()) << n;
+      EXPECT_EQ(got, n);
+      EXPECT_TRUE(MatchesPattern(seed, recv->bytes().first(n))) << n;
+    }
+  }
+}
+
+TEST_P(RpcTest, UnregisteredBuffersWorkToo) {
+  std::vector<std::byte> send(1 << 20), recv(1 << 20);
+  FillPattern(7, send);
+  CallOptions put = Within(10s);
+  put.send_payload = send;
+  ASSERT_TRUE(client_->CallSync(kPut, {}, put, nullptr).ok());
+  CallOptions get = Within(10s);
+  get.recv_payload = recv;
+  size_t got = 0;
+  ASSERT_TRUE(client_->CallSync(kGet, {}, get, nullptr, &got).ok());
+  EXPECT_EQ(got, send.size());
+  EXPECT_TRUE(MatchesPattern(7, recv));
+}
+
+TEST_P(RpcTest, ManyConcurrentCallsEachCompleteOnce) {
+  constexpr int kCalls = 2000;
+  std::atomic<int> completed{0}, ok{0};
+  std::vector<std::atomic<int>> seen(kCalls);
+  std::promise<void> all;
+  for (int i = 0; i < kCalls; ++i) {
+    const std::string message = std::to_string(i);
+    client_->Call(kEcho, AsBytes(message), Within(20s), [&, i, message](const Response& r) {
+      seen[i].fetch_add(1);
+      if (r.status.ok() && AsString(r.message) == message) ok.fetch_add(1);
+      if (completed.fetch_add(1) + 1 == kCalls) all.set_value();
+    });
+  }
+  ASSERT_EQ(all.get_future().wait_for(30s), std::future_status::ready);
+  EXPECT_EQ(ok.load(), kCalls);
+  for (auto& s : seen) EXPECT_EQ(s.load(), 1);
+}
+
+TEST_P(RpcTest, ReplyPayloadLargerThanBufferIsOutOfRange) {
+  std::vector<std::byte> send(64 << 10), recv(1 << 10);
+  CallOptions put = Within(5s);
+  put.send_payload = send;
+  ASSERT_TRUE(client_->CallSync(kPut, {}, put, nullptr).ok());
+  CallOptions get = Within(5s);
+  get.recv_payload = recv;
+  const Status status = client_->CallSync(kGet, {}, get, nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kOutOfRange) << status.ToString();
+  // The connection still works.
+  EXPECT_TRUE(client_->CallSync(kEcho, AsBytes("after"), Within(5s), nullptr).ok());
+}
+
+TEST_P(RpcTest, DeadlineExceededWhenServerDoesNotReply) {
+  const auto start = Clock::now();
+  const Status status = client_->CallSync(kSilent, AsBytes("x"), Within(200ms), nullptr);
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(status.code(), StatusCode::kDeadlineExceeded) << status.ToString();
+  EXPECT_GE(took, 190ms);
+  EXPECT_LT(took, 2s);
+  // The server learns of the cancellation.
+  for (int i = 0; i < 200; ++i) {
+    {
+      std::lock_guard lock(mu_);
+      if (!held_.empty() && held_.front().cancelled()) break;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  std::lock_guard lock(mu_);
+  ASSERT_EQ(held_.size(), 1u);
+  EXPECT_TRUE(held_.front().cancelled());
+}
+
+TEST_P(RpcTest, LateReplyAfterDeadlineIsDropped) {
+  ASSERT_EQ(client_->CallSync(kSilent, AsBytes("x"), Within(100ms), nullptr).code(),
+            StatusCode::kDeadlineExceeded);
+  {
+    std::lock_guard lock(mu_);
+    ASSERT_EQ(held_.size(), 1u);
+    held_.front().Reply(AsBytes("too late"));
+  }
+  std::vector<std::byte> reply;
+  ASSERT_TRUE(client_->CallSync(kEcho, AsBytes("next"), Within(5s), &reply).ok());
+  EXPECT_EQ(AsString(reply), "next");
+}
+
+TEST_P(RpcTest, CancelCompletesOnceWithCancelled) {
+  std::promise<Status> result;
+  std::atomic<int> calls{0};
+  const uint64_t id = client_->Call(kSilent, AsBytes("x"), Within(10s), [&](const Response& r) {
+    if (calls.fetch_add(1) == 0) result.set_value(r.status);
+  });
+  std::this_thread::sleep_for(20ms);
+  client_->Cancel(id);
+  client_->Cancel(id);  // twice: still one callback
+  auto future = result.get_future();
+  ASSERT_EQ(future.wait_for(2s), std::future_status::ready);
+  EXPECT_EQ(future.get().code(), StatusCode::kCancelled);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(calls.load(), 1);
+}
+
+TEST_P(RpcTest, CancelDuringBulkPutLeavesBufferFree) {
+  auto send = client_->AllocateMemory(kMaxBlock);
+  ASSERT_TRUE(send.ok());
+  for (int i = 0; i < 20; ++i) {
+    std::promise<Status> result;
+    CallOptions put = Within(10s);
+    put.send_payload = send->bytes();
+    put.send_region = &*send;
+    const uint64_t id =
+        client_->Call(kPut, {}, put, [&](const Response& r) { result.set_value(r.status); });
+    client_->Cancel(id);
+    const Status status = result.get_future().get();
+    EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCancelled) << status.ToString();
+  }
+  EXPECT_TRUE(client_->CallSync(kEcho, AsBytes("still fine"), Within(5s), nullptr).ok());
+}
+
+TEST_P(RpcTest, UnknownMethodIsUnimplemented) {
+  EXPECT_EQ(client_->CallSync(999, {}, Within(5s), nullptr).code(), StatusCode::kUnimplemented);
+}
+
+TEST_P(RpcTest, DroppedCallAnswersInternal) {
+  EXPECT_EQ(client_->CallSync(kDrop, {}, Within(5s), nullptr).code(), StatusCode::kInternal);
+}
+
+TEST_P(RpcTest, WrongTokenIsUnauthenticated) {
+  auto intruder = MakeClient("guess");
+  ASSERT_NE(intruder, nullptr);
+  EXPECT_EQ(intruder->Connect().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(intruder->CallSync(kEcho, {}, Within(5s), nullptr).code(),
+            StatusCode::kUnauthenticated);
+}
+
+TEST_P(RpcTest, NothingListeningIsUnavailable) {
+  ClientOptions options;
+  options.port = 1;  // nothing listens on port 1
+  options.transport.tls = GetParam();
+  auto client = RpcClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  EXPECT_EQ((*client)->CallSync(kEcho, {}, Within(5s), nullptr).code(), StatusCode::kUnavailable);
+}
+
+TEST_P(RpcTest, ServerGoneFailsOutstandingThenReconnects) {
+  std::promise<Status> result;
+  client_->Call(kSilent, AsBytes("x"), Within(10s),
+                [&](const Response& r) { result.set_value(r.status); });
+  std::this_thread::sleep_for(50ms);
+  const uint16_t port = server_->port();
+  // The server goes away with the call still held (never answered).
+  server_block_ = MemoryRegion();
+  server_.reset();
+  {
+    std::lock_guard lock(mu_);
+    held_.clear();  // the calls outlive their server: dropping them sends nothing
+  }
+  auto future = result.get_future();
+  ASSERT_EQ(future.wait_for(3s), std::future_status::ready);
+  EXPECT_EQ(future.get().code(), StatusCode::kUnavailable);
+
+  // A new server on the same port: the next call reconnects.
+  ServerOptions options;
+  options.port = port;
+  options.auth_token = "secret";
+  options.transport.tls = GetParam();
+  auto server = RpcServer::Create(options);
+  ASSERT_TRUE(server.ok());
+  server_ = std::move(*server);
+  server_->Handle(kEcho, [](ServerCall call) { call.Reply(call.request()); });
+  ASSERT_TRUE(server_->Start().ok());
+  std::vector<std::byte> reply;
+  ASSERT_TRUE(client_->CallSync(kEcho, AsBytes("again"), Within(5s), &reply).ok());
+  EXPECT_EQ(AsString(reply), "again");
+  EXPECT_EQ(client_->stats().connects, 2u);
+}
+
+TEST_P(RpcTest, ClientDestroyedWithCallsOutstandingCompletesThem) {
+  std::atomic<int> cancelled{0};
+  for (int i = 0; i < 10; ++i) {
+    client_->Call(kSilent, {}, Within(10s), [&](const Response& r) {
+      if (r.status.code() == StatusCode::kCancelled) cancelled.fetch_add(1);
+    });
+  }
+  std::this_thread::sleep_for(50ms);
+  client_.reset();
+  EXPECT_EQ(cancelled.load(), 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "tcp"),
+                         [](const auto& param_info) { return param_info.param; });
+
+}  // namespace
+}  // namespace kvstash::transport

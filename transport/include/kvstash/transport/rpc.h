@@ -1,0 +1,255 @@
+#pragma once
+
+// Request/response RPC over UCX active messages, with block payloads moved zero-copy.
+//
+// Every call carries a small message (protobuf bytes, see proto/wire.proto) and at most one
+// payload each way: a request payload (a put: the server receives it straight into memory it
+// chooses) and a reply payload (a get: the client receives it straight into the buffer it
+// gave). Large payloads go by UCX rendezvous, so the bytes are copied once, by the transport
+// (shared memory: a single CMA/posix copy; TCP: the socket), from registered memory to
+// registered memory.
+//
+// Connections: the server listens on a TCP port. A client connects there, sends wire.Hello
+// with its UCX worker address and receives wire.HelloReply with the server's; both then open
+// UCX endpoints to each other's worker. The TCP socket stays open as a liveness channel: when
+// either process dies, the other side sees it close at once, whatever the UCX transport.
+// (A UCX sockaddr listener cannot carry shared-memory transports in UCX 1.13: measured
+// "Destination is unreachable" with UCX_TLS=shm.)
+//
+// Threads: each RpcClient and RpcServer owns one UCX worker and one progress thread, which
+// also runs an Asio io_context (sockets, deadline timers). The progress thread spins while
+// there is traffic and sleeps on the worker's event fd when idle. Every callback runs on that
+// thread and must not block.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvstash/common/status.h"
+
+namespace kvstash::transport {
+
+using Bytes = std::span<const std::byte>;
+using MutableBytes = std::span<std::byte>;
+using Clock = std::chrono::steady_clock;
+
+struct TransportOptions {
+  // UCX transports for this endpoint's context, as UCX_TLS would name them ("shm", "tcp",
+  // "shm,tcp"...). Empty: the UCX_TLS environment variable, else UCX's default.
+  std::string tls;
+  // Largest RPC message (the protobuf part of a frame) accepted or sent.
+  size_t max_message_bytes = size_t{4} << 20;
+  // Largest payload accepted in one call (a request payload on the server).
+  size_t max_payload_bytes = size_t{64} << 20;
+  // How long the progress thread spins without events before it sleeps on the event fd.
+  std::chrono::microseconds spin_before_sleep{200};
+};
+
+class Worker;
+
+// Memory registered with one endpoint's UCX context, so payloads move from and into it without
+// a registration per call. Move-only; unregisters (and frees, when it allocated) on
+// destruction. Must not outlive the RpcClient/RpcServer that registered it.
+class MemoryRegion {
+ public:
+  MemoryRegion() = default;
+  MemoryRegion(MemoryRegion&& other) noexcept;
+  MemoryRegion& operator=(MemoryRegion&& other) noexcept;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+  ~MemoryRegion();
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  MutableBytes bytes() const { return {data_, size_}; }
+  bool Contains(Bytes span) const {
+    return span.data() >= data_ && span.data() + span.size() <= data_ + size_;
+  }
+  // The UCX memory handle (ucp_mem_h), for the transport's own use.
+  void* handle() const { return memh_; }
+
+ private:
+  friend class Worker;
+  void Reset();
+
+  void* context_ = nullptr;  // ucp_context_h
+  void* memh_ = nullptr;     // ucp_mem_h
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// The outcome of one call, passed to its callback.
+struct Response {
+  Status status;
+  Bytes message;             // the reply's protobuf bytes; valid during the callback only
+  size_t payload_bytes = 0;  // bytes written into CallOptions::recv_payload
+};
+using ResponseCallback = std::function<void(const Response&)>;
+
+struct CallOptions {
+  // The call fails with DeadlineExceeded at this time (and the server is told to cancel it).
+  Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
+  // Request payload; must stay valid and unchanged until the callback runs. Registered memory
+  // (send_region) moves without a registration per call.
+  Bytes send_payload;
+  const MemoryRegion* send_region = nullptr;
+  // Where a reply payload lands; must stay valid until the callback runs. A reply payload
+  // larger than this fails the call with OutOfRange.
+  MutableBytes recv_payload;
+  const MemoryRegion* recv_region = nullptr;
+};
+
+struct ClientOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  std::string key_namespace = "default";
+  std::string auth_token;
+  std::string client_name;
+  TransportOptions transport;
+  std::chrono::milliseconds connect_timeout{5000};
+};
+
+struct TransportStats {
+  uint64_t calls = 0;             // client: calls started; server: requests dispatched
+  uint64_t failed = 0;            // client: calls completed with an error
+  uint64_t connects = 0;          // client: connections made; server: accepted
+  uint64_t disconnects = 0;       // connections lost or closed
+  uint64_t malformed_frames = 0;  // frames dropped or answered with an error for bad framing
+  uint64_t late_replies = 0;      // replies for calls already completed (deadline, cancel)
+};
+
+// The client end of one connection to one server. Connects on the first call (or Connect)
+// and again on the next call after the connection is lost. Thread-safe: calls may start on
+// any thread; callbacks run on the client's progress thread.
+class RpcClient {
+ public:
+  static Result<std::unique_ptr<RpcClient>> Create(ClientOptions options);
+  // Fails every call still outstanding with Cancelled, then closes the connection.
+  ~RpcClient();
+
+  // Connects now (normally the first call does); blocks. Not on the progress thread.
+  Status Connect();
+
+  // Starts a call of `method` with `request` bytes (copied). `done` runs exactly once, on the
+  // progress thread: with the reply, or with DeadlineExceeded, Cancelled, Unavailable (the
+  // connection failed or was lost) or the server's error. Returns the call's id, for Cancel.
+  uint64_t Call(uint16_t method, Bytes request, const CallOptions& options, ResponseCallback done);
+
+  // Completes call `id` with Cancelled (and tells the server) unless it already completed.
+  // Buffers it used are no longer touched when its callback runs.
+  void Cancel(uint64_t id);
+
+  // Call and wait. Not on the progress thread. The reply message is copied into *reply.
+  Status CallSync(uint16_t method, Bytes request, const CallOptions& options,
+                  std::vector<std::byte>* reply, size_t* payload_bytes = nullptr);
+
+  // Registers caller memory, or allocates memory UCX can share (shared-memory transports map
+  // it directly). Thread-safe.
+  Result<MemoryRegion> RegisterMemory(MutableBytes memory);
+  Result<MemoryRegion> AllocateMemory(size_t bytes);
+
+  // True on this client's progress thread.
+  bool OnProgressThread() const;
+  // Runs fn on the progress thread (inline when already there).
+  void RunOnProgressThread(std::function<void()> fn);
+  TransportStats stats() const;
+  uint64_t connection_id() const;
+
+  // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
+  // first. No reply is matched to it.
+  Status SendRawForTesting(Bytes header, Bytes data);
+
+  class Impl;
+
+ private:
+  explicit RpcClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class ServerCallState;
+
+// One request on the server, handed to the method's handler. Move-only. The handler replies
+// now or later, from any thread; a call destroyed without a reply answers Internal. A call may
+// outlive its RpcServer: once the server stopped, replies go nowhere.
+class ServerCall {
+ public:
+  ServerCall() = default;
+  explicit ServerCall(std::shared_ptr<ServerCallState> state);
+  ServerCall(ServerCall&&) noexcept = default;
+  ServerCall& operator=(ServerCall&&) noexcept;
+  ServerCall(const ServerCall&) = delete;
+  ServerCall& operator=(const ServerCall&) = delete;
+  ~ServerCall();
+
+  uint16_t method() const;
+  uint64_t connection_id() const;
+  const std::string& key_namespace() const;
+  Bytes request() const;
+  size_t payload_bytes() const;
+  Clock::time_point deadline() const;
+  // True once the client cancelled the call or its deadline passed: a reply would be dropped.
+  bool cancelled() const;
+
+  // Receives the request payload into dest (dest.size() >= payload_bytes()); `done` runs once
+  // on the progress thread when the bytes are there (or failed). Call at most once.
+  void ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                      std::function<void(Status)> done);
+
+  // Replies OK with `message` (copied) and an optional payload that must stay valid until
+  // `sent` runs (on the progress thread, once, also when the reply could not be sent).
+  void Reply(Bytes message, Bytes payload = {}, const MemoryRegion* region = nullptr,
+             std::function<void(Status)> sent = {});
+  // Replies with an error (message carried as wire.Error).
+  void ReplyError(const Status& status);
+
+ private:
+  std::shared_ptr<ServerCallState> state_;
+};
+
+using Handler = std::function<void(ServerCall call)>;
+
+struct ServerOptions {
+  std::string bind_address = "127.0.0.1";
+  uint16_t port = 0;  // 0: an ephemeral port (see RpcServer::port)
+  // When not empty, a client's Hello must carry this token (else Unauthenticated).
+  std::string auth_token;
+  TransportOptions transport;
+  // Sent to clients in HelloReply (the node's block size; 0 for a bare transport).
+  uint64_t block_bytes = 0;
+  uint32_t max_keys_per_request = 4096;
+  std::chrono::milliseconds hello_timeout{5000};
+};
+
+// The server end: accepts connections and dispatches requests to handlers by method.
+// Handlers run on the progress thread and must not block (hand slow work to another thread and
+// reply from there). Register handlers before Start. Thread-safe after Start.
+class RpcServer {
+ public:
+  static Result<std::unique_ptr<RpcServer>> Create(ServerOptions options);
+  ~RpcServer();
+
+  void Handle(uint16_t method, Handler handler);
+  // Binds and starts accepting; port() is known after it returns.
+  Status Start();
+  uint16_t port() const;
+
+  Result<MemoryRegion> RegisterMemory(MutableBytes memory);
+  Result<MemoryRegion> AllocateMemory(size_t bytes);
+  bool OnProgressThread() const;
+  void RunOnProgressThread(std::function<void()> fn);
+  TransportStats stats() const;
+  size_t connection_count() const;
+
+  class Impl;
+
+ private:
+  explicit RpcServer(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;  // shared with calls still held by handlers
+};
+
+}  // namespace kvstash::transport

@@ -1,0 +1,767 @@
+// RpcClient: calls, deadlines, cancellation, connection and reconnection. Everything below
+// Impl's public entry points runs on the progress thread.
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <future>
+#include <queue>
+#include <unordered_map>
+
+#include "bootstrap.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/proto/wire.pb.h"
+#include "kvstash/transport/frame.h"
+#include "kvstash/transport/rpc.h"
+#include "worker.h"
+
+namespace kvstash::transport {
+namespace {
+
+struct PendingCall {
+  uint64_t id = 0;
+  uint16_t method = 0;
+  ResponseCallback done;
+  Clock::time_point deadline;
+  std::vector<std::byte> frame;  // header + message; UCX reads it until the send completes
+  bool message_in_data = false;
+  Bytes message_bytes;  // the message inside frame (for kMessageInData)
+  Bytes send_payload;
+  const MemoryRegion* send_region = nullptr;
+  MutableBytes recv_payload;
+  const MemoryRegion* recv_region = nullptr;
+  void* send_request = nullptr;  // in flight: UCX reads send_payload
+  void* recv_request = nullptr;  // in flight: UCX writes recv_payload
+  bool sent = false;             // handed to UCX on the current connection
+  bool resolved = false;         // outcome known; done runs once no request is in flight
+  bool resolving = false;        // inside Resolve: completions must not finish the call
+  Status status;
+  std::vector<std::byte> reply;
+  size_t payload_bytes = 0;
+  void* impl = nullptr;  // the RpcClient::Impl that owns it
+};
+
+// A frame with no call behind it (cancel frames, test frames): owns its bytes until sent.
+struct LooseSend {
+  std::vector<std::byte> header;
+  std::vector<std::byte> data;
+};
+
+Status StatusFromWireError(uint16_t code, Bytes message) {
+  wire::Error error;
+  if (!error.ParseFromArray(message.data(), static_cast<int>(message.size()))) {
+    return Status(static_cast<StatusCode>(code), "(unparseable error message from the server)");
+  }
+  return Status(static_cast<StatusCode>(code), error.message());
+}
+
+}  // namespace
+
+class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
+ public:
+  Impl(ClientOptions options, std::shared_ptr<Worker> worker)
+      : options_(std::move(options)), worker_(std::move(worker)), timer_(worker_->io()) {}
+
+  Status Init() {
+    ucp_am_handler_param_t param{};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    param.id = kRpcAmId;
+    param.cb = &Impl::OnFrame;
+    param.arg = this;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG;
+    KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
+                                    "ucp_worker_set_am_recv_handler"));
+    worker_->Start([this] { Shutdown(); });
+    return Status::OK();
+  }
+
+  void Stop() { worker_->Stop(); }
+
+  std::shared_ptr<Worker> worker() const { return worker_; }
+  const ClientOptions& options() const { return options_; }
+
+  uint64_t Call(uint16_t method, Bytes request, const CallOptions& options, ResponseCallback done) {
+    auto call = std::make_unique<PendingCall>();
+    call->id = next_id_.fetch_add(1);
+    call->impl = this;
+    call->method = method;
+    call->done = std::move(done);
+    call->deadline = options.deadline;
+    call->send_payload = options.send_payload;
+    call->send_region = options.send_region;
+    call->recv_payload = options.recv_payload;
+    call->recv_region = options.recv_region;
+    FrameHeader header;
+    header.kind = FrameKind::kRequest;
+    header.method = method;
+    header.request_id = call->id;
+    header.message_bytes = static_cast<uint32_t>(request.size());
+    call->message_in_data = kFrameHeaderBytes + request.size() > worker_->max_am_header();
+    if (call->message_in_data) {
+      header.flags = kMessageInData;
+      call->frame.resize(kFrameHeaderBytes + request.size());
+      WriteFrame(header, {}, call->frame);
+      std::memcpy(call->frame.data() + kFrameHeaderBytes, request.data(), request.size());
+      call->message_bytes = Bytes(call->frame).subspan(kFrameHeaderBytes);
+    } else {
+      call->frame.resize(kFrameHeaderBytes + request.size());
+      WriteFrame(header, request, call->frame);
+    }
+    const uint64_t id = call->id;
+    calls_started_.fetch_add(1, std::memory_order_relaxed);
+    worker_->Run([this, call = std::move(call)]() mutable { Start(std::move(call)); });
+    return id;
+  }
+
+  void Cancel(uint64_t id) {
+    worker_->Run([this, id] {
+      auto it = calls_.find(id);
+      if (it == calls_.end() || it->second->resolved) return;
+      PendingCall* call = it->second.get();
+      if (call->sent) SendCancelFrame(id);
+      Resolve(call, CancelledError("call {} cancelled", id));
+    });
+  }
+
+  Status SendRaw(Bytes header, Bytes data) {
+    auto send = std::make_shared<LooseSend>();
+    send->header.assign(header.begin(), header.end());
+    send->data.assign(data.begin(), data.end());
+    std::promise<Status> promise;
+    auto future = promise.get_future();
+    worker_->Run([this, send, &promise] {
+      if (!ep_) {
+        promise.set_value(UnavailableError("not connected"));
+        return;
+      }
+      SendLoose(std::move(*send));
+      promise.set_value(Status::OK());
+    });
+    return future.get();
+  }
+
+  Status Connect() {
+    if (worker_->OnThread()) return FailedPreconditionError("Connect on the progress thread");
+    std::promise<Status> promise;
+    auto future = promise.get_future();
+    worker_->Run([this, &promise] {
+      if (state_ == State::kConnected) {
+        promise.set_value(Status::OK());
+        return;
+      }
+      connect_waiters_.push_back([&promise](const Status& s) { promise.set_value(s); });
+      if (state_ == State::kIdle) StartConnect();
+    });
+    return future.get();
+  }
+
+  TransportStats stats() const {
+    TransportStats s;
+    s.calls = calls_started_.load();
+    s.failed = calls_failed_.load();
+    s.connects = connects_.load();
+    s.disconnects = disconnects_.load();
+    s.malformed_frames = malformed_.load();
+    s.late_replies = late_replies_.load();
+    return s;
+  }
+  uint64_t connection_id() const { return connection_id_.load(); }
+
+ private:
+  enum class State { kIdle, kConnecting, kConnected };
+
+  // ---- calls -------------------------------------------------------------------------------
+
+  void Start(std::unique_ptr<PendingCall> owned) {
+    PendingCall* call = owned.get();
+    calls_.emplace(call->id, std::move(owned));
+    if (worker_->stopping()) {
+      Resolve(call, CancelledError("client is shutting down"));
+      return;
+    }
+    if (call->frame.size() - kFrameHeaderBytes > worker_->options().max_message_bytes) {
+      Resolve(call, ResourceExhaustedError("request message of {} bytes exceeds the limit of {}",
+                                           call->frame.size() - kFrameHeaderBytes,
+                                           worker_->options().max_message_bytes));
+      return;
+    }
+    if (call->send_payload.size() > worker_->options().max_payload_bytes) {
+      Resolve(call, ResourceExhaustedError("request payload of {} bytes exceeds the limit of {}",
+                                           call->send_payload.size(),
+                                           worker_->options().max_payload_bytes));
+      return;
+    }
+    if (call->message_in_data && !call->send_payload.empty()) {
+      Resolve(call, InvalidArgumentError(
+                        "request message of {} bytes is too large to travel with a payload "
+                        "(UCX header limit {})",
+                        call->frame.size() - kFrameHeaderBytes, worker_->max_am_header()));
+      return;
+    }
+    if (Clock::now() >= call->deadline) {
+      Resolve(call,
+              DeadlineExceededError("call of method {} started after its deadline", call->method));
+      return;
+    }
+    ScheduleDeadline(call->deadline, call->id);
+    if (state_ == State::kConnected) {
+      Send(call);
+    } else {
+      waiting_.push_back(call->id);
+      if (state_ == State::kIdle) StartConnect();
+    }
+  }
+
+  void Send(PendingCall* call) {
+    FrameHeader header;
+    std::memcpy(&header, call->frame.data(), kFrameHeaderBytes);
+    header.connection_id = connection_id_.load();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::microseconds>(call->deadline - Clock::now());
+    header.timeout_us = static_cast<uint32_t>(
+        std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max()));
+    std::memcpy(call->frame.data(), &header, kFrameHeaderBytes);
+
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.send = &Impl::OnSendDone;
+    param.user_data = call;
+    param.datatype = ucp_dt_make_contig(1);
+    const void* data = call->send_payload.data();
+    size_t data_bytes = call->send_payload.size();
+    size_t header_bytes = call->frame.size();
+    if (call->message_in_data) {
+      data = call->message_bytes.data();
+      data_bytes = call->message_bytes.size();
+      header_bytes = kFrameHeaderBytes;
+      param.flags = UCP_AM_SEND_FLAG_EAGER;
+    } else if (call->send_region != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = static_cast<ucp_mem_h>(call->send_region->handle());
+    }
+    call->sent = true;
+    ucs_status_ptr_t request = ucp_am_send_nbx(ep_.get(), kRpcAmId, call->frame.data(),
+                                               header_bytes, data, data_bytes, &param);
+    if (request == nullptr) return;  // sent (buffered or done) already
+    if (UCS_PTR_IS_ERR(request)) {
+      Resolve(call, FromUcs(UCS_PTR_STATUS(request), "sending a request"));
+      return;
+    }
+    call->send_request = request;
+  }
+
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
+    auto* call = static_cast<PendingCall*>(user_data);
+    ucp_request_free(request);
+    call->send_request = nullptr;
+    auto* self = static_cast<Impl*>(call->impl);
+    if (status != UCS_OK && !call->resolved) {
+      self->Resolve(call, FromUcs(status, fmt::format("sending call {}", call->id)));
+      return;
+    }
+    self->MaybeFinish(call);
+  }
+
+  static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data) {
+    auto* call = static_cast<PendingCall*>(user_data);
+    ucp_request_free(request);
+    call->recv_request = nullptr;
+    auto* self = static_cast<Impl*>(call->impl);
+    if (call->resolved) {
+      self->MaybeFinish(call);
+      return;
+    }
+    if (status != UCS_OK) {
+      self->Resolve(
+          call, FromUcs(status, fmt::format("receiving the reply payload of call {}", call->id)));
+      return;
+    }
+    call->payload_bytes = length;
+    self->Resolve(call, Status::OK());
+  }
+
+  // Decides the call's outcome. Errors cancel whatever UCX still does with the caller's
+  // buffers; done runs once nothing is in flight.
+  void Resolve(PendingCall* call, Status status) {
+    if (call->resolved) return;
+    call->resolved = true;
+    call->status = std::move(status);
+    if (!call->status.ok()) {
+      call->resolving = true;
+      if (call->send_request != nullptr) ucp_request_cancel(worker_->ucp(), call->send_request);
+      if (call->recv_request != nullptr) ucp_request_cancel(worker_->ucp(), call->recv_request);
+      call->resolving = false;
+    }
+    MaybeFinish(call);
+  }
+
+  void MaybeFinish(PendingCall* call) {
+    if (!call->resolved || call->resolving || call->send_request != nullptr ||
+        call->recv_request != nullptr) {
+      return;
+    }
+    auto it = calls_.find(call->id);
+    if (it == calls_.end()) return;
+    std::unique_ptr<PendingCall> owned = std::move(it->second);
+    calls_.erase(it);
+    if (!owned->status.ok()) calls_failed_.fetch_add(1, std::memory_order_relaxed);
+    Response response{std::move(owned->status), owned->reply, owned->payload_bytes};
+    if (owned->done) owned->done(response);
+  }
+
+  // ---- deadlines ---------------------------------------------------------------------------
+
+  void ScheduleDeadline(Clock::time_point deadline, uint64_t id) {
+    deadlines_.emplace(deadline, id);
+    if (!timer_armed_ || deadline < timer_at_) ArmTimer(deadline);
+  }
+
+  void ArmTimer(Clock::time_point at) {
+    timer_armed_ = true;
+    timer_at_ = at;
+    timer_.expires_at(at);
+    timer_.async_wait([this](const asio::error_code& error) {
+      if (error == asio::error::operation_aborted) return;
+      timer_armed_ = false;
+      OnDeadlines();
+    });
+  }
+
+  void OnDeadlines() {
+    const auto now = Clock::now();
+    while (!deadlines_.empty() && deadlines_.top().first <= now) {
+      const uint64_t id = deadlines_.top().second;
+      deadlines_.pop();
+      auto it = calls_.find(id);
+      if (it == calls_.end() || it->second->resolved) continue;
+      PendingCall* call = it->second.get();
+      if (call->sent && ep_) SendCancelFrame(id);
+      Resolve(call,
+              DeadlineExceededError("call {} (method {}) passed its deadline", id, call->method));
+    }
+    if (!deadlines_.empty()) ArmTimer(deadlines_.top().first);
+  }
+
+  // ---- frames from the server --------------------------------------------------------------
+
+  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<Impl*>(arg);
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    auto release = [&] {
+      if (rndv && !self->worker_->DiscardRendezvous(data, length)) {
+        self->Disconnect(
+            UnavailableError("server sent a payload of {} bytes, beyond the limit "
+                             "of {}",
+                             length, self->worker_->options().max_payload_bytes));
+      }
+    };
+    const Bytes data_bytes = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
+    auto frame = ParseFrame(Bytes(static_cast<const std::byte*>(header), header_length), data_bytes,
+                            length, !rndv, self->worker_->options().max_message_bytes);
+    if (!frame.ok() || frame->header.kind != FrameKind::kResponse) {
+      self->malformed_.fetch_add(1, std::memory_order_relaxed);
+      KVSTASH_LOG_WARN("dropped a malformed frame from the server: {}",
+                       frame.ok() ? "not a response" : frame.status().ToString());
+      release();
+      return UCS_OK;
+    }
+    auto it = self->calls_.find(frame->header.request_id);
+    if (it == self->calls_.end() || it->second->resolved) {
+      self->late_replies_.fetch_add(1, std::memory_order_relaxed);
+      release();
+      return UCS_OK;
+    }
+    PendingCall* call = it->second.get();
+    if (frame->header.status != 0) {
+      release();
+      self->Resolve(call, StatusFromWireError(frame->header.status, frame->message));
+      return UCS_OK;
+    }
+    call->reply.assign(frame->message.begin(), frame->message.end());
+    const size_t payload = frame->payload_bytes;
+    if (payload == 0) {
+      self->Resolve(call, Status::OK());
+      return UCS_OK;
+    }
+    if (payload > call->recv_payload.size()) {
+      release();
+      self->Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer "
+                                          "of {} bytes",
+                                          payload, call->recv_payload.size()));
+      return UCS_OK;
+    }
+    if (!rndv) {
+      std::memcpy(call->recv_payload.data(), data, payload);
+      call->payload_bytes = payload;
+      self->Resolve(call, Status::OK());
+      return UCS_OK;
+    }
+    ucp_request_param_t recv{};
+    recv.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    recv.cb.recv_am = &Impl::OnRecvDone;
+    recv.user_data = call;
+    recv.datatype = ucp_dt_make_contig(1);
+    if (call->recv_region != nullptr) {
+      recv.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      recv.memh = static_cast<ucp_mem_h>(call->recv_region->handle());
+    }
+    ucs_status_ptr_t request =
+        ucp_am_recv_data_nbx(self->worker_->ucp(), data, call->recv_payload.data(), payload, &recv);
+    if (request == nullptr) {
+      call->payload_bytes = payload;
+      self->Resolve(call, Status::OK());
+    } else if (UCS_PTR_IS_ERR(request)) {
+      self->Resolve(call, FromUcs(UCS_PTR_STATUS(request), "receiving a reply payload"));
+    } else {
+      call->recv_request = request;
+    }
+    return UCS_OK;
+  }
+
+  // ---- loose frames (cancel, tests) --------------------------------------------------------
+
+  void SendCancelFrame(uint64_t id) {
+    LooseSend send;
+    FrameHeader header;
+    header.kind = FrameKind::kCancel;
+    header.request_id = id;
+    header.connection_id = connection_id_.load();
+    send.header.resize(kFrameHeaderBytes);
+    WriteFrame(header, {}, send.header);
+    SendLoose(std::move(send));
+  }
+
+  void SendLoose(LooseSend send) {
+    if (!ep_) return;
+    auto* owned = new LooseSend(std::move(send));
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+      ucp_request_free(request);
+      delete static_cast<LooseSend*>(user_data);
+    };
+    param.user_data = owned;
+    param.datatype = ucp_dt_make_contig(1);
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(ep_.get(), kRpcAmId, owned->header.data(), owned->header.size(),
+                        owned->data.data(), owned->data.size(), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
+  }
+
+  // ---- connection --------------------------------------------------------------------------
+
+  void StartConnect() {
+    state_ = State::kConnecting;
+    const uint64_t attempt = ++attempt_;
+    socket_.emplace(worker_->io());
+    connect_timer_.emplace(worker_->io());
+    connect_timer_->expires_after(options_.connect_timeout);
+    connect_timer_->async_wait([this, attempt](const asio::error_code& error) {
+      if (error || attempt != attempt_ || state_ != State::kConnecting) return;
+      FailConnect(UnavailableError("connecting to {}:{} timed out after {} ms", options_.host,
+                                   options_.port, options_.connect_timeout.count()));
+    });
+    asio::error_code error;
+    const auto address = asio::ip::make_address(options_.host, error);
+    if (error) {
+      resolver_.emplace(worker_->io());
+      resolver_->async_resolve(
+          options_.host, std::to_string(options_.port),
+          [this, attempt](const asio::error_code& e, asio::ip::tcp::resolver::results_type r) {
+            if (attempt != attempt_ || state_ != State::kConnecting) return;
+            if (e) {
+              FailConnect(UnavailableError("resolving {}: {}", options_.host, e.message()));
+              return;
+            }
+            asio::async_connect(
+                *socket_, r,
+                [this, attempt](const asio::error_code& ce, const asio::ip::tcp::endpoint&) {
+                  OnSocketConnected(attempt, ce);
+                });
+          });
+      return;
+    }
+    socket_->async_connect(
+        asio::ip::tcp::endpoint(address, options_.port),
+        [this, attempt](const asio::error_code& e) { OnSocketConnected(attempt, e); });
+  }
+
+  void OnSocketConnected(uint64_t attempt, const asio::error_code& error) {
+    if (attempt != attempt_ || state_ != State::kConnecting) return;
+    if (error) {
+      FailConnect(UnavailableError("connecting to {}:{}: {}", options_.host, options_.port,
+                                   error.message()));
+      return;
+    }
+    asio::error_code ignored;
+    socket_->set_option(asio::ip::tcp::no_delay(true), ignored);
+    wire::Hello hello;
+    hello.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
+    hello.set_namespace_(options_.key_namespace);
+    hello.set_auth_token(options_.auth_token);
+    hello.set_worker_address(std::string(worker_->address()));
+    hello.set_client_name(options_.client_name.empty() ? fmt::format("pid {}", ::getpid())
+                                                       : options_.client_name);
+    AsyncWriteMessage(*socket_, hello, [this, attempt](Status status) {
+      if (attempt != attempt_ || state_ != State::kConnecting) return;
+      if (!status.ok()) {
+        FailConnect(std::move(status));
+        return;
+      }
+      AsyncReadMessage(*socket_, [this, attempt](Status s, std::string body) {
+        OnHelloReply(attempt, std::move(s), body);
+      });
+    });
+  }
+
+  void OnHelloReply(uint64_t attempt, Status status, const std::string& body) {
+    if (attempt != attempt_ || state_ != State::kConnecting) return;
+    if (!status.ok()) {
+      FailConnect(UnavailableError("{}:{} closed the connection during the hello ({})",
+                                   options_.host, options_.port, status.message()));
+      return;
+    }
+    wire::HelloReply reply;
+    if (!reply.ParseFromString(body)) {
+      FailConnect(
+          UnavailableError("{}:{} sent an unparseable hello reply", options_.host, options_.port));
+      return;
+    }
+    if (reply.has_error() && reply.error().code() != wire::OK) {
+      FailConnect(Status(static_cast<StatusCode>(reply.error().code()),
+                         fmt::format("{}:{} refused the connection: {}", options_.host,
+                                     options_.port, reply.error().message())));
+      return;
+    }
+    const std::string& address = reply.worker_address();
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    params.err_handler.cb = &Impl::OnEndpointError;
+    params.err_handler.arg = this;
+    ucp_ep_h ep = nullptr;
+    const Status created = worker_->CreateEndpoint(
+        &params, &ep, fmt::format("opening a UCX endpoint to {}:{}", options_.host, options_.port));
+    if (!created.ok()) {
+      FailConnect(created);
+      return;
+    }
+    ep_ = UcpEndpoint(ep);
+    connection_id_ = reply.connection_id();
+    state_ = State::kConnected;
+    connect_timer_->cancel();
+    connects_.fetch_add(1, std::memory_order_relaxed);
+    WatchSocket(attempt);
+    for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(Status::OK());
+    for (uint64_t id : std::exchange(waiting_, {})) {
+      auto it = calls_.find(id);
+      if (it != calls_.end() && !it->second->resolved) Send(it->second.get());
+    }
+  }
+
+  // The bootstrap socket carries nothing after the hello: any read completion means the
+  // server went away (or broke protocol).
+  void WatchSocket(uint64_t attempt) {
+    socket_->async_read_some(
+        asio::buffer(watch_byte_, 1), [this, attempt](const asio::error_code& error, size_t) {
+          if (attempt != attempt_ || state_ != State::kConnected) return;
+          Disconnect(UnavailableError("connection to {}:{} lost ({})", options_.host, options_.port,
+                                      error ? error.message() : "unexpected bytes"));
+        });
+  }
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* self = static_cast<Impl*>(arg);
+    if (self->ep_.get() != ep) return;
+    self->Disconnect(FromUcs(status, fmt::format("UCX endpoint to {}:{} failed",
+                                                 self->options_.host, self->options_.port)));
+  }
+
+  void FailConnect(Status status) {
+    state_ = State::kIdle;
+    ++attempt_;
+    if (status.code() != StatusCode::kUnauthenticated &&
+        status.code() != StatusCode::kFailedPrecondition &&
+        status.code() != StatusCode::kPermissionDenied) {
+      status = Status(StatusCode::kUnavailable, std::string(status.message()));
+    }
+    CloseSocket();
+    for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(status);
+    for (uint64_t id : std::exchange(waiting_, {})) {
+      auto it = calls_.find(id);
+      if (it != calls_.end()) Resolve(it->second.get(), status);
+    }
+  }
+
+  void CloseSocket() {
+    asio::error_code ignored;
+    if (socket_) socket_->close(ignored);
+    if (connect_timer_) connect_timer_->cancel();
+  }
+
+  // Fails every call and closes the endpoint; the next call reconnects.
+  void Disconnect(Status status) {
+    if (state_ == State::kIdle) return;
+    KVSTASH_LOG_WARN("{}", status.ToString());
+    const bool was_connected = state_ == State::kConnected;
+    state_ = State::kIdle;
+    ++attempt_;
+    if (was_connected) disconnects_.fetch_add(1, std::memory_order_relaxed);
+    CloseSocket();
+    Status failure(
+        status.code() == StatusCode::kCancelled ? StatusCode::kCancelled : StatusCode::kUnavailable,
+        std::string(status.message()));
+    // Outstanding requests on the endpoint complete (cancelled) when it is force-closed; the
+    // calls resolve first so those completions only finish them.
+    std::vector<PendingCall*> all;
+    all.reserve(calls_.size());
+    for (auto& [id, call] : calls_) all.push_back(call.get());
+    for (PendingCall* call : all) {
+      if (!call->resolved) {
+        call->resolved = true;
+        call->status = failure;
+      }
+      call->resolving = true;
+      if (call->send_request != nullptr) ucp_request_cancel(worker_->ucp(), call->send_request);
+      if (call->recv_request != nullptr) ucp_request_cancel(worker_->ucp(), call->recv_request);
+      call->resolving = false;
+    }
+    waiting_.clear();
+    for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
+    if (ep_) {
+      auto ep = std::make_shared<UcpEndpoint>(std::move(ep_));
+      auto close = [this, ep] {
+        worker_->WaitRequest(ep->Close(/*force=*/true));
+        FinishResolved();
+      };
+      if (in_shutdown_) {
+        close();
+      } else {
+        asio::post(worker_->io(), close);
+      }
+    } else {
+      FinishResolved();
+    }
+  }
+
+  void FinishResolved() {
+    std::vector<PendingCall*> done;
+    for (auto& [id, call] : calls_) {
+      if (call->resolved) done.push_back(call.get());
+    }
+    for (PendingCall* call : done) MaybeFinish(call);
+  }
+
+  void Shutdown() {
+    in_shutdown_ = true;
+    timer_.cancel();
+    if (state_ == State::kIdle) {
+      for (auto& [id, call] : calls_) {
+        call->resolved = true;
+        call->status = CancelledError("client destroyed");
+      }
+      FinishResolved();
+    } else {
+      Disconnect(CancelledError("client destroyed with calls outstanding"));
+    }
+    if (resolver_) resolver_->cancel();
+  }
+
+  ClientOptions options_;
+  std::shared_ptr<Worker> worker_;
+  std::atomic<uint64_t> next_id_{1};
+
+  // Progress-thread state.
+  State state_ = State::kIdle;
+  uint64_t attempt_ = 0;
+  std::optional<asio::ip::tcp::socket> socket_;
+  std::optional<asio::ip::tcp::resolver> resolver_;
+  std::optional<asio::steady_timer> connect_timer_;
+  char watch_byte_[1];
+  UcpEndpoint ep_;
+  std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> calls_;
+  std::vector<uint64_t> waiting_;
+  std::vector<std::function<void(const Status&)>> connect_waiters_;
+  using Deadline = std::pair<Clock::time_point, uint64_t>;
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>> deadlines_;
+  asio::steady_timer timer_;
+  bool timer_armed_ = false;
+  Clock::time_point timer_at_;
+  bool in_shutdown_ = false;
+
+  std::atomic<uint64_t> connection_id_{0};
+  std::atomic<uint64_t> calls_started_{0}, calls_failed_{0}, connects_{0}, disconnects_{0},
+      malformed_{0}, late_replies_{0};
+};
+
+// ---- RpcClient -------------------------------------------------------------------------------
+
+Result<std::unique_ptr<RpcClient>> RpcClient::Create(ClientOptions options) {
+  if (options.port == 0) return InvalidArgumentError("client needs the server's port");
+  KVSTASH_ASSIGN_OR_RETURN(auto worker, Worker::Create(options.transport, "kvstash-client"));
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(worker));
+  KVSTASH_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<RpcClient>(new RpcClient(std::move(impl)));
+}
+
+RpcClient::RpcClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RpcClient::~RpcClient() {
+  if (impl_) impl_->Stop();
+}
+
+Status RpcClient::Connect() { return impl_->Connect(); }
+
+uint64_t RpcClient::Call(uint16_t method, Bytes request, const CallOptions& options,
+                         ResponseCallback done) {
+  return impl_->Call(method, request, options, std::move(done));
+}
+
+void RpcClient::Cancel(uint64_t id) { impl_->Cancel(id); }
+
+Status RpcClient::CallSync(uint16_t method, Bytes request, const CallOptions& options,
+                           std::vector<std::byte>* reply, size_t* payload_bytes) {
+  if (impl_->worker()->OnThread()) {
+    return FailedPreconditionError("CallSync on the progress thread would deadlock");
+  }
+  std::promise<Status> promise;
+  auto future = promise.get_future();
+  impl_->Call(method, request, options, [&](const Response& response) {
+    if (reply != nullptr) reply->assign(response.message.begin(), response.message.end());
+    if (payload_bytes != nullptr) *payload_bytes = response.payload_bytes;
+    promise.set_value(response.status);
+  });
+  return future.get();
+}
+
+Result<MemoryRegion> RpcClient::RegisterMemory(MutableBytes memory) {
+  return impl_->worker()->Register(memory);
+}
+
+Result<MemoryRegion> RpcClient::AllocateMemory(size_t bytes) {
+  return impl_->worker()->Allocate(bytes);
+}
+
+bool RpcClient::OnProgressThread() const { return impl_->worker()->OnThread(); }
+
+void RpcClient::RunOnProgressThread(std::function<void()> fn) {
+  impl_->worker()->Run(std::move(fn));
+}
+
+TransportStats RpcClient::stats() const { return impl_->stats(); }
+
+uint64_t RpcClient::connection_id() const { return impl_->connection_id(); }
+
+Status RpcClient::SendRawForTesting(Bytes header, Bytes data) {
+  KVSTASH_RETURN_IF_ERROR(impl_->Connect());
+  return impl_->SendRaw(header, data);
+}
+
+}  // namespace kvstash::transport

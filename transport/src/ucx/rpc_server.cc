@@ -1,0 +1,662 @@
+// RpcServer: accepts connections (bootstrap socket + UCX endpoint per client), validates
+// frames and dispatches requests. Everything below the public entry points runs on the
+// progress thread.
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <random>
+#include <unordered_map>
+
+#include "bootstrap.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/proto/wire.pb.h"
+#include "kvstash/transport/frame.h"
+#include "kvstash/transport/rpc.h"
+#include "worker.h"
+
+namespace kvstash::transport {
+
+struct ServerConnection {
+  uint64_t id = 0;
+  std::string key_namespace;
+  std::string client_name;
+  asio::ip::tcp::socket socket;
+  UcpEndpoint ep;
+  bool open = true;
+  char watch_byte[1];
+  explicit ServerConnection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
+};
+
+// One request; shared by its ServerCall handle and the UCX operations it starts.
+class ServerCallState {
+ public:
+  std::shared_ptr<RpcServer::Impl> server;  // calls may outlive the RpcServer handle
+  std::shared_ptr<Worker> worker;
+  std::shared_ptr<ServerConnection> connection;
+  uint16_t method = 0;
+  uint64_t request_id = 0;
+  Clock::time_point deadline;
+  std::vector<std::byte> request;
+  size_t payload_bytes = 0;
+  void* payload_data = nullptr;  // eager bytes or the rendezvous descriptor
+  bool payload_rndv = false;
+  bool payload_persistent = false;  // eager bytes kept past the AM callback
+  bool payload_consumed = false;
+  bool in_am_callback = false;
+  std::atomic<bool> replied{false};
+  std::atomic<bool> cancelled{false};
+
+  void ReleasePayload() {
+    if (payload_consumed || payload_bytes == 0) return;
+    payload_consumed = true;
+    if (payload_rndv) {
+      worker->DiscardRendezvous(payload_data, payload_bytes);  // within limits: checked
+    } else if (payload_persistent) {
+      ucp_am_data_release(worker->ucp(), payload_data);
+    }
+  }
+};
+
+namespace {
+
+struct ReplySend {
+  std::vector<std::byte> header;
+  std::vector<std::byte> message_in_data;
+  std::function<void(Status)> sent;
+  std::shared_ptr<ServerCallState> state;  // keeps the connection alive while sending
+};
+
+struct PayloadRecv {
+  std::shared_ptr<ServerCallState> state;
+  std::function<void(Status)> done;
+};
+
+wire::Code ToWire(StatusCode code) { return static_cast<wire::Code>(code); }
+
+}  // namespace
+
+class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
+ public:
+  Impl(ServerOptions options, std::shared_ptr<Worker> worker)
+      : options_(std::move(options)), worker_(std::move(worker)), acceptor_(worker_->io()) {
+    std::random_device random;
+    epoch_ = (uint64_t{random()} << 32);
+  }
+
+  void Handle(uint16_t method, Handler handler) { handlers_[method] = std::move(handler); }
+
+  Status Start() {
+    asio::error_code error;
+    const auto address = asio::ip::make_address(options_.bind_address, error);
+    if (error) {
+      return InvalidArgumentError("bind address '{}' is not an IP address: {}",
+                                  options_.bind_address, error.message());
+    }
+    const asio::ip::tcp::endpoint endpoint(address, options_.port);
+    acceptor_.open(endpoint.protocol(), error);
+    if (!error) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), error);
+    if (!error) acceptor_.bind(endpoint, error);
+    if (!error) acceptor_.listen(asio::socket_base::max_listen_connections, error);
+    if (error) {
+      return UnavailableError("listening on {}:{}: {}", options_.bind_address, options_.port,
+                              error.message());
+    }
+    port_ = acceptor_.local_endpoint().port();
+    ucp_am_handler_param_t param{};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    param.id = kRpcAmId;
+    param.cb = &Impl::OnFrame;
+    param.arg = this;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+    KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
+                                    "ucp_worker_set_am_recv_handler"));
+    worker_->Start([this] { Shutdown(); });
+    worker_->Run([this] { Accept(); });
+    return Status::OK();
+  }
+
+  void Stop() { worker_->Stop(); }
+  uint16_t port() const { return port_; }
+  const std::shared_ptr<Worker>& worker() const { return worker_; }
+
+  TransportStats stats() const {
+    TransportStats s;
+    s.calls = calls_.load();
+    s.connects = connects_.load();
+    s.disconnects = disconnects_.load();
+    s.malformed_frames = malformed_.load();
+    return s;
+  }
+  size_t connection_count() const { return open_connections_.load(); }
+
+  // ---- replies (any thread) ----------------------------------------------------------------
+
+  void Reply(const std::shared_ptr<ServerCallState>& state, StatusCode code, Bytes message,
+             Bytes payload, const MemoryRegion* region, std::function<void(Status)> sent) {
+    auto send = std::make_unique<ReplySend>();
+    send->sent = std::move(sent);
+    send->state = state;
+    FrameHeader header;
+    header.kind = FrameKind::kResponse;
+    header.method = state->method;
+    header.request_id = state->request_id;
+    header.connection_id = state->connection->id;
+    header.status = static_cast<uint16_t>(code);
+    header.message_bytes = static_cast<uint32_t>(message.size());
+    const bool in_data = kFrameHeaderBytes + message.size() > worker_->max_am_header();
+    if (in_data) {
+      header.flags = kMessageInData;
+      send->header.resize(kFrameHeaderBytes);
+      WriteFrame(header, {}, send->header);
+      send->message_in_data.assign(message.begin(), message.end());
+    } else {
+      send->header.resize(kFrameHeaderBytes + message.size());
+      WriteFrame(header, message, send->header);
+    }
+    worker_->Run([this, send = std::move(send), payload, region]() mutable {
+      SendReply(std::move(send), payload, region);
+    });
+  }
+
+  void ReplyStatus(const std::shared_ptr<ServerCallState>& state, const Status& status) {
+    wire::Error error;
+    error.set_code(ToWire(status.code()));
+    error.set_message(std::string(status.message()));
+    const std::string bytes = error.SerializeAsString();
+    Reply(state, status.code(), std::as_bytes(std::span(bytes)), {}, nullptr, {});
+  }
+
+  void ReceivePayload(const std::shared_ptr<ServerCallState>& state, MutableBytes dest,
+                      const MemoryRegion* region, std::function<void(Status)> done) {
+    worker_->Run([this, state, dest, region, done = std::move(done)]() mutable {
+      if (state->payload_consumed) {
+        done(FailedPreconditionError("payload of call {} already received or released",
+                                     state->request_id));
+        return;
+      }
+      if (state->payload_bytes == 0) {
+        done(Status::OK());
+        return;
+      }
+      if (dest.size() < state->payload_bytes) {
+        const size_t n = state->payload_bytes;
+        state->ReleasePayload();
+        done(InvalidArgumentError("payload of {} bytes does not fit a {}-byte buffer", n,
+                                  dest.size()));
+        return;
+      }
+      if (!state->connection->open) {
+        state->ReleasePayload();
+        done(UnavailableError("connection {} closed before its payload arrived",
+                              state->connection->id));
+        return;
+      }
+      if (!state->payload_rndv) {
+        std::memcpy(dest.data(), state->payload_data, state->payload_bytes);
+        state->ReleasePayload();
+        done(Status::OK());
+        return;
+      }
+      state->payload_consumed = true;
+      auto* op = new PayloadRecv{state, std::move(done)};
+      ucp_request_param_t param{};
+      param.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+      param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+        ucp_request_free(request);
+        std::unique_ptr<PayloadRecv> owned(static_cast<PayloadRecv*>(user_data));
+        owned->done(FromUcs(status, "receiving a request payload"));
+      };
+      param.user_data = op;
+      param.datatype = ucp_dt_make_contig(1);
+      if (region != nullptr) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = static_cast<ucp_mem_h>(region->handle());
+      }
+      ucs_status_ptr_t request = ucp_am_recv_data_nbx(worker_->ucp(), state->payload_data,
+                                                      dest.data(), state->payload_bytes, &param);
+      if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+        std::unique_ptr<PayloadRecv> owned(op);
+        owned->done(request == nullptr
+                        ? Status::OK()
+                        : FromUcs(UCS_PTR_STATUS(request), "receiving a request payload"));
+      }
+    });
+  }
+
+  // The handle was dropped: reply Internal if the handler never did, release the payload.
+  void Drop(std::shared_ptr<ServerCallState> state) {
+    worker_->Run([this, state = std::move(state)] {
+      if (!state->in_am_callback) {
+        state->ReleasePayload();
+        Forget(*state);
+      }
+      if (!state->replied.exchange(true)) {
+        ReplyStatus(state, InternalError("handler of method {} dropped the call without a reply",
+                                         state->method));
+      }
+    });
+  }
+
+ private:
+  void SendReply(std::unique_ptr<ReplySend> send, Bytes payload, const MemoryRegion* region) {
+    ServerConnection& connection = *send->state->connection;
+    if (!connection.open || !connection.ep) {
+      if (send->sent) send->sent(UnavailableError("connection {} is closed", connection.id));
+      return;
+    }
+    if (send->state->cancelled.load()) {
+      if (send->sent)
+        send->sent(CancelledError("call {} was cancelled by the client", send->state->request_id));
+      return;
+    }
+    if (!send->message_in_data.empty() && !payload.empty()) {
+      if (send->sent) {
+        send->sent(
+            InvalidArgumentError("reply message of {} bytes is too large to travel with "
+                                 "a payload",
+                                 send->message_in_data.size()));
+      }
+      return;
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+      ucp_request_free(request);
+      std::unique_ptr<ReplySend> owned(static_cast<ReplySend*>(user_data));
+      if (owned->sent) owned->sent(FromUcs(status, "sending a reply"));
+    };
+    param.datatype = ucp_dt_make_contig(1);
+    const void* data = payload.data();
+    size_t data_bytes = payload.size();
+    if (!send->message_in_data.empty()) {
+      data = send->message_in_data.data();
+      data_bytes = send->message_in_data.size();
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_EAGER;
+    } else if (region != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = static_cast<ucp_mem_h>(region->handle());
+    }
+    ReplySend* raw = send.release();
+    param.user_data = raw;
+    ucs_status_ptr_t request = ucp_am_send_nbx(connection.ep.get(), kRpcAmId, raw->header.data(),
+                                               raw->header.size(), data, data_bytes, &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+      std::unique_ptr<ReplySend> owned(raw);
+      if (owned->sent) {
+        owned->sent(request == nullptr ? Status::OK()
+                                       : FromUcs(UCS_PTR_STATUS(request), "sending a reply"));
+      }
+    }
+  }
+
+  // ---- connections -------------------------------------------------------------------------
+
+  void Accept() {
+    acceptor_.async_accept([this](const asio::error_code& error, asio::ip::tcp::socket socket) {
+      if (error) {
+        if (error != asio::error::operation_aborted) {
+          KVSTASH_LOG_WARN("accept: {}", error.message());
+          Accept();
+        }
+        return;
+      }
+      asio::error_code ignored;
+      socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+      auto connection = std::make_shared<ServerConnection>(std::move(socket));
+      auto timer = std::make_shared<asio::steady_timer>(worker_->io());
+      timer->expires_after(options_.hello_timeout);
+      timer->async_wait([connection](const asio::error_code& e) {
+        if (!e && connection->id == 0) {
+          asio::error_code ignored2;
+          connection->socket.close(ignored2);
+        }
+      });
+      AsyncReadMessage(connection->socket, [this, connection, timer](Status s, std::string body) {
+        timer->cancel();
+        OnHello(connection, std::move(s), body);
+      });
+      Accept();
+    });
+  }
+
+  void OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
+               const std::string& body) {
+    if (!status.ok()) {
+      KVSTASH_LOG_WARN("dropped a connection before its hello: {}", status.ToString());
+      return;
+    }
+    wire::Hello hello;
+    wire::HelloReply reply;
+    reply.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
+    reply.set_block_bytes(options_.block_bytes);
+    reply.set_max_keys_per_request(options_.max_keys_per_request);
+    reply.set_max_message_bytes(worker_->options().max_message_bytes);
+    Status refused;
+    if (!hello.ParseFromString(body)) {
+      refused = InvalidArgumentError("unparseable hello of {} bytes", body.size());
+    } else if (hello.protocol_version() != wire::PROTOCOL_VERSION_CURRENT) {
+      refused = FailedPreconditionError("protocol version {} is not the node's {}",
+                                        hello.protocol_version(),
+                                        static_cast<int>(wire::PROTOCOL_VERSION_CURRENT));
+    } else if (!options_.auth_token.empty() && hello.auth_token() != options_.auth_token) {
+      refused = UnauthenticatedError("wrong auth token");
+    }
+    ucp_ep_h ep = nullptr;
+    if (refused.ok()) {
+      ucp_ep_params_t params{};
+      params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.address = reinterpret_cast<const ucp_address_t*>(hello.worker_address().data());
+      params.err_handler.cb = &Impl::OnEndpointError;
+      params.err_handler.arg = this;
+      refused = worker_->CreateEndpoint(&params, &ep, "opening a UCX endpoint to the client");
+    }
+    if (!refused.ok()) {
+      KVSTASH_LOG_WARN("refused a client: {}", refused.ToString());
+      reply.mutable_error()->set_code(ToWire(refused.code()));
+      reply.mutable_error()->set_message(std::string(refused.message()));
+      AsyncWriteMessage(connection->socket, reply, [connection](Status) {
+        asio::error_code ignored;
+        connection->socket.close(ignored);
+      });
+      return;
+    }
+    connection->ep = UcpEndpoint(ep);
+    connection->id = epoch_ | ++next_connection_;
+    connection->key_namespace = hello.namespace_();
+    connection->client_name = hello.client_name();
+    connections_[connection->id] = connection;
+    endpoints_[ep] = connection->id;
+    connects_.fetch_add(1, std::memory_order_relaxed);
+    open_connections_.fetch_add(1, std::memory_order_relaxed);
+    reply.set_connection_id(connection->id);
+    reply.set_worker_address(std::string(worker_->address()));
+    AsyncWriteMessage(connection->socket, reply, [this, connection](Status s) {
+      if (!s.ok()) {
+        Close(connection, s);
+        return;
+      }
+      Watch(connection);
+    });
+  }
+
+  void Watch(const std::shared_ptr<ServerConnection>& connection) {
+    connection->socket.async_read_some(
+        asio::buffer(connection->watch_byte, 1),
+        [this, connection](const asio::error_code& error, size_t) {
+          Close(connection, UnavailableError("client {} ({}) went away: {}", connection->id,
+                                             connection->client_name,
+                                             error ? error.message() : "unexpected bytes"));
+        });
+  }
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->endpoints_.find(ep);
+    if (it == self->endpoints_.end()) return;
+    auto connection = self->connections_.find(it->second);
+    if (connection == self->connections_.end()) return;
+    self->Close(connection->second, FromUcs(status, "UCX endpoint to a client failed"));
+  }
+
+  void Close(std::shared_ptr<ServerConnection> connection, const Status& why) {
+    if (!connection->open) return;
+    connection->open = false;
+    KVSTASH_LOG_INFO("closing connection {}: {}", connection->id, why.ToString());
+    open_connections_.fetch_sub(1, std::memory_order_relaxed);
+    disconnects_.fetch_add(1, std::memory_order_relaxed);
+    connections_.erase(connection->id);
+    asio::error_code ignored;
+    connection->socket.close(ignored);
+    if (connection->ep) {
+      endpoints_.erase(connection->ep.get());
+      auto ep = std::make_shared<UcpEndpoint>(std::move(connection->ep));
+      auto close = [this, ep] { worker_->WaitRequest(ep->Close(/*force=*/true)); };
+      if (worker_->stopping()) {
+        close();
+      } else {
+        asio::post(worker_->io(), close);
+      }
+    }
+  }
+
+  void Shutdown() {
+    asio::error_code ignored;
+    acceptor_.close(ignored);
+    auto all = connections_;
+    for (auto& [id, connection] : all) Close(connection, CancelledError("server stopping"));
+  }
+
+  // ---- frames ------------------------------------------------------------------------------
+
+  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param) {
+    return static_cast<Impl*>(arg)->Dispatch(
+        Bytes(static_cast<const std::byte*>(header), header_length), data, length,
+        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+  }
+
+  ucs_status_t Dispatch(Bytes header, void* data, size_t length, bool rndv) {
+    // An unwanted rendezvous payload is drained; one beyond the payload limit closes the
+    // connection it came on (which releases it).
+    auto release = [&] {
+      if (!rndv || worker_->DiscardRendezvous(data, length)) return;
+      if (header.size() < kFrameHeaderBytes) return;
+      FrameHeader h;
+      std::memcpy(&h, header.data(), kFrameHeaderBytes);
+      auto it = connections_.find(h.connection_id);
+      if (it != connections_.end()) {
+        Close(it->second, ResourceExhaustedError("payload of {} bytes beyond the limit of {}",
+                                                 length, worker_->options().max_payload_bytes));
+      }
+    };
+    const Bytes eager = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
+    auto frame = ParseFrame(header, eager, length, !rndv, worker_->options().max_message_bytes);
+    if (!frame.ok()) {
+      malformed_.fetch_add(1, std::memory_order_relaxed);
+      release();
+      // The error goes back when the frame names a live connection and a request.
+      if (header.size() >= kFrameHeaderBytes) {
+        FrameHeader h;
+        std::memcpy(&h, header.data(), kFrameHeaderBytes);
+        auto it = connections_.find(h.connection_id);
+        if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && it != connections_.end()) {
+          auto state = NewState(it->second, h);
+          state->replied = true;
+          ReplyStatus(state, frame.status());
+        }
+      }
+      KVSTASH_LOG_WARN("malformed frame: {}", frame.status().ToString());
+      return UCS_OK;
+    }
+    const FrameHeader& h = frame->header;
+    auto it = connections_.find(h.connection_id);
+    if (it == connections_.end()) {
+      malformed_.fetch_add(1, std::memory_order_relaxed);
+      release();
+      KVSTASH_LOG_WARN("frame for unknown connection {:#x}", h.connection_id);
+      return UCS_OK;
+    }
+    const std::shared_ptr<ServerConnection>& connection = it->second;
+    if (h.kind == FrameKind::kCancel) {
+      auto call = active_.find({h.connection_id, h.request_id});
+      if (call != active_.end()) {
+        if (auto state = call->second.lock()) state->cancelled = true;
+      }
+      return UCS_OK;
+    }
+    if (h.kind != FrameKind::kRequest) {
+      malformed_.fetch_add(1, std::memory_order_relaxed);
+      release();
+      return UCS_OK;
+    }
+    auto state = NewState(connection, h);
+    if (frame->payload_bytes > worker_->options().max_payload_bytes) {
+      release();
+      state->replied = true;
+      ReplyStatus(state, ResourceExhaustedError("payload of {} bytes exceeds the limit of {}",
+                                                frame->payload_bytes,
+                                                worker_->options().max_payload_bytes));
+      return UCS_OK;
+    }
+    auto handler = handlers_.find(h.method);
+    if (handler == handlers_.end()) {
+      release();
+      state->replied = true;
+      ReplyStatus(state, UnimplementedError("no handler for method {}", h.method));
+      return UCS_OK;
+    }
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    state->request.assign(frame->message.begin(), frame->message.end());
+    state->payload_bytes = frame->payload_bytes;
+    state->payload_data = data;
+    state->payload_rndv = rndv;
+    state->in_am_callback = true;
+    active_[{h.connection_id, h.request_id}] = state;
+    handler->second(ServerCall(state));
+    state->in_am_callback = false;
+    const bool keep = !state->payload_consumed && state->payload_bytes > 0 && state.use_count() > 1;
+    if (!keep) {
+      // Dropped during the handler (Drop ran inline and skipped the release) or consumed.
+      if (!state->payload_consumed && state->payload_bytes > 0) {
+        state->ReleasePayload();
+      }
+      active_.erase({h.connection_id, h.request_id});
+      return UCS_OK;
+    }
+    if (!rndv) {
+      state->payload_persistent = true;
+      return UCS_INPROGRESS;
+    }
+    return UCS_OK;
+  }
+
+  std::shared_ptr<ServerCallState> NewState(const std::shared_ptr<ServerConnection>& connection,
+                                            const FrameHeader& h) {
+    auto state = std::make_shared<ServerCallState>();
+    state->server = shared_from_this();
+    state->worker = worker_;
+    state->connection = connection;
+    state->method = h.method;
+    state->request_id = h.request_id;
+    state->deadline = h.timeout_us == 0 ? Clock::time_point::max()
+                                        : Clock::now() + std::chrono::microseconds(h.timeout_us);
+    return state;
+  }
+
+ public:
+  void Forget(const ServerCallState& state) {
+    active_.erase({state.connection->id, state.request_id});
+  }
+
+ private:
+  struct PairHash {
+    size_t operator()(const std::pair<uint64_t, uint64_t>& p) const {
+      return std::hash<uint64_t>()(p.first * 0x9e3779b97f4a7c15ULL ^ p.second);
+    }
+  };
+
+  ServerOptions options_;
+  std::shared_ptr<Worker> worker_;
+  asio::ip::tcp::acceptor acceptor_;
+  uint16_t port_ = 0;
+  uint64_t epoch_ = 0;
+  uint64_t next_connection_ = 0;
+  std::unordered_map<uint16_t, Handler> handlers_;
+  std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
+  std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
+  std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ServerCallState>, PairHash>
+      active_;
+  std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0};
+  std::atomic<size_t> open_connections_{0};
+};
+
+// ---- ServerCall ------------------------------------------------------------------------------
+
+ServerCall::ServerCall(std::shared_ptr<ServerCallState> state) : state_(std::move(state)) {}
+
+ServerCall& ServerCall::operator=(ServerCall&& other) noexcept {
+  if (this != &other) {
+    if (state_) state_->server->Drop(std::move(state_));
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+ServerCall::~ServerCall() {
+  if (state_) state_->server->Drop(std::move(state_));
+}
+
+uint16_t ServerCall::method() const { return state_->method; }
+uint64_t ServerCall::connection_id() const { return state_->connection->id; }
+const std::string& ServerCall::key_namespace() const { return state_->connection->key_namespace; }
+Bytes ServerCall::request() const { return state_->request; }
+size_t ServerCall::payload_bytes() const { return state_->payload_bytes; }
+Clock::time_point ServerCall::deadline() const { return state_->deadline; }
+bool ServerCall::cancelled() const {
+  return state_->cancelled.load() || Clock::now() >= state_->deadline;
+}
+
+void ServerCall::ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                                std::function<void(Status)> done) {
+  state_->server->ReceivePayload(state_, dest, region, std::move(done));
+}
+
+void ServerCall::Reply(Bytes message, Bytes payload, const MemoryRegion* region,
+                       std::function<void(Status)> sent) {
+  if (state_->replied.exchange(true)) {
+    if (sent) sent(FailedPreconditionError("call {} already replied", state_->request_id));
+    return;
+  }
+  state_->server->Reply(state_, StatusCode::kOk, message, payload, region, std::move(sent));
+}
+
+void ServerCall::ReplyError(const Status& status) {
+  if (state_->replied.exchange(true)) return;
+  state_->server->ReplyStatus(state_, status.ok() ? InternalError("ReplyError with OK") : status);
+}
+
+// ---- RpcServer -------------------------------------------------------------------------------
+
+Result<std::unique_ptr<RpcServer>> RpcServer::Create(ServerOptions options) {
+  KVSTASH_ASSIGN_OR_RETURN(auto worker, Worker::Create(options.transport, "kvstash-server"));
+  auto impl = std::make_shared<Impl>(std::move(options), std::move(worker));
+  return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
+}
+
+RpcServer::RpcServer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RpcServer::~RpcServer() {
+  if (impl_) impl_->Stop();
+}
+
+void RpcServer::Handle(uint16_t method, Handler handler) {
+  impl_->Handle(method, std::move(handler));
+}
+
+Status RpcServer::Start() { return impl_->Start(); }
+uint16_t RpcServer::port() const { return impl_->port(); }
+
+Result<MemoryRegion> RpcServer::RegisterMemory(MutableBytes memory) {
+  return impl_->worker()->Register(memory);
+}
+
+Result<MemoryRegion> RpcServer::AllocateMemory(size_t bytes) {
+  return impl_->worker()->Allocate(bytes);
+}
+
+bool RpcServer::OnProgressThread() const { return impl_->worker()->OnThread(); }
+
+void RpcServer::RunOnProgressThread(std::function<void()> fn) {
+  impl_->worker()->Run(std::move(fn));
+}
+
+TransportStats RpcServer::stats() const { return impl_->stats(); }
+size_t RpcServer::connection_count() const { return impl_->connection_count(); }
+
+}  // namespace kvstash::transport

@@ -1,0 +1,289 @@
+#include "worker.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "kvstash/common/logging.h"
+
+namespace kvstash::transport {
+
+Status FromUcs(ucs_status_t status, std::string_view what) {
+  if (status == UCS_OK) return Status::OK();
+  const std::string message = fmt::format("{}: {}", what, ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_CANCELED:
+      return Status(StatusCode::kCancelled, message);
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+      return Status(StatusCode::kDeadlineExceeded, message);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+    case UCS_ERR_OUT_OF_RANGE:
+      return Status(StatusCode::kResourceExhausted, message);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_MESSAGE_TRUNCATED:
+      return Status(StatusCode::kInvalidArgument, message);
+    case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_NOT_IMPLEMENTED:
+      return Status(StatusCode::kUnimplemented, message);
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_NO_DEVICE:
+      return Status(StatusCode::kUnavailable, message);
+    default:
+      return Status(StatusCode::kInternal, message);
+  }
+}
+
+Status Worker::CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what) {
+  params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ucs_status_t status = UCS_ERR_UNREACHABLE;
+  if (peer_errors_) {
+    params->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    status = ucp_ep_create(worker_.get(), params, ep);
+    if (status == UCS_ERR_UNREACHABLE) peer_errors_ = false;
+  }
+  if (!peer_errors_) {
+    params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    params->field_mask &= ~uint64_t{UCP_EP_PARAM_FIELD_ERR_HANDLER};
+    status = ucp_ep_create(worker_.get(), params, ep);
+  }
+  return FromUcs(status, what);
+}
+
+void* UcpEndpoint::Close(bool force) {
+  if (handle_ == nullptr) return nullptr;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(std::exchange(handle_, nullptr), &param);
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) return nullptr;
+  return request;
+}
+
+MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept
+    : context_(std::exchange(other.context_, nullptr)),
+      memh_(std::exchange(other.memh_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    context_ = std::exchange(other.context_, nullptr);
+    memh_ = std::exchange(other.memh_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MemoryRegion::~MemoryRegion() { Reset(); }
+
+void MemoryRegion::Reset() {
+  if (memh_ != nullptr) {
+    ucp_mem_unmap(static_cast<ucp_context_h>(context_), static_cast<ucp_mem_h>(memh_));
+  }
+  context_ = nullptr;
+  memh_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+}
+
+Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
+                                               const std::string& name) {
+  std::shared_ptr<Worker> self(new Worker(options));
+  ucp_config_t* config = nullptr;
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+  Status status;
+  if (!options.tls.empty()) {
+    status = FromUcs(ucp_config_modify(config, "TLS", options.tls.c_str()),
+                     fmt::format("UCX_TLS={}", options.tls));
+  }
+  ucp_context_h context = nullptr;
+  if (status.ok()) {
+    ucp_params_t params{};
+    params.field_mask =
+        UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    // Memory is registered from any thread; the context's lock makes that safe.
+    params.mt_workers_shared = 1;
+    params.name = name.c_str();
+    status = FromUcs(ucp_init(&params, config, &context), "ucp_init");
+  }
+  ucp_config_release(config);
+  KVSTASH_RETURN_IF_ERROR(status);
+  self->context_ = UcpContext(context);
+
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  ucp_worker_h worker = nullptr;
+  KVSTASH_RETURN_IF_ERROR(
+      FromUcs(ucp_worker_create(context, &worker_params, &worker), "ucp_worker_create"));
+  self->worker_ = UcpWorker(worker);
+
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_query(worker, &attr), "ucp_worker_query"));
+  self->max_am_header_ = attr.max_am_header;
+
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  KVSTASH_RETURN_IF_ERROR(
+      FromUcs(ucp_worker_get_address(worker, &address, &address_length), "ucp_worker_get_address"));
+  self->address_ = UcpWorkerAddress(worker, address, address_length);
+  KVSTASH_RETURN_IF_ERROR(
+      FromUcs(ucp_worker_get_efd(worker, &self->event_fd_), "ucp_worker_get_efd"));
+  return self;
+}
+
+Worker::~Worker() { Stop(); }
+
+void Worker::Start(std::function<void()> on_stop) {
+  on_stop_ = std::move(on_stop);
+  thread_ = std::thread([this] { Loop(); });
+  while (thread_id_.load() == std::thread::id()) std::this_thread::yield();
+}
+
+void Worker::Stop() {
+  if (!thread_.joinable()) return;
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    KVSTASH_LOG_ERROR("transport worker stopped from its own progress thread; detaching");
+    thread_.detach();
+    return;
+  }
+  asio::post(io_, [this] {
+    stopping_ = true;
+    if (on_stop_) on_stop_();
+    exit_ = true;
+  });
+  thread_.join();
+}
+
+void Worker::WaitRequest(void* request) {
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
+  while (ucp_request_check_status(request) == UCS_INPROGRESS) {
+    ucp_worker_progress(worker_.get());
+  }
+  ucp_request_free(request);
+}
+
+void Worker::Loop() {
+  thread_id_ = std::this_thread::get_id();
+  // The event fd belongs to UCX; Asio watches a duplicate so closing it closes nothing of UCX's.
+  asio::posix::stream_descriptor event_fd(io_, ::dup(event_fd_));
+  bool wait_pending = false;
+  auto guard = asio::make_work_guard(io_);
+  const auto spin = options_.spin_before_sleep;
+  Clock::time_point idle_since = Clock::now();
+  bool idle = false;
+  while (!exit_.load(std::memory_order_relaxed)) {
+    unsigned events = ucp_worker_progress(worker_.get());
+    if (events == 0) events += io_.poll();
+    if (events != 0) {
+      idle = false;
+      continue;
+    }
+    const auto now = Clock::now();
+    if (!idle) {
+      idle = true;
+      idle_since = now;
+      continue;
+    }
+    if (now - idle_since < spin) continue;
+    // Idle long enough: arm the event fd and sleep in Asio until UCX, a socket, a timer or a
+    // posted handler has something.
+    if (!wait_pending) {
+      wait_pending = true;
+      event_fd.async_wait(asio::posix::descriptor_base::wait_read,
+                          [&wait_pending](const asio::error_code&) { wait_pending = false; });
+    }
+    const ucs_status_t armed = ucp_worker_arm(worker_.get());
+    if (armed == UCS_ERR_BUSY) {
+      idle = false;
+      continue;
+    }
+    if (armed != UCS_OK) {
+      KVSTASH_LOG_ERROR("ucp_worker_arm: {}; polling instead", ucs_status_string(armed));
+      continue;
+    }
+    io_.run_one();
+    idle = false;
+  }
+  asio::error_code ignored;
+  event_fd.cancel(ignored);
+  event_fd.close(ignored);
+  guard.reset();
+  io_.poll();
+  exited_ = true;
+}
+
+bool Worker::DiscardRendezvous(void* descriptor, size_t length) {
+  if (length > options_.max_payload_bytes) return false;
+  auto* scratch = new std::byte[std::max<size_t>(length, 1)];
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.recv_am = [](void* request, ucs_status_t, size_t, void* user_data) {
+    ucp_request_free(request);
+    delete[] static_cast<std::byte*>(user_data);
+  };
+  param.user_data = scratch;
+  param.datatype = ucp_dt_make_contig(1);
+  ucs_status_ptr_t request =
+      ucp_am_recv_data_nbx(worker_.get(), descriptor, scratch, length, &param);
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) delete[] scratch;
+  return true;
+}
+
+Result<MemoryRegion> Worker::Register(MutableBytes memory) {
+  if (memory.empty()) return InvalidArgumentError("cannot register 0 bytes");
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = memory.data();
+  params.length = memory.size();
+  ucp_mem_h memh = nullptr;
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_.get(), &params, &memh),
+                                  fmt::format("registering {} bytes", memory.size())));
+  MemoryRegion region;
+  region.context_ = context_.get();
+  region.memh_ = memh;
+  region.data_ = memory.data();
+  region.size_ = memory.size();
+  return region;
+}
+
+Result<MemoryRegion> Worker::Allocate(size_t bytes) {
+  if (bytes == 0) return InvalidArgumentError("cannot allocate 0 bytes");
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  params.address = nullptr;
+  params.length = bytes;
+  params.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_.get(), &params, &memh),
+                                  fmt::format("allocating {} registered bytes", bytes)));
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  const Status queried = FromUcs(ucp_mem_query(memh, &attr), "ucp_mem_query");
+  if (!queried.ok()) {
+    ucp_mem_unmap(context_.get(), memh);
+    return queried;
+  }
+  MemoryRegion region;
+  region.context_ = context_.get();
+  region.memh_ = memh;
+  region.data_ = static_cast<std::byte*>(attr.address);
+  region.size_ = bytes;
+  return region;
+}
+
+}  // namespace kvstash::transport

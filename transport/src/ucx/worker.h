@@ -1,0 +1,186 @@
+#pragma once
+
+// One UCX context + worker and the progress thread that drives them (with an Asio io_context
+// for sockets and timers). Private to transport/.
+
+#include <ucp/api/ucp.h>
+
+#include <asio.hpp>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "kvstash/common/status.h"
+#include "kvstash/transport/rpc.h"
+
+namespace kvstash::transport {
+
+// Translates a UCX status; the one place UCX codes become kvstash codes.
+Status FromUcs(ucs_status_t status, std::string_view what);
+
+// ucp_ep_create with peer-failure detection where the transports offer it (TCP), and without
+// where they do not (shared memory in UCX 1.13: "no peer failure handler"); the bootstrap
+// socket detects a dead peer either way.
+
+// Owns a ucp_context_h. Move-only.
+class UcpContext {
+ public:
+  UcpContext() = default;
+  explicit UcpContext(ucp_context_h handle) : handle_(handle) {}
+  UcpContext(UcpContext&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  UcpContext& operator=(UcpContext&& other) noexcept {
+    std::swap(handle_, other.handle_);
+    return *this;
+  }
+  ~UcpContext() {
+    if (handle_ != nullptr) ucp_cleanup(handle_);
+  }
+  ucp_context_h get() const { return handle_; }
+
+ private:
+  ucp_context_h handle_ = nullptr;
+};
+
+// Owns a ucp_worker_h. Move-only. Every endpoint of the worker must be closed first.
+class UcpWorker {
+ public:
+  UcpWorker() = default;
+  explicit UcpWorker(ucp_worker_h handle) : handle_(handle) {}
+  UcpWorker(UcpWorker&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  UcpWorker& operator=(UcpWorker&& other) noexcept {
+    std::swap(handle_, other.handle_);
+    return *this;
+  }
+  ~UcpWorker() {
+    if (handle_ != nullptr) ucp_worker_destroy(handle_);
+  }
+  ucp_worker_h get() const { return handle_; }
+
+ private:
+  ucp_worker_h handle_ = nullptr;
+};
+
+// Owns a worker address (ucp_worker_get_address). Move-only.
+class UcpWorkerAddress {
+ public:
+  UcpWorkerAddress() = default;
+  UcpWorkerAddress(ucp_worker_h worker, ucp_address_t* address, size_t length)
+      : worker_(worker), address_(address), length_(length) {}
+  UcpWorkerAddress(UcpWorkerAddress&& other) noexcept
+      : worker_(other.worker_),
+        address_(std::exchange(other.address_, nullptr)),
+        length_(other.length_) {}
+  UcpWorkerAddress& operator=(UcpWorkerAddress&& other) noexcept {
+    std::swap(worker_, other.worker_);
+    std::swap(address_, other.address_);
+    std::swap(length_, other.length_);
+    return *this;
+  }
+  ~UcpWorkerAddress() {
+    if (address_ != nullptr) ucp_worker_release_address(worker_, address_);
+  }
+  std::string_view bytes() const { return {reinterpret_cast<const char*>(address_), length_}; }
+
+ private:
+  ucp_worker_h worker_ = nullptr;
+  ucp_address_t* address_ = nullptr;
+  size_t length_ = 0;
+};
+
+// Owns a ucp_ep_h; Close() starts a close (force: without flushing) and the destructor forces
+// one. Must be closed on the worker's progress thread, before the worker is destroyed.
+class UcpEndpoint {
+ public:
+  UcpEndpoint() = default;
+  explicit UcpEndpoint(ucp_ep_h handle) : handle_(handle) {}
+  UcpEndpoint(UcpEndpoint&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  UcpEndpoint& operator=(UcpEndpoint&& other) noexcept {
+    std::swap(handle_, other.handle_);
+    return *this;
+  }
+  ~UcpEndpoint() { Close(/*force=*/true); }
+  ucp_ep_h get() const { return handle_; }
+  explicit operator bool() const { return handle_ != nullptr; }
+  // Returns the close request (to progress until done) or nullptr when already closed.
+  void* Close(bool force);
+
+ private:
+  ucp_ep_h handle_ = nullptr;
+};
+
+// A context, a worker and its progress thread. Created by RpcClient/RpcServer; shared with
+// their asynchronous handlers through shared_ptr. All UCX worker calls happen on the thread.
+class Worker : public std::enable_shared_from_this<Worker> {
+ public:
+  static Result<std::shared_ptr<Worker>> Create(const TransportOptions& options,
+                                                const std::string& name);
+  ~Worker();
+
+  // Starts the progress thread. `on_stop` runs on it when Stop is called, before it exits: the
+  // owner closes its endpoints there.
+  void Start(std::function<void()> on_stop);
+  // Runs on_stop on the thread, progresses outstanding closes, joins. Idempotent.
+  void Stop();
+
+  asio::io_context& io() { return io_; }
+  ucp_worker_h ucp() const { return worker_.get(); }
+  const TransportOptions& options() const { return options_; }
+  // Largest AM header this worker can send (frame header + message above it go as data).
+  size_t max_am_header() const { return max_am_header_; }
+  std::string_view address() const { return address_.bytes(); }
+
+  bool OnThread() const { return std::this_thread::get_id() == thread_id_.load(); }
+  bool stopping() const { return stopping_.load(); }
+  // Runs fn on the progress thread: inline when already there, else posted.
+  // After the thread has exited, fn is dropped unrun.
+  template <typename F>
+  void Run(F&& fn) {
+    if (OnThread()) {
+      fn();
+    } else if (!exited_.load()) {
+      asio::post(io_, std::forward<F>(fn));
+    }
+  }
+
+  // Progresses the worker until `request` (a UCX request pointer or status) completes; for
+  // closes during shutdown. On the thread.
+  void WaitRequest(void* request);
+
+  // ucp_ep_create with peer-failure detection where the transports offer it (TCP), and without
+  // where they do not (shared memory in UCX 1.13: "no peer failure handler"; UCX logs that
+  // once, then this worker stops asking). The bootstrap socket detects a dead peer either way.
+  Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what);
+
+  // Drops a rendezvous payload the receiver does not want. UCX 1.13's ucp_am_data_release of a
+  // rendezvous descriptor trips an assertion in the sender over shared memory, so the bytes are
+  // received into a scratch buffer and thrown away. False (nothing done) when the payload is
+  // beyond max_payload_bytes: the caller then closes the endpoint, which releases it.
+  bool DiscardRendezvous(void* descriptor, size_t length);
+
+  Result<MemoryRegion> Register(MutableBytes memory);
+  Result<MemoryRegion> Allocate(size_t bytes);
+
+ private:
+  Worker(const TransportOptions& options) : options_(options) {}
+  void Loop();
+
+  TransportOptions options_;
+  UcpContext context_;
+  UcpWorker worker_;
+  UcpWorkerAddress address_;
+  size_t max_am_header_ = 0;
+  int event_fd_ = -1;
+  bool peer_errors_ = true;  // progress thread only
+
+  asio::io_context io_{1};
+  std::thread thread_;
+  std::atomic<std::thread::id> thread_id_{};
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> exit_{false};
+  std::atomic<bool> exited_{false};
+  std::function<void()> on_stop_;
+};
+
+}  // namespace kvstash::transport
