@@ -36,6 +36,7 @@ struct PendingCall {
   bool sent = false;             // handed to UCX on the current connection
   bool resolved = false;         // outcome known; done runs once no request is in flight
   bool resolving = false;        // inside Resolve: completions must not finish the call
+  bool abandoned = false;        // done ran while UCX still held a request (see Abandon)
   Status status;
   std::vector<std::byte> reply;
   size_t payload_bytes = 0;
@@ -258,6 +259,10 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     ucp_request_free(request);
     call->send_request = nullptr;
     auto* self = static_cast<Impl*>(call->impl);
+    if (call->abandoned) {
+      self->ReapAbandoned(call);
+      return;
+    }
     if (status != UCS_OK && !call->resolved) {
       self->Resolve(call, FromUcs(status, fmt::format("sending call {}", call->id)));
       return;
@@ -270,6 +275,10 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     ucp_request_free(request);
     call->recv_request = nullptr;
     auto* self = static_cast<Impl*>(call->impl);
+    if (call->abandoned) {
+      self->ReapAbandoned(call);
+      return;
+    }
     if (call->resolved) {
       self->MaybeFinish(call);
       return;
@@ -312,6 +321,29 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     if (owned->done) owned->done(response);
   }
 
+  // Runs done now although UCX still holds one of the call's requests: UCX 1.13 cancels
+  // neither a rendezvous send whose peer stopped answering nor one on a force-closed
+  // endpoint. Only after the connection is reset (so the peer can no longer pull or push
+  // the buffers) or the peer died. The call's own memory is kept until UCX lets go.
+  void Abandon(PendingCall* call) {
+    auto it = calls_.find(call->id);
+    if (it == calls_.end()) return;
+    std::unique_ptr<PendingCall> owned = std::move(it->second);
+    calls_.erase(it);
+    owned->abandoned = true;
+    calls_failed_.fetch_add(1, std::memory_order_relaxed);
+    Response response{owned->status, {}, 0};
+    ResponseCallback done = std::move(owned->done);
+    abandoned_.emplace(owned->id, std::move(owned));
+    if (done) done(response);
+  }
+
+  void ReapAbandoned(PendingCall* call) {
+    if (call->send_request == nullptr && call->recv_request == nullptr) {
+      abandoned_.erase(call->id);
+    }
+  }
+
   // ---- deadlines ---------------------------------------------------------------------------
 
   void ScheduleDeadline(Clock::time_point deadline, uint64_t id) {
@@ -332,15 +364,24 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
 
   void OnDeadlines() {
     const auto now = Clock::now();
+    size_t stuck = 0;
     while (!deadlines_.empty() && deadlines_.top().first <= now) {
       const uint64_t id = deadlines_.top().second;
       deadlines_.pop();
       auto it = calls_.find(id);
-      if (it == calls_.end() || it->second->resolved) continue;
+      if (it == calls_.end()) continue;
       PendingCall* call = it->second.get();
-      if (call->sent && ep_) SendCancelFrame(id);
-      Resolve(call,
-              DeadlineExceededError("call {} (method {}) passed its deadline", id, call->method));
+      if (!call->resolved) {
+        if (call->sent && ep_) SendCancelFrame(id);
+        Resolve(call,
+                DeadlineExceededError("call {} (method {}) passed its deadline", id, call->method));
+      }
+      // Still here: a transfer the peer does not finish.
+      if (calls_.count(id) != 0) ++stuck;
+    }
+    if (stuck != 0) {
+      Disconnect(UnavailableError("{}:{} stalled with {} transfer(s) in flight; connection reset",
+                                  options_.host, options_.port, stuck));
     }
     if (!deadlines_.empty()) ArmTimer(deadlines_.top().first);
   }
@@ -651,12 +692,19 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     }
   }
 
+  // After a connection is gone: finishes resolved calls, abandoning those UCX still holds.
   void FinishResolved() {
     std::vector<PendingCall*> done;
     for (auto& [id, call] : calls_) {
       if (call->resolved) done.push_back(call.get());
     }
-    for (PendingCall* call : done) MaybeFinish(call);
+    for (PendingCall* call : done) {
+      if (call->send_request != nullptr || call->recv_request != nullptr) {
+        Abandon(call);
+      } else {
+        MaybeFinish(call);
+      }
+    }
   }
 
   void Shutdown() {
@@ -687,6 +735,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   char watch_byte_[1];
   UcpEndpoint ep_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> calls_;
+  std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> abandoned_;
   std::vector<uint64_t> waiting_;
   std::vector<std::function<void(const Status&)>> connect_waiters_;
   using Deadline = std::pair<Clock::time_point, uint64_t>;

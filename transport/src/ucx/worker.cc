@@ -16,7 +16,6 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
     case UCS_ERR_CANCELED:
       return Status(StatusCode::kCancelled, message);
     case UCS_ERR_TIMED_OUT:
-    case UCS_ERR_ENDPOINT_TIMEOUT:
       return Status(StatusCode::kDeadlineExceeded, message);
     case UCS_ERR_NO_MEMORY:
     case UCS_ERR_NO_RESOURCE:
@@ -30,6 +29,7 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
     case UCS_ERR_NOT_IMPLEMENTED:
       return Status(StatusCode::kUnimplemented, message);
     case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_ENDPOINT_TIMEOUT:  // the peer stopped answering: it is gone, not our deadline
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_NOT_CONNECTED:
     case UCS_ERR_REJECTED:
@@ -43,18 +43,8 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
 
 Status Worker::CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what) {
   params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ucs_status_t status = UCS_ERR_UNREACHABLE;
-  if (peer_errors_) {
-    params->err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    status = ucp_ep_create(worker_.get(), params, ep);
-    if (status == UCS_ERR_UNREACHABLE) peer_errors_ = false;
-  }
-  if (!peer_errors_) {
-    params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    params->field_mask &= ~uint64_t{UCP_EP_PARAM_FIELD_ERR_HANDLER};
-    status = ucp_ep_create(worker_.get(), params, ep);
-  }
-  return FromUcs(status, what);
+  params->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  return FromUcs(ucp_ep_create(worker_.get(), params, ep), what);
 }
 
 void* UcpEndpoint::Close(bool force) {
@@ -99,10 +89,17 @@ void MemoryRegion::Reset() {
 Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
                                                const std::string& name) {
   std::shared_ptr<Worker> self(new Worker(options));
+  // UCX 1.13's posix and sysv shared-memory transports can detect a dead peer but only
+  // advertise it when asked. Without it, peer-failure mode refuses shared memory; and without
+  // peer-failure mode, a transfer from a killed peer aborts the process (cma). The option is
+  // read from the environment only (ucp_config_modify rejects it), so it is set there, unless
+  // the user set it.
+  ::setenv("UCX_POSIX_ERROR_HANDLING", "y", /*overwrite=*/0);
+  ::setenv("UCX_SYSV_ERROR_HANDLING", "y", /*overwrite=*/0);
   ucp_config_t* config = nullptr;
   KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
   Status status;
-  if (!options.tls.empty()) {
+  if (status.ok() && !options.tls.empty()) {
     status = FromUcs(ucp_config_modify(config, "TLS", options.tls.c_str()),
                      fmt::format("UCX_TLS={}", options.tls));
   }
@@ -169,7 +166,10 @@ void Worker::Stop() {
 
 void Worker::WaitRequest(void* request) {
   if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-  while (ucp_request_check_status(request) == UCS_INPROGRESS) {
+  // Bounded: a force close whose transfers the dead peer never finishes must not hold the
+  // progress thread. ucp_request_free of an unfinished request releases it when it finishes.
+  const auto give_up = Clock::now() + std::chrono::milliseconds(stopping_ ? 200 : 0);
+  while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < give_up) {
     ucp_worker_progress(worker_.get());
   }
   ucp_request_free(request);

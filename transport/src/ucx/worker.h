@@ -144,13 +144,11 @@ class Worker : public std::enable_shared_from_this<Worker> {
     }
   }
 
-  // Progresses the worker until `request` (a UCX request pointer or status) completes; for
-  // closes during shutdown. On the thread.
+  // Hands `request` (an endpoint close) back to UCX; while stopping, first progresses the
+  // worker until it completes or 200 ms pass. Never blocks otherwise. On the thread.
   void WaitRequest(void* request);
 
-  // ucp_ep_create with peer-failure detection where the transports offer it (TCP), and without
-  // where they do not (shared memory in UCX 1.13: "no peer failure handler"; UCX logs that
-  // once, then this worker stops asking). The bootstrap socket detects a dead peer either way.
+  // ucp_ep_create with UCX peer-failure detection (errors, not aborts, when a peer dies).
   Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what);
 
   // Drops a rendezvous payload the receiver does not want. UCX 1.13's ucp_am_data_release of a
@@ -172,7 +170,6 @@ class Worker : public std::enable_shared_from_this<Worker> {
   UcpWorkerAddress address_;
   size_t max_am_header_ = 0;
   int event_fd_ = -1;
-  bool peer_errors_ = true;  // progress thread only
 
   asio::io_context io_{1};
   std::thread thread_;

@@ -1,0 +1,111 @@
+// A transport peer in its own process, for multi-process tests.
+//
+//   rpc_peer_helper server TLS [PORT]
+//     Serves echo (1), put (2: payload into registered memory), get (3: replies the last put)
+//     and hold (4: never replies). Prints "port N" once listening; runs until killed or stdin
+//     closes.
+//   rpc_peer_helper client TLS PORT SIZE
+//     Connects and keeps 4 puts of SIZE bytes in flight forever; prints "connected", then
+//     "progress" after its first completed put. Runs until killed.
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "kvstash/transport/rpc.h"
+
+using namespace kvstash;
+using namespace kvstash::transport;
+
+namespace {
+
+int Server(const std::string& tls, uint16_t port) {
+  ServerOptions options;
+  options.transport.tls = tls;
+  options.port = port;
+  auto server = RpcServer::Create(options);
+  if (!server.ok()) {
+    std::cerr << server.status().ToString() << "\n";
+    return 1;
+  }
+  auto region = (*server)->AllocateMemory(size_t{16} << 20);
+  if (!region.ok()) {
+    std::cerr << region.status().ToString() << "\n";
+    return 1;
+  }
+  MemoryRegion& memory = *region;
+  std::atomic<size_t> stored{0};
+  (*server)->Handle(1, [](ServerCall call) { call.Reply(call.request()); });
+  (*server)->Handle(2, [&](ServerCall call) {
+    auto shared = std::make_shared<ServerCall>(std::move(call));
+    const size_t n = shared->payload_bytes();
+    shared->ReceivePayload(memory.bytes(), &memory, [shared, n, &stored](Status s) {
+      if (!s.ok()) {
+        shared->ReplyError(s);
+        return;
+      }
+      stored = n;
+      shared->Reply({});
+    });
+  });
+  (*server)->Handle(
+      3, [&](ServerCall call) { call.Reply({}, memory.bytes().first(stored.load()), &memory); });
+  std::vector<ServerCall> held;
+  (*server)->Handle(4, [&held](ServerCall call) { held.push_back(std::move(call)); });
+  const Status started = (*server)->Start();
+  if (!started.ok()) {
+    std::cerr << started.ToString() << "\n";
+    return 1;
+  }
+  std::cout << "port " << (*server)->port() << std::endl;
+  char c;
+  while (::read(0, &c, 1) > 0) {
+  }
+  return 0;
+}
+
+int Client(const std::string& tls, uint16_t port, size_t size) {
+  ClientOptions options;
+  options.transport.tls = tls;
+  options.port = port;
+  auto client = RpcClient::Create(options);
+  if (!client.ok() || !(*client)->Connect().ok()) {
+    std::cerr << "client could not connect\n";
+    return 1;
+  }
+  std::cout << "connected" << std::endl;
+  auto region = (*client)->AllocateMemory(size);
+  if (!region.ok()) return 1;
+  RpcClient* c = client->get();
+  std::atomic<bool> reported{false};
+  std::function<void()> issue = [&] {
+    CallOptions call;
+    call.deadline = Clock::now() + std::chrono::seconds(30);
+    call.send_payload = region->bytes();
+    call.send_region = &*region;
+    c->Call(2, {}, call, [&](const Response& r) {
+      if (r.status.ok() && !reported.exchange(true)) std::cout << "progress" << std::endl;
+      issue();
+    });
+  };
+  for (int i = 0; i < 4; ++i) issue();
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "server" && argc >= 3) {
+    return Server(argv[2], argc > 3 ? static_cast<uint16_t>(std::stoi(argv[3])) : 0);
+  }
+  if (mode == "client" && argc == 5) {
+    return Client(argv[2], static_cast<uint16_t>(std::stoi(argv[3])), std::stoull(argv[4]));
+  }
+  std::cerr << "usage: rpc_peer_helper server TLS [PORT] | client TLS PORT SIZE\n";
+  return 2;
+}
