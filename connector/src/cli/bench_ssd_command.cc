@@ -1,23 +1,12 @@
 // `kvstash bench ssd`: the SSD tier's write and read throughput next to fio's on the same
 // directory, so the figure reads as a fraction of what the drive can do.
-#include <fcntl.h>
-#include <poll.h>
-#include <spawn.h>
-#include <stdlib.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -25,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench_util.h"
 #include "commands.h"
 #include "fmt/format.h"
 #include "kvstash/common/logging.h"
@@ -33,8 +23,6 @@
 #include "kvstash/store/offload_key.h"
 #include "kvstash/store/ssd_tier.h"
 #include "nlohmann/json.hpp"
-
-extern char** environ;
 
 namespace kvstash::cli {
 namespace {
@@ -46,50 +34,6 @@ constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 30;
 constexpr uint64_t kIoAlignment = 4096;
 constexpr char kTierSubdir[] = "kvstash-bench-ssd";
 constexpr char kFioFile[] = "kvstash-bench-fio.dat";
-
-// Parses "262144", "256K", "2MiB", "1G": an integer with an optional power-of-two suffix.
-// InvalidArgument naming `flag` otherwise.
-Result<uint64_t> ParseBytes(std::string_view flag, std::string_view text) {
-  auto bad = [&](std::string_view why) {
-    return InvalidArgumentError(
-        "{}: '{}' {} (expected an integer with an optional suffix K, M, G, KiB, MiB or GiB, "
-        "e.g. 256K or 2MiB)",
-        flag, text, why);
-  };
-  size_t digits = 0;
-  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
-  if (digits == 0) return bad("is not a byte count");
-  uint64_t value = 0;
-  for (size_t i = 0; i < digits; ++i) {
-    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
-    if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) return bad("is too large");
-    value = value * 10 + d;
-  }
-  const std::string_view suffix = text.substr(digits);
-  int shift = 0;
-  if (suffix.empty()) {
-    shift = 0;
-  } else if (suffix == "K" || suffix == "k" || suffix == "KiB") {
-    shift = 10;
-  } else if (suffix == "M" || suffix == "MiB") {
-    shift = 20;
-  } else if (suffix == "G" || suffix == "GiB") {
-    shift = 30;
-  } else {
-    return bad(fmt::format("has an unknown suffix '{}'", suffix));
-  }
-  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) {
-    return bad("is too large");
-  }
-  return value << shift;
-}
-
-std::string FormatBytes(uint64_t bytes) {
-  if (bytes != 0 && bytes % (uint64_t{1} << 30) == 0) return fmt::format("{} GiB", bytes >> 30);
-  if (bytes != 0 && bytes % (uint64_t{1} << 20) == 0) return fmt::format("{} MiB", bytes >> 20);
-  if (bytes != 0 && bytes % (uint64_t{1} << 10) == 0) return fmt::format("{} KiB", bytes >> 10);
-  return fmt::format("{} B", bytes);
-}
 
 // Block memory as the CPU tier holds it: a BlockSlab (page-aligned, prefaulted, transparent huge
 // pages where the kernel allows). Direct I/O pins the buffer's pages for every call; from 4 KiB
@@ -141,11 +85,6 @@ struct FioFigures {
   double write_gbps = 0;
   double read_gbps = 0;
 };
-
-double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
-  const double seconds = std::chrono::duration<double>(elapsed).count();
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
-}
 
 // One write pass and one read pass through a fresh SsdTier.
 Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, AlignedBuffer& dst,
@@ -210,78 +149,6 @@ Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, Align
   return figures;
 }
 
-struct ProcessOutput {
-  int exit_code = -1;  // the exit status, or 128 + signal number
-  std::string out;
-  std::string err;
-};
-
-// Runs `argv` (argv[0] looked up on PATH, no shell) and collects its output. NotFound when the
-// program is not installed.
-Result<ProcessOutput> RunProgram(const std::vector<std::string>& argv) {
-  int out_pipe[2];
-  int err_pipe[2];
-  if (pipe2(out_pipe, O_CLOEXEC) != 0) return FromErrno(errno, "pipe");
-  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
-    const int e = errno;
-    close(out_pipe[0]);
-    close(out_pipe[1]);
-    return FromErrno(e, "pipe");
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  close(out_pipe[1]);
-  close(err_pipe[1]);
-  if (rc != 0) {
-    close(out_pipe[0]);
-    close(err_pipe[0]);
-    if (rc == ENOENT) return NotFoundError("{} is not installed (not found on PATH)", argv[0]);
-    return FromErrno(rc, fmt::format("cannot run {}", argv[0]));
-  }
-
-  // Both pipes at once: a child blocked on a full stderr pipe would never finish its stdout.
-  ProcessOutput result;
-  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
-  std::string* sinks[2] = {&result.out, &result.err};
-  int open_fds = 2;
-  char buf[65536];
-  while (open_fds > 0) {
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
-      const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
-      if (n > 0) {
-        sinks[i]->append(buf, static_cast<size_t>(n));
-      } else if (n == 0 || errno != EINTR) {
-        close(fds[i].fd);
-        fds[i].fd = -1;
-        --open_fds;
-      }
-    }
-  }
-  for (pollfd& p : fds) {
-    if (p.fd >= 0) close(p.fd);
-  }
-  int wstatus = 0;
-  while (waitpid(pid, &wstatus, 0) < 0) {
-    if (errno != EINTR) return FromErrno(errno, fmt::format("waitpid for {}", argv[0]));
-  }
-  result.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
-  return result;
-}
-
 // One fio job (`rw` is "write" or "read") over `file`; returns its bandwidth in GB/s.
 Result<double> RunFioJob(const BenchConfig& config, const std::string& file, std::string_view rw) {
   const std::vector<std::string> argv = {
@@ -336,27 +203,6 @@ struct RoundFigures {
   TierFigures tier;
   std::optional<FioFigures> fio;
 };
-
-// The median; the mean of the middle two for an even count. Preconditions: !values.empty().
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
-
-std::optional<double> Ratio(double value, std::optional<double> reference) {
-  if (!reference.has_value() || !(*reference > 0)) return std::nullopt;
-  return value / *reference;
-}
-
-// Ordered, so the JSON lists its fields in the order the table shows them.
-using Json = nlohmann::ordered_json;
-
-Json OrNull(std::optional<double> v) { return v.has_value() ? Json(*v) : Json(nullptr); }
-
-std::string Fixed(std::optional<double> v) {
-  return v.has_value() ? fmt::format("{:.2f}", *v) : std::string("-");
-}
 
 struct Summary {
   double write_gbps = 0;
@@ -631,6 +477,8 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
       "figures follow the medians, to show the noise. Exits 0 on success, 1 if the tier or fio "
       "fails (fio missing included, unless --no-fio), 2 for bad arguments.");
   ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
+
+  AddBenchTransportCommand(*bench, exit_code);
 }
 
 }  // namespace kvstash::cli

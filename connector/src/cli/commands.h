@@ -17,4 +17,7 @@ void AddTraceCommand(CLI::App& app, int* exit_code);
 // `kvstash bench ssd ...`; `bench` is the parent of every benchmark subcommand.
 void AddBenchCommand(CLI::App& app, int* exit_code);
 
+// `kvstash bench transport ...`, a subcommand of `bench` (AddBenchCommand registers it).
+void AddBenchTransportCommand(CLI::App& bench, int* exit_code);
+
 }  // namespace kvstash::cli

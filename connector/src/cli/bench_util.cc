@@ -1,0 +1,217 @@
+#include "bench_util.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <thread>
+
+#include "fmt/format.h"
+
+extern char** environ;
+
+namespace kvstash::cli {
+
+Result<uint64_t> ParseBytes(std::string_view flag, std::string_view text) {
+  auto bad = [&](std::string_view why) {
+    return InvalidArgumentError(
+        "{}: '{}' {} (expected an integer with an optional suffix K, M, G, KiB, MiB or GiB, "
+        "e.g. 256K or 2MiB)",
+        flag, text, why);
+  };
+  size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  if (digits == 0) return bad("is not a byte count");
+  uint64_t value = 0;
+  for (size_t i = 0; i < digits; ++i) {
+    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
+    if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) return bad("is too large");
+    value = value * 10 + d;
+  }
+  const std::string_view suffix = text.substr(digits);
+  int shift = 0;
+  if (suffix.empty()) {
+    shift = 0;
+  } else if (suffix == "K" || suffix == "k" || suffix == "KiB") {
+    shift = 10;
+  } else if (suffix == "M" || suffix == "MiB") {
+    shift = 20;
+  } else if (suffix == "G" || suffix == "GiB") {
+    shift = 30;
+  } else {
+    return bad(fmt::format("has an unknown suffix '{}'", suffix));
+  }
+  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) {
+    return bad("is too large");
+  }
+  return value << shift;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes != 0 && bytes % (uint64_t{1} << 30) == 0) return fmt::format("{} GiB", bytes >> 30);
+  if (bytes != 0 && bytes % (uint64_t{1} << 20) == 0) return fmt::format("{} MiB", bytes >> 20);
+  if (bytes != 0 && bytes % (uint64_t{1} << 10) == 0) return fmt::format("{} KiB", bytes >> 10);
+  return fmt::format("{} B", bytes);
+}
+
+double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
+  const double seconds = std::chrono::duration<double>(elapsed).count();
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+double Percentile(std::vector<double> values, double p) {
+  const size_t n = values.size();
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(n));
+  const size_t index = std::clamp<size_t>(rank < 1 ? 0 : static_cast<size_t>(rank) - 1, 0, n - 1);
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(index),
+                   values.end());
+  return values[index];
+}
+
+std::optional<double> Ratio(double value, std::optional<double> reference) {
+  if (!reference.has_value() || !(*reference > 0)) return std::nullopt;
+  return value / *reference;
+}
+
+Json OrNull(std::optional<double> v) { return v.has_value() ? Json(*v) : Json(nullptr); }
+
+std::string Fixed(std::optional<double> v) {
+  return v.has_value() ? fmt::format("{:.2f}", *v) : std::string("-");
+}
+
+Result<ProcessOutput> RunProgram(const std::vector<std::string>& argv,
+                                 const RunProgramOptions& options) {
+  int out_pipe[2];
+  int err_pipe[2];
+  if (pipe2(out_pipe, O_CLOEXEC) != 0) return FromErrno(errno, "pipe");
+  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    const int e = errno;
+    close(out_pipe[0]);
+    close(out_pipe[1]);
+    return FromErrno(e, "pipe");
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<char*> env;
+  for (const std::string& e : options.env) env.push_back(const_cast<char*>(e.c_str()));
+  env.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(),
+                              options.env.empty() ? environ : env.data());
+  posix_spawn_file_actions_destroy(&actions);
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+  if (rc != 0) {
+    close(out_pipe[0]);
+    close(err_pipe[0]);
+    if (rc == ENOENT) return NotFoundError("{} is not installed (not found on PATH)", argv[0]);
+    return FromErrno(rc, fmt::format("cannot run {}", argv[0]));
+  }
+
+  // Both pipes at once: a child blocked on a full stderr pipe would never finish its stdout.
+  using Clock = std::chrono::steady_clock;
+  const bool bounded = options.timeout.count() > 0;
+  const Clock::time_point deadline = Clock::now() + options.timeout;
+  bool timed_out = false;
+  ProcessOutput result;
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  std::string* sinks[2] = {&result.out, &result.err};
+  int open_fds = 2;
+  char buf[65536];
+  while (open_fds > 0) {
+    int wait_ms = -1;
+    if (bounded) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) {
+        timed_out = true;
+        break;
+      }
+      wait_ms = static_cast<int>(std::min<int64_t>(left, std::numeric_limits<int>::max()));
+    }
+    const int ready = poll(fds, 2, wait_ms);
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        sinks[i]->append(buf, static_cast<size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
+  for (pollfd& p : fds) {
+    if (p.fd >= 0) close(p.fd);
+  }
+  if (timed_out) kill(pid, SIGKILL);
+  int wstatus = 0;
+  while (waitpid(pid, &wstatus, 0) < 0) {
+    if (errno != EINTR) return FromErrno(errno, fmt::format("waitpid for {}", argv[0]));
+  }
+  if (timed_out) {
+    return DeadlineExceededError("{} did not finish within {} s and was killed; its output: {}",
+                                 argv[0], options.timeout.count() / 1000.0,
+                                 result.err.empty() ? result.out : result.err);
+  }
+  result.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  return result;
+}
+
+std::vector<std::string> EnvironmentWith(std::string_view name, std::string_view value) {
+  std::vector<std::string> env;
+  const std::string prefix = fmt::format("{}=", name);
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    if (entry.substr(0, prefix.size()) != prefix) env.emplace_back(entry);
+  }
+  env.push_back(prefix + std::string(value));
+  return env;
+}
+
+int ReapChild(pid_t pid, std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline = Clock::now() + timeout;
+  int wstatus = 0;
+  for (;;) {
+    const pid_t done = waitpid(pid, &wstatus, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR) return -1;
+    if (Clock::now() >= deadline) {
+      kill(pid, SIGKILL);
+      while (waitpid(pid, &wstatus, 0) < 0) {
+        if (errno != EINTR) return -1;
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+}
+
+}  // namespace kvstash::cli

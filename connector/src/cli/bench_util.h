@@ -1,0 +1,73 @@
+// Helpers shared by the `kvstash bench` subcommands: byte-count flags, medians and ratios, JSON
+// and table formatting, and running the external tool each bench compares against.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace kvstash::cli {
+
+// Parses "262144", "256K", "2MiB", "1G": an integer with an optional power-of-two suffix.
+// InvalidArgument naming `flag` otherwise.
+Result<uint64_t> ParseBytes(std::string_view flag, std::string_view text);
+
+// "256 KiB", "2 MiB", "1 GiB" for whole multiples, else "1000 B".
+std::string FormatBytes(uint64_t bytes);
+
+// GB/s (1e9 bytes/s) for `bytes` moved in `elapsed`; 0 for an empty interval.
+double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed);
+
+// The median; the mean of the middle two for an even count. Preconditions: !values.empty().
+double Median(std::vector<double> values);
+
+// The value at rank ceil(p/100 * n) of the sorted values (nearest-rank percentile), for p in
+// (0, 100]. Preconditions: !values.empty().
+double Percentile(std::vector<double> values, double p);
+
+// value / reference, or nullopt when there is no positive reference.
+std::optional<double> Ratio(double value, std::optional<double> reference);
+
+// Ordered, so a bench's JSON lists its fields in the order its table shows them.
+using Json = nlohmann::ordered_json;
+
+Json OrNull(std::optional<double> v);
+
+// "1.23", or "-" for a missing figure.
+std::string Fixed(std::optional<double> v);
+
+struct ProcessOutput {
+  int exit_code = -1;  // the exit status, or 128 + signal number
+  std::string out;
+  std::string err;
+};
+
+struct RunProgramOptions {
+  // The child's environment as NAME=VALUE strings; empty: this process's environment.
+  std::vector<std::string> env;
+  // The child is killed (SIGKILL) and the run fails with DeadlineExceeded after this long;
+  // zero: no limit.
+  std::chrono::milliseconds timeout{0};
+};
+
+// Runs `argv` (argv[0] looked up on PATH, no shell, standard input /dev/null) and collects its
+// output. NotFound when the program is not installed.
+Result<ProcessOutput> RunProgram(const std::vector<std::string>& argv,
+                                 const RunProgramOptions& options = {});
+
+// This process's environment with `name` set to `value` (replaced if present).
+std::vector<std::string> EnvironmentWith(std::string_view name, std::string_view value);
+
+// Waits up to `timeout` for child `pid` to exit, then kills it (SIGKILL) and reaps it. Returns
+// its exit status as ProcessOutput::exit_code, or -1 if it could not be reaped.
+int ReapChild(pid_t pid, std::chrono::milliseconds timeout);
+
+}  // namespace kvstash::cli
