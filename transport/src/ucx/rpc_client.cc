@@ -650,7 +650,10 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // Fails every call and closes the endpoint; the next call reconnects.
   void Disconnect(Status status) {
     if (state_ == State::kIdle) return;
-    KVSTASH_LOG_WARN("{}", status.ToString());
+    // An orderly close with nothing outstanding is not worth a warning.
+    if (status.code() != StatusCode::kCancelled || !calls_.empty()) {
+      KVSTASH_LOG_WARN("{}", status.ToString());
+    }
     const bool was_connected = state_ == State::kConnected;
     state_ = State::kIdle;
     ++attempt_;
@@ -717,7 +720,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       }
       FinishResolved();
     } else {
-      Disconnect(CancelledError("client destroyed with calls outstanding"));
+      Disconnect(CancelledError("client destroyed"));
     }
     if (resolver_) resolver_->cancel();
   }
