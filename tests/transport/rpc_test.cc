@@ -1,5 +1,7 @@
-// RPC and bulk transfer over real UCX, once per transport (UCX_TLS=shm and UCX_TLS=tcp): the
-// server and the client each own a UCX context in this process and talk over loopback.
+// RPC and bulk transfer over real UCX, once per payload path: shared memory with mapped
+// payloads (the client copies from and into the server's shared memory), shared memory with
+// mapped payloads off (UCX rendezvous), and TCP. The server and the client each own a UCX
+// context in this process and talk over loopback.
 
 #include "kvstash/transport/rpc.h"
 
@@ -22,23 +24,34 @@ using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
 
 constexpr uint16_t kEcho = 1;
-constexpr uint16_t kPut = 2;     // receives the payload into server memory, replies its size
-constexpr uint16_t kGet = 3;     // replies with the block stored by the last put
-constexpr uint16_t kSilent = 4;  // never replies (keeps the call) until released
-constexpr uint16_t kDrop = 5;    // drops the call without a reply
+constexpr uint16_t kPut = 2;       // receives the payload into server memory, replies its size
+constexpr uint16_t kGet = 3;       // replies with the block stored by the last put
+constexpr uint16_t kSilent = 4;    // never replies (keeps the call) until released
+constexpr uint16_t kDrop = 5;      // drops the call without a reply
+constexpr uint16_t kPutPlain = 6;  // receives the payload into heap memory (kept in plain_)
 
 Bytes AsBytes(const std::string& s) { return std::as_bytes(std::span(s)); }
 std::string AsString(Bytes b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
+// "shm", "shm_rndv" (shared memory, mapped payloads off) or "tcp".
+TransportOptions TransportFor(const std::string& param) {
+  TransportOptions options;
+  options.tls = param == "tcp" ? "tcp" : "shm";
+  options.mapped_payloads = param != "shm_rndv";
+  return options;
+}
+
 class RpcTest : public ::testing::TestWithParam<std::string> {
  protected:
+  bool ExpectMapped() const { return GetParam() == "shm"; }
+
   static constexpr size_t kMaxBlock = size_t{8} << 20;
 
   void SetUp() override {
     ServerOptions options;
-    options.transport.tls = GetParam();
+    options.transport = TransportFor(GetParam());
     options.auth_token = "secret";
     auto server = RpcServer::Create(options);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
@@ -63,6 +76,22 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
     });
     server_->Handle(kGet, [this](ServerCall call) {
       call.Reply({}, server_block_.bytes().first(stored_bytes_), &server_block_);
+    });
+    server_->Handle(kPutPlain, [this](ServerCall call) {
+      // Into plain heap memory: no shared region, so the payload comes as data on every path.
+      auto buffer = std::make_shared<std::vector<std::byte>>(call.payload_bytes());
+      auto shared = std::make_shared<ServerCall>(std::move(call));
+      shared->ReceivePayload(*buffer, nullptr, [this, shared, buffer](Status s) {
+        if (!s.ok()) {
+          shared->ReplyError(s);
+          return;
+        }
+        {
+          std::lock_guard lock(mu_);
+          plain_ = *buffer;
+        }
+        shared->Reply({});
+      });
     });
     server_->Handle(kSilent, [this](ServerCall call) {
       std::lock_guard lock(mu_);
@@ -89,7 +118,7 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
     ClientOptions options;
     options.port = server_->port();
     options.auth_token = token;
-    options.transport.tls = GetParam();
+    options.transport = TransportFor(GetParam());
     options.connect_timeout = 3000ms;
     auto client = RpcClient::Create(options);
     EXPECT_TRUE(client.ok()) << client.status().ToString();
@@ -108,6 +137,7 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
   std::atomic<size_t> stored_bytes_{0};
   std::mutex mu_;
   std::vector<ServerCall> held_;
+  std::vector<std::byte> plain_;
 };
 
 TEST_P(RpcTest, EchoRoundTrip) {
@@ -156,6 +186,24 @@ TEST_P(RpcTest, PutThenGetBlocksFrom4KiBTo8MiB) {
       EXPECT_TRUE(MatchesPattern(seed, recv->bytes().first(n))) << n;
     }
   }
+  // Each put and get went through the server's shared memory exactly when that path is on.
+  const uint64_t transfers = 2 * 2 * 12;  // 4 KiB .. 8 MiB: 12 sizes, 2 lengths, put + get
+  EXPECT_EQ(client_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
+  EXPECT_EQ(server_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
+}
+
+TEST_P(RpcTest, PutIntoServerHeapMemoryComesAsData) {
+  for (size_t n : {size_t{100}, size_t{64} << 10, size_t{3} << 20}) {
+    std::vector<std::byte> send(n);
+    FillPattern(n, send);
+    CallOptions put = Within(10s);
+    put.send_payload = send;
+    ASSERT_TRUE(client_->CallSync(kPutPlain, {}, put, nullptr).ok()) << n;
+    std::lock_guard lock(mu_);
+    EXPECT_EQ(plain_.size(), n);
+    EXPECT_TRUE(MatchesPattern(n, plain_)) << n;
+  }
+  EXPECT_EQ(client_->stats().mapped_payloads, 0u);
 }
 
 TEST_P(RpcTest, UnregisteredBuffersWorkToo) {
@@ -288,7 +336,7 @@ TEST_P(RpcTest, WrongTokenIsUnauthenticated) {
 TEST_P(RpcTest, NothingListeningIsUnavailable) {
   ClientOptions options;
   options.port = 1;  // nothing listens on port 1
-  options.transport.tls = GetParam();
+  options.transport = TransportFor(GetParam());
   auto client = RpcClient::Create(options);
   ASSERT_TRUE(client.ok());
   EXPECT_EQ((*client)->CallSync(kEcho, {}, Within(5s), nullptr).code(), StatusCode::kUnavailable);
@@ -315,7 +363,7 @@ TEST_P(RpcTest, ServerGoneFailsOutstandingThenReconnects) {
   ServerOptions options;
   options.port = port;
   options.auth_token = "secret";
-  options.transport.tls = GetParam();
+  options.transport = TransportFor(GetParam());
   auto server = RpcServer::Create(options);
   ASSERT_TRUE(server.ok());
   server_ = std::move(*server);
@@ -339,7 +387,7 @@ TEST_P(RpcTest, ClientDestroyedWithCallsOutstandingCompletesThem) {
   EXPECT_EQ(cancelled.load(), 10);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "shm_rndv", "tcp"),
                          [](const auto& param_info) { return param_info.param; });
 
 }  // namespace

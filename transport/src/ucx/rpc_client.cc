@@ -19,12 +19,16 @@
 namespace kvstash::transport {
 namespace {
 
+struct PendingCall;
+bool InFlight(const PendingCall& call);
+
 struct PendingCall {
   uint64_t id = 0;
   uint16_t method = 0;
   ResponseCallback done;
   Clock::time_point deadline;
-  std::vector<std::byte> frame;  // header + message; UCX reads it until the send completes
+  std::vector<std::byte> frame;           // header + message; UCX reads it until the send completes
+  std::vector<std::byte> payload_header;  // of a kPayload frame
   bool message_in_data = false;
   Bytes message_bytes;  // the message inside frame (for kMessageInData)
   Bytes send_payload;
@@ -33,6 +37,8 @@ struct PendingCall {
   const MemoryRegion* recv_region = nullptr;
   void* send_request = nullptr;  // in flight: UCX reads send_payload
   void* recv_request = nullptr;  // in flight: UCX writes recv_payload
+  void* data_request = nullptr;  // in flight: a kPayload frame (UCX reads send_payload)
+  bool held = false;             // the server pulls send_payload (mapped payloads)
   bool sent = false;             // handed to UCX on the current connection
   bool resolved = false;         // outcome known; done runs once no request is in flight
   bool resolving = false;        // inside Resolve: completions must not finish the call
@@ -42,6 +48,11 @@ struct PendingCall {
   size_t payload_bytes = 0;
   void* impl = nullptr;  // the RpcClient::Impl that owns it
 };
+
+bool InFlight(const PendingCall& call) {
+  return call.send_request != nullptr || call.recv_request != nullptr ||
+         call.data_request != nullptr;
+}
 
 // A frame with no call behind it (cancel frames, test frames): owns its bytes until sent.
 struct LooseSend {
@@ -166,6 +177,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     s.disconnects = disconnects_.load();
     s.malformed_frames = malformed_.load();
     s.late_replies = late_replies_.load();
+    s.mapped_payloads = mapped_payloads_.load();
     return s;
   }
   uint64_t connection_id() const { return connection_id_.load(); }
@@ -223,7 +235,20 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
         std::chrono::duration_cast<std::chrono::microseconds>(call->deadline - Clock::now());
     header.timeout_us = static_cast<uint32_t>(
         std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max()));
-    std::memcpy(call->frame.data(), &header, kFrameHeaderBytes);
+    if (mapped_ && !call->message_in_data) {
+      if (!call->recv_payload.empty()) header.flags |= kAcceptsMapped;
+      // The payload stays here until the server pulls it (kPull).
+      call->held = !call->send_payload.empty() &&
+                   call->frame.size() + kMappedRefBytes <= worker_->max_am_header();
+    }
+    if (call->held) {
+      MappedRef ref;
+      ref.length = call->send_payload.size();
+      call->frame =
+          WriteFrameWithRef(header, Bytes(call->frame).subspan(kFrameHeaderBytes), ref, {});
+    } else {
+      std::memcpy(call->frame.data(), &header, kFrameHeaderBytes);
+    }
 
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -239,6 +264,9 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       data_bytes = call->message_bytes.size();
       header_bytes = kFrameHeaderBytes;
       param.flags = UCP_AM_SEND_FLAG_EAGER;
+    } else if (call->held) {
+      data = nullptr;
+      data_bytes = 0;
     } else if (call->send_region != nullptr) {
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       param.memh = static_cast<ucp_mem_h>(call->send_region->handle());
@@ -265,6 +293,22 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     }
     if (status != UCS_OK && !call->resolved) {
       self->Resolve(call, FromUcs(status, fmt::format("sending call {}", call->id)));
+      return;
+    }
+    self->MaybeFinish(call);
+  }
+
+  static void OnDataSent(void* request, ucs_status_t status, void* user_data) {
+    auto* call = static_cast<PendingCall*>(user_data);
+    ucp_request_free(request);
+    call->data_request = nullptr;
+    auto* self = static_cast<Impl*>(call->impl);
+    if (call->abandoned) {
+      self->ReapAbandoned(call);
+      return;
+    }
+    if (status != UCS_OK && !call->resolved) {
+      self->Resolve(call, FromUcs(status, fmt::format("sending the payload of call {}", call->id)));
       return;
     }
     self->MaybeFinish(call);
@@ -300,18 +344,20 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     call->status = std::move(status);
     if (!call->status.ok()) {
       call->resolving = true;
-      if (call->send_request != nullptr) ucp_request_cancel(worker_->ucp(), call->send_request);
-      if (call->recv_request != nullptr) ucp_request_cancel(worker_->ucp(), call->recv_request);
+      CancelRequests(call);
       call->resolving = false;
     }
     MaybeFinish(call);
   }
 
-  void MaybeFinish(PendingCall* call) {
-    if (!call->resolved || call->resolving || call->send_request != nullptr ||
-        call->recv_request != nullptr) {
-      return;
+  void CancelRequests(PendingCall* call) {
+    for (void* request : {call->send_request, call->recv_request, call->data_request}) {
+      if (request != nullptr) ucp_request_cancel(worker_->ucp(), request);
     }
+  }
+
+  void MaybeFinish(PendingCall* call) {
+    if (!call->resolved || call->resolving || InFlight(*call)) return;
     auto it = calls_.find(call->id);
     if (it == calls_.end()) return;
     std::unique_ptr<PendingCall> owned = std::move(it->second);
@@ -339,9 +385,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   }
 
   void ReapAbandoned(PendingCall* call) {
-    if (call->send_request == nullptr && call->recv_request == nullptr) {
-      abandoned_.erase(call->id);
-    }
+    if (!InFlight(*call)) abandoned_.erase(call->id);
   }
 
   // ---- deadlines ---------------------------------------------------------------------------
@@ -403,11 +447,23 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     const Bytes data_bytes = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
     auto frame = ParseFrame(Bytes(static_cast<const std::byte*>(header), header_length), data_bytes,
                             length, !rndv, self->worker_->options().max_message_bytes);
-    if (!frame.ok() || frame->header.kind != FrameKind::kResponse) {
+    const bool known = frame.ok() && (frame->header.kind == FrameKind::kResponse ||
+                                      frame->header.kind == FrameKind::kPull);
+    if (!known) {
       self->malformed_.fetch_add(1, std::memory_order_relaxed);
       KVSTASH_LOG_WARN("dropped a malformed frame from the server: {}",
                        frame.ok() ? "not a response" : frame.status().ToString());
       release();
+      return UCS_OK;
+    }
+    // The server sends each shared region's key once per connection, with its first use.
+    if (frame->has_ref && !frame->rkey.empty()) self->AddSharedRegion(frame->ref, frame->rkey);
+    if (frame->header.kind == FrameKind::kPull) {
+      self->OnPull(*frame);
+      return UCS_OK;
+    }
+    if (frame->has_ref) {
+      self->OnMappedReply(*frame);
       return UCS_OK;
     }
     auto it = self->calls_.find(frame->header.request_id);
@@ -462,6 +518,163 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       call->recv_request = request;
     }
     return UCS_OK;
+  }
+
+  // ---- mapped payloads ---------------------------------------------------------------------
+
+  struct SharedRegion {
+    ucp_rkey_h rkey = nullptr;
+    uint64_t address = 0;
+    uint64_t size = 0;
+  };
+
+  void AddSharedRegion(const MappedRef& ref, Bytes rkey) {
+    if (!ep_) return;
+    ucp_rkey_h handle = nullptr;
+    const ucs_status_t status = ucp_ep_rkey_unpack(ep_.get(), rkey.data(), &handle);
+    if (status != UCS_OK) {
+      KVSTASH_LOG_WARN("cannot unpack the key of the server's shared region {}: {}", ref.region_id,
+                       ucs_status_string(status));
+      return;
+    }
+    auto [it, added] = shared_regions_.try_emplace(ref.region_id);
+    if (!added) ucp_rkey_destroy(it->second.rkey);
+    it->second = SharedRegion{handle, ref.region_address, ref.region_size};
+  }
+
+  // Where `ref` is in this process (the server's shared memory, mapped).
+  Result<std::byte*> Map(const MappedRef& ref) {
+    auto it = shared_regions_.find(ref.region_id);
+    if (it == shared_regions_.end()) {
+      return InternalError("server named shared region {} without its key", ref.region_id);
+    }
+    const SharedRegion& region = it->second;
+    if (ref.region_address != region.address || ref.region_size != region.size) {
+      return InternalError("server's shared region {} changed shape", ref.region_id);
+    }
+    void* local = nullptr;
+    KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_rkey_ptr(region.rkey, ref.address, &local),
+                                    fmt::format("mapping shared region {}", ref.region_id)));
+    return static_cast<std::byte*>(local);
+  }
+
+  // Tries the probe region of the hello reply: mapped payloads when its cookie reads back.
+  void ProbeMapping(const wire::HelloReply& reply) {
+    if (!worker_->options().mapped_payloads || !reply.has_mapped_probe()) return;
+    const wire::SharedRegion& probe = reply.mapped_probe();
+    MappedRef ref;
+    ref.region_id = probe.region_id();
+    ref.region_address = probe.address();
+    ref.region_size = probe.size();
+    ref.address = probe.address();
+    ref.length = sizeof(uint64_t);
+    if (probe.size() < sizeof(uint64_t)) return;
+    AddSharedRegion(ref, std::as_bytes(std::span(probe.rkey())));
+    auto local = Map(ref);
+    uint64_t cookie = 0;
+    if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));
+    mapped_ = local.ok() && cookie == probe.cookie();
+    KVSTASH_LOG_DEBUG("{}:{}: mapped payloads {}", options_.host, options_.port,
+                      mapped_ ? "on" : "off");
+  }
+
+  void SendControl(FrameKind kind, uint64_t id, StatusCode code = StatusCode::kOk) {
+    LooseSend send;
+    FrameHeader header;
+    header.kind = kind;
+    header.request_id = id;
+    header.connection_id = connection_id_.load();
+    header.status = static_cast<uint16_t>(code);
+    send.header.resize(kFrameHeaderBytes);
+    WriteFrame(header, {}, send.header);
+    SendLoose(std::move(send));
+  }
+
+  // The server wants a held payload: copied into its shared memory, or sent as data.
+  void OnPull(const FrameView& frame) {
+    const uint64_t id = frame.header.request_id;
+    auto it = calls_.find(id);
+    PendingCall* call = it == calls_.end() ? nullptr : it->second.get();
+    if (call == nullptr || call->resolved || !call->held) {
+      SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
+      return;
+    }
+    call->held = false;
+    if (frame.ref.length != call->send_payload.size()) {
+      SendControl(FrameKind::kPullDone, id, StatusCode::kInvalidArgument);
+      Resolve(call, InternalError("server pulled {} bytes of a {}-byte payload", frame.ref.length,
+                                  call->send_payload.size()));
+      return;
+    }
+    if (frame.ref.region_id != 0) {
+      auto local = Map(frame.ref);
+      if (!local.ok()) {
+        SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
+        Resolve(call, local.status());
+        return;
+      }
+      std::memcpy(*local, call->send_payload.data(), call->send_payload.size());
+      mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+      SendControl(FrameKind::kPullDone, id);
+      return;
+    }
+    FrameHeader header;
+    header.kind = FrameKind::kPayload;
+    header.request_id = id;
+    header.connection_id = connection_id_.load();
+    call->payload_header.resize(kFrameHeaderBytes);
+    WriteFrame(header, {}, call->payload_header);
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.send = &Impl::OnDataSent;
+    param.user_data = call;
+    param.datatype = ucp_dt_make_contig(1);
+    if (call->send_region != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = static_cast<ucp_mem_h>(call->send_region->handle());
+    }
+    ucs_status_ptr_t request = ucp_am_send_nbx(
+        ep_.get(), kRpcAmId, call->payload_header.data(), call->payload_header.size(),
+        call->send_payload.data(), call->send_payload.size(), &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      Resolve(call, FromUcs(UCS_PTR_STATUS(request), "sending a payload"));
+    } else if (request != nullptr) {
+      call->data_request = request;
+    }
+  }
+
+  // A reply whose payload is in the server's shared memory: copied out, then acknowledged
+  // (always, so the server may reuse the memory).
+  void OnMappedReply(const FrameView& frame) {
+    const uint64_t id = frame.header.request_id;
+    SendControl(FrameKind::kAck, id);
+    auto it = calls_.find(id);
+    if (it == calls_.end() || it->second->resolved) {
+      late_replies_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    PendingCall* call = it->second.get();
+    if (frame.header.status != 0) {
+      Resolve(call, StatusFromWireError(frame.header.status, frame.message));
+      return;
+    }
+    call->reply.assign(frame.message.begin(), frame.message.end());
+    if (frame.ref.length > call->recv_payload.size()) {
+      Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer of {} "
+                                    "bytes",
+                                    frame.ref.length, call->recv_payload.size()));
+      return;
+    }
+    auto local = Map(frame.ref);
+    if (!local.ok()) {
+      Resolve(call, local.status());
+      return;
+    }
+    std::memcpy(call->recv_payload.data(), *local, frame.ref.length);
+    mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+    call->payload_bytes = frame.ref.length;
+    Resolve(call, Status::OK());
   }
 
   // ---- loose frames (cancel, tests) --------------------------------------------------------
@@ -596,6 +809,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     }
     ep_ = UcpEndpoint(ep);
     connection_id_ = reply.connection_id();
+    ProbeMapping(reply);
     state_ = State::kConnected;
     connect_timer_->cancel();
     connects_.fetch_add(1, std::memory_order_relaxed);
@@ -673,11 +887,12 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
         call->status = failure;
       }
       call->resolving = true;
-      if (call->send_request != nullptr) ucp_request_cancel(worker_->ucp(), call->send_request);
-      if (call->recv_request != nullptr) ucp_request_cancel(worker_->ucp(), call->recv_request);
+      CancelRequests(call);
       call->resolving = false;
     }
     waiting_.clear();
+    mapped_ = false;
+    for (auto& [id, region] : std::exchange(shared_regions_, {})) ucp_rkey_destroy(region.rkey);
     for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
     if (ep_) {
       auto ep = std::make_shared<UcpEndpoint>(std::move(ep_));
@@ -702,7 +917,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       if (call->resolved) done.push_back(call.get());
     }
     for (PendingCall* call : done) {
-      if (call->send_request != nullptr || call->recv_request != nullptr) {
+      if (InFlight(*call)) {
         Abandon(call);
       } else {
         MaybeFinish(call);
@@ -737,6 +952,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   std::optional<asio::steady_timer> connect_timer_;
   char watch_byte_[1];
   UcpEndpoint ep_;
+  bool mapped_ = false;  // this connection copies payloads from and into the server's memory
+  std::unordered_map<uint64_t, SharedRegion> shared_regions_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> calls_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> abandoned_;
   std::vector<uint64_t> waiting_;
@@ -750,7 +967,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
 
   std::atomic<uint64_t> connection_id_{0};
   std::atomic<uint64_t> calls_started_{0}, calls_failed_{0}, connects_{0}, disconnects_{0},
-      malformed_{0}, late_replies_{0};
+      malformed_{0}, late_replies_{0}, mapped_payloads_{0};
 };
 
 // ---- RpcClient -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "bootstrap.h"
 #include "kvstash/common/logging.h"
@@ -17,6 +18,17 @@
 
 namespace kvstash::transport {
 
+class ServerCallState;
+
+// A held request payload the server asked the client for (kPull).
+struct PendingPull {
+  std::shared_ptr<ServerCallState> state;
+  MutableBytes dest;
+  const MemoryRegion* region = nullptr;
+  bool as_data = false;  // asked for a kPayload frame rather than a copy into shared memory
+  std::function<void(Status)> done;
+};
+
 struct ServerConnection {
   uint64_t id = 0;
   std::string key_namespace;
@@ -25,6 +37,11 @@ struct ServerConnection {
   UcpEndpoint ep;
   bool open = true;
   char watch_byte[1];
+  // Mapped payloads (progress thread): regions whose rkey the client has, pulls waiting for
+  // kPullDone or kPayload, and mapped replies waiting for kAck (their `sent` callbacks).
+  std::unordered_set<uint64_t> rkeys_sent;
+  std::unordered_map<uint64_t, PendingPull> pulls;
+  std::unordered_map<uint64_t, std::function<void(Status)>> acks;
   explicit ServerConnection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
 };
 
@@ -42,6 +59,8 @@ class ServerCallState {
   void* payload_data = nullptr;  // eager bytes or the rendezvous descriptor
   bool payload_rndv = false;
   bool payload_persistent = false;  // eager bytes kept past the AM callback
+  bool payload_held = false;        // the client holds it until pulled (mapped payloads)
+  bool accepts_mapped = false;      // the client copies a mapped reply payload itself
   bool payload_consumed = false;
   bool in_am_callback = false;
   std::atomic<bool> replied{false};
@@ -50,6 +69,7 @@ class ServerCallState {
   void ReleasePayload() {
     if (payload_consumed || payload_bytes == 0) return;
     payload_consumed = true;
+    if (payload_held) return;  // the client lets go of it when the call completes
     if (payload_rndv) {
       worker->DiscardRendezvous(payload_data, payload_bytes);  // within limits: checked
     } else if (payload_persistent) {
@@ -70,6 +90,12 @@ struct ReplySend {
 struct PayloadRecv {
   std::shared_ptr<ServerCallState> state;
   std::function<void(Status)> done;
+};
+
+// A control frame (kPull) with no call callback behind it: owns its bytes until sent.
+struct ControlSend {
+  std::vector<std::byte> header;
+  std::shared_ptr<ServerConnection> connection;
 };
 
 wire::Code ToWire(StatusCode code) { return static_cast<wire::Code>(code); }
@@ -103,6 +129,16 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
                               error.message());
     }
     port_ = acceptor_.local_endpoint().port();
+    if (worker_->options().mapped_payloads) {
+      // Clients on this host that can map this (and read the cookie) use mapped payloads.
+      auto probe = worker_->Allocate(4096);
+      if (probe.ok() && !probe->packed_rkey().empty()) {
+        probe_ = std::move(*probe);
+        std::random_device random;
+        cookie_ = (uint64_t{random()} << 32) | random();
+        std::memcpy(probe_.data(), &cookie_, sizeof(cookie_));
+      }
+    }
     ucp_am_handler_param_t param{};
     param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                        UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -127,6 +163,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     s.connects = connects_.load();
     s.disconnects = disconnects_.load();
     s.malformed_frames = malformed_.load();
+    s.mapped_payloads = mapped_.load();
     return s;
   }
   size_t connection_count() const { return open_connections_.load(); }
@@ -193,6 +230,10 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
                               state->connection->id));
         return;
       }
+      if (state->payload_held) {
+        Pull(state, dest.first(state->payload_bytes), region, std::move(done));
+        return;
+      }
       if (!state->payload_rndv) {
         std::memcpy(dest.data(), state->payload_data, state->payload_bytes);
         state->ReleasePayload();
@@ -200,30 +241,91 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
         return;
       }
       state->payload_consumed = true;
-      auto* op = new PayloadRecv{state, std::move(done)};
-      ucp_request_param_t param{};
-      param.op_attr_mask =
-          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
-      param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
-        ucp_request_free(request);
-        std::unique_ptr<PayloadRecv> owned(static_cast<PayloadRecv*>(user_data));
-        owned->done(FromUcs(status, "receiving a request payload"));
-      };
-      param.user_data = op;
-      param.datatype = ucp_dt_make_contig(1);
-      if (region != nullptr) {
-        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        param.memh = static_cast<ucp_mem_h>(region->handle());
-      }
-      ucs_status_ptr_t request = ucp_am_recv_data_nbx(worker_->ucp(), state->payload_data,
-                                                      dest.data(), state->payload_bytes, &param);
-      if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-        std::unique_ptr<PayloadRecv> owned(op);
-        owned->done(request == nullptr
-                        ? Status::OK()
-                        : FromUcs(UCS_PTR_STATUS(request), "receiving a request payload"));
-      }
+      ReceiveData(state, state->payload_data, dest, region, std::move(done));
     });
+  }
+
+  // Receives rendezvous payload bytes (of a request or a kPayload frame) into dest.
+  void ReceiveData(const std::shared_ptr<ServerCallState>& state, void* descriptor,
+                   MutableBytes dest, const MemoryRegion* region,
+                   std::function<void(Status)> done) {
+    auto* op = new PayloadRecv{state, std::move(done)};
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+      ucp_request_free(request);
+      std::unique_ptr<PayloadRecv> owned(static_cast<PayloadRecv*>(user_data));
+      owned->done(FromUcs(status, "receiving a request payload"));
+    };
+    param.user_data = op;
+    param.datatype = ucp_dt_make_contig(1);
+    if (region != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = static_cast<ucp_mem_h>(region->handle());
+    }
+    ucs_status_ptr_t request =
+        ucp_am_recv_data_nbx(worker_->ucp(), descriptor, dest.data(), dest.size(), &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+      std::unique_ptr<PayloadRecv> owned(op);
+      owned->done(request == nullptr
+                      ? Status::OK()
+                      : FromUcs(UCS_PTR_STATUS(request), "receiving a request payload"));
+    }
+  }
+
+  // Asks the client for a held payload: copied by the client straight into dest when dest is in
+  // memory it can map, else sent as a kPayload frame. `done` runs on kPullDone / the data, or
+  // when the connection closes.
+  void Pull(const std::shared_ptr<ServerCallState>& state, MutableBytes dest,
+            const MemoryRegion* region, std::function<void(Status)> done) {
+    state->payload_consumed = true;
+    ServerConnection& connection = *state->connection;
+    MappedRef ref;
+    ref.length = dest.size();
+    std::span<const std::byte> rkey;
+    const bool shared =
+        region != nullptr && !region->packed_rkey().empty() && region->Contains(dest);
+    if (shared) {
+      FillRef(connection, *region, dest, &ref, &rkey);
+    }
+    FrameHeader header;
+    header.kind = FrameKind::kPull;
+    header.request_id = state->request_id;
+    header.connection_id = connection.id;
+    connection.pulls[state->request_id] =
+        PendingPull{state, dest, region, /*as_data=*/!shared, std::move(done)};
+    SendControl(state->connection, WriteFrameWithRef(header, {}, ref, rkey));
+  }
+
+  // Names `bytes` of a shared region in ref, with the region's rkey the first time this
+  // connection hears of it.
+  void FillRef(ServerConnection& connection, const MemoryRegion& region, Bytes bytes,
+               MappedRef* ref, std::span<const std::byte>* rkey) {
+    ref->region_id = region.id();
+    ref->region_address = reinterpret_cast<uintptr_t>(region.data());
+    ref->region_size = region.size();
+    ref->address = reinterpret_cast<uintptr_t>(bytes.data());
+    ref->length = bytes.size();
+    if (connection.rkeys_sent.insert(region.id()).second) {
+      *rkey = std::as_bytes(std::span(region.packed_rkey()));
+    }
+  }
+
+  void SendControl(std::shared_ptr<ServerConnection> connection, std::vector<std::byte> frame) {
+    if (!connection->open || !connection->ep) return;
+    auto* owned = new ControlSend{std::move(frame), std::move(connection)};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+      ucp_request_free(request);
+      delete static_cast<ControlSend*>(user_data);
+    };
+    param.user_data = owned;
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(owned->connection->ep.get(), kRpcAmId, owned->header.data(),
+                        owned->header.size(), nullptr, 0, &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
   }
 
   // The handle was dropped: reply Internal if the handler never did, release the payload.
@@ -261,6 +363,13 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       }
       return;
     }
+    if (send->state->accepts_mapped && send->message_in_data.empty() && !payload.empty() &&
+        region != nullptr && !region->packed_rkey().empty() && region->Contains(payload) &&
+        send->header.size() + kMappedRefBytes + region->packed_rkey().size() <=
+            worker_->max_am_header()) {
+      SendMappedReply(std::move(send), payload, *region);
+      return;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -292,6 +401,67 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
                                        : FromUcs(UCS_PTR_STATUS(request), "sending a reply"));
       }
     }
+  }
+
+  // The payload stays in the server's shared memory; the client copies it out and sends kAck,
+  // which runs `sent` (until then the payload must not change).
+  void SendMappedReply(std::unique_ptr<ReplySend> send, Bytes payload, const MemoryRegion& region) {
+    const std::shared_ptr<ServerConnection>& connection = send->state->connection;
+    FrameHeader header;
+    std::memcpy(&header, send->header.data(), kFrameHeaderBytes);
+    MappedRef ref;
+    std::span<const std::byte> rkey;
+    FillRef(*connection, region, payload, &ref, &rkey);
+    const uint64_t id = send->state->request_id;
+    auto sent = std::move(send->sent);
+    connection->acks[id] = sent ? std::move(sent) : [](Status) {};
+    SendControl(connection, WriteFrameWithRef(
+                                header, Bytes(send->header).subspan(kFrameHeaderBytes), ref, rkey));
+  }
+
+  // A control frame from the client about a pull or a mapped reply.
+  void OnControl(const std::shared_ptr<ServerConnection>& connection, const FrameView& frame,
+                 void* data, size_t length, bool rndv) {
+    const FrameHeader& h = frame.header;
+    if (h.kind == FrameKind::kAck) {
+      auto it = connection->acks.find(h.request_id);
+      if (it == connection->acks.end()) return;
+      auto sent = std::move(it->second);
+      connection->acks.erase(it);
+      mapped_.fetch_add(1, std::memory_order_relaxed);
+      sent(Status::OK());
+      return;
+    }
+    auto it = connection->pulls.find(h.request_id);
+    if (it == connection->pulls.end() || (h.kind == FrameKind::kPayload) != it->second.as_data) {
+      if (rndv) worker_->DiscardRendezvous(data, length);
+      KVSTASH_LOG_WARN("connection {}: unexpected frame kind {} for call {}", connection->id,
+                       static_cast<int>(h.kind), h.request_id);
+      return;
+    }
+    PendingPull pull = std::move(it->second);
+    connection->pulls.erase(it);
+    if (h.kind == FrameKind::kPullDone) {
+      if (h.status == 0) mapped_.fetch_add(1, std::memory_order_relaxed);
+      pull.done(h.status == 0 ? Status::OK()
+                              : Status(static_cast<StatusCode>(h.status),
+                                       fmt::format("the client did not deliver the payload of "
+                                                   "call {}",
+                                                   h.request_id)));
+      return;
+    }
+    if (length != pull.dest.size()) {
+      if (rndv) worker_->DiscardRendezvous(data, length);
+      pull.done(InvalidArgumentError("client sent {} payload bytes for call {}, announced {}",
+                                     length, h.request_id, pull.dest.size()));
+      return;
+    }
+    if (!rndv) {
+      std::memcpy(pull.dest.data(), data, length);
+      pull.done(Status::OK());
+      return;
+    }
+    ReceiveData(pull.state, data, pull.dest, pull.region, std::move(pull.done));
   }
 
   // ---- connections -------------------------------------------------------------------------
@@ -376,6 +546,15 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     open_connections_.fetch_add(1, std::memory_order_relaxed);
     reply.set_connection_id(connection->id);
     reply.set_worker_address(std::string(worker_->address()));
+    if (probe_.size() != 0 && worker_->options().mapped_payloads) {
+      wire::SharedRegion* probe = reply.mutable_mapped_probe();
+      probe->set_region_id(probe_.id());
+      probe->set_address(reinterpret_cast<uintptr_t>(probe_.data()));
+      probe->set_size(probe_.size());
+      probe->set_rkey(probe_.packed_rkey());
+      probe->set_cookie(cookie_);
+      connection->rkeys_sent.insert(probe_.id());
+    }
     AsyncWriteMessage(connection->socket, reply, [this, connection](Status s) {
       if (!s.ok()) {
         Close(connection, s);
@@ -413,6 +592,9 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     connections_.erase(connection->id);
     asio::error_code ignored;
     connection->socket.close(ignored);
+    const Status gone = UnavailableError("connection {} closed", connection->id);
+    for (auto& [id, pull] : std::exchange(connection->pulls, {})) pull.done(gone);
+    for (auto& [id, sent] : std::exchange(connection->acks, {})) sent(gone);
     if (connection->ep) {
       endpoints_.erase(connection->ep.get());
       auto ep = std::make_shared<UcpEndpoint>(std::move(connection->ep));
@@ -490,6 +672,11 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       }
       return UCS_OK;
     }
+    if (h.kind == FrameKind::kAck || h.kind == FrameKind::kPullDone ||
+        h.kind == FrameKind::kPayload) {
+      OnControl(connection, *frame, data, length, rndv);
+      return UCS_OK;
+    }
     if (h.kind != FrameKind::kRequest) {
       malformed_.fetch_add(1, std::memory_order_relaxed);
       release();
@@ -516,6 +703,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     state->payload_bytes = frame->payload_bytes;
     state->payload_data = data;
     state->payload_rndv = rndv;
+    state->payload_held = frame->has_ref;
     state->in_am_callback = true;
     active_[{h.connection_id, h.request_id}] = state;
     handler->second(ServerCall(state));
@@ -529,7 +717,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       active_.erase({h.connection_id, h.request_id});
       return UCS_OK;
     }
-    if (!rndv) {
+    if (!rndv && !state->payload_held) {
       state->payload_persistent = true;
       return UCS_INPROGRESS;
     }
@@ -544,6 +732,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     state->connection = connection;
     state->method = h.method;
     state->request_id = h.request_id;
+    state->accepts_mapped = (h.flags & kAcceptsMapped) != 0;
     state->deadline = h.timeout_us == 0 ? Clock::time_point::max()
                                         : Clock::now() + std::chrono::microseconds(h.timeout_us);
     return state;
@@ -567,12 +756,14 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   uint16_t port_ = 0;
   uint64_t epoch_ = 0;
   uint64_t next_connection_ = 0;
+  MemoryRegion probe_;
+  uint64_t cookie_ = 0;
   std::unordered_map<uint16_t, Handler> handlers_;
   std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
   std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ServerCallState>, PairHash>
       active_;
-  std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0};
+  std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0};
   std::atomic<size_t> open_connections_{0};
 };
 

@@ -61,7 +61,9 @@ MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept
     : context_(std::exchange(other.context_, nullptr)),
       memh_(std::exchange(other.memh_, nullptr)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      id_(std::exchange(other.id_, 0)),
+      rkey_(std::exchange(other.rkey_, {})) {}
 
 MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
   if (this != &other) {
@@ -70,6 +72,8 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
     memh_ = std::exchange(other.memh_, nullptr);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    id_ = std::exchange(other.id_, 0);
+    rkey_ = std::exchange(other.rkey_, {});
   }
   return *this;
 }
@@ -84,7 +88,13 @@ void MemoryRegion::Reset() {
   memh_ = nullptr;
   data_ = nullptr;
   size_ = 0;
+  id_ = 0;
+  rkey_.clear();
 }
+
+namespace {
+std::atomic<uint64_t> next_region_id{1};
+}  // namespace
 
 Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
                                                const std::string& name) {
@@ -257,6 +267,7 @@ Result<MemoryRegion> Worker::Register(MutableBytes memory) {
   region.memh_ = memh;
   region.data_ = memory.data();
   region.size_ = memory.size();
+  region.id_ = next_region_id.fetch_add(1);
   return region;
 }
 
@@ -283,6 +294,14 @@ Result<MemoryRegion> Worker::Allocate(size_t bytes) {
   region.memh_ = memh;
   region.data_ = static_cast<std::byte*>(attr.address);
   region.size_ = bytes;
+  region.id_ = next_region_id.fetch_add(1);
+  // The packed key lets a process on this host map the memory (mapped payloads).
+  void* rkey = nullptr;
+  size_t rkey_size = 0;
+  if (ucp_rkey_pack(context_.get(), memh, &rkey, &rkey_size) == UCS_OK) {
+    region.rkey_.assign(static_cast<const char*>(rkey), rkey_size);
+    ucp_rkey_buffer_release(rkey);
+  }
   return region;
 }
 

@@ -48,6 +48,9 @@ struct TransportOptions {
   size_t max_payload_bytes = size_t{64} << 20;
   // How long the progress thread spins without events before it sleeps on the event fd.
   std::chrono::microseconds spin_before_sleep{200};
+  // Copy payloads straight from and into the server's shared memory when both ends are on
+  // one host (see above). Off: payloads always go by UCX rendezvous.
+  bool mapped_payloads = true;
 };
 
 class Worker;
@@ -70,8 +73,12 @@ class MemoryRegion {
   bool Contains(Bytes span) const {
     return span.data() >= data_ && span.data() + span.size() <= data_ + size_;
   }
-  // The UCX memory handle (ucp_mem_h), for the transport's own use.
+  // For the transport's own use: the UCX memory handle (ucp_mem_h); a process-unique id; and
+  // for memory allocated through UCX (AllocateMemory), its packed remote key, with which a
+  // process on the same host maps it (empty for registered memory).
   void* handle() const { return memh_; }
+  uint64_t id() const { return id_; }
+  const std::string& packed_rkey() const { return rkey_; }
 
  private:
   friend class Worker;
@@ -81,6 +88,8 @@ class MemoryRegion {
   void* memh_ = nullptr;     // ucp_mem_h
   std::byte* data_ = nullptr;
   size_t size_ = 0;
+  uint64_t id_ = 0;
+  std::string rkey_;
 };
 
 // The outcome of one call, passed to its callback.
@@ -121,6 +130,7 @@ struct TransportStats {
   uint64_t disconnects = 0;       // connections lost or closed
   uint64_t malformed_frames = 0;  // frames dropped or answered with an error for bad framing
   uint64_t late_replies = 0;      // replies for calls already completed (deadline, cancel)
+  uint64_t mapped_payloads = 0;   // payloads copied through the server's shared memory
 };
 
 // The client end of one connection to one server. Connects on the first call (or Connect)
