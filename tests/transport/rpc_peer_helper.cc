@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "kvstash/transport/rpc.h"
+#include "transport_param.h"
 
 using namespace kvstash;
 using namespace kvstash::transport;
@@ -25,7 +26,7 @@ namespace {
 
 int Server(const std::string& tls, uint16_t port) {
   ServerOptions options;
-  options.transport.tls = tls;
+  options.transport = kvstash::testing::TransportFor(tls);
   options.port = port;
   auto server = RpcServer::Create(options);
   if (!server.ok()) {
@@ -70,7 +71,7 @@ int Server(const std::string& tls, uint16_t port) {
 
 int Client(const std::string& tls, uint16_t port, size_t size) {
   ClientOptions options;
-  options.transport.tls = tls;
+  options.transport = kvstash::testing::TransportFor(tls);
   options.port = port;
   auto client = RpcClient::Create(options);
   if (!client.ok() || !(*client)->Connect().ok()) {

@@ -15,6 +15,7 @@
 
 #include "block_pattern.h"
 #include "kvstash/proto/wire.pb.h"
+#include "transport_param.h"
 
 namespace kvstash::transport {
 namespace {
@@ -22,6 +23,7 @@ namespace {
 using namespace std::chrono_literals;
 using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
+using ::kvstash::testing::TransportFor;
 
 constexpr uint16_t kEcho = 1;
 constexpr uint16_t kPut = 2;       // receives the payload into server memory, replies its size
@@ -33,14 +35,6 @@ constexpr uint16_t kPutPlain = 6;  // receives the payload into heap memory (kep
 Bytes AsBytes(const std::string& s) { return std::as_bytes(std::span(s)); }
 std::string AsString(Bytes b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
-}
-
-// "shm", "shm_rndv" (shared memory, mapped payloads off) or "tcp".
-TransportOptions TransportFor(const std::string& param) {
-  TransportOptions options;
-  options.tls = param == "tcp" ? "tcp" : "shm";
-  options.mapped_payloads = param != "shm_rndv";
-  return options;
 }
 
 class RpcTest : public ::testing::TestWithParam<std::string> {
