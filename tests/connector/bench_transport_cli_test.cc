@@ -89,6 +89,17 @@ TEST_P(BenchTransportCliTest, RpcReportsLatency) {
   EXPECT_TRUE(doc.at("perftest_gbps").is_null());
 }
 
+TEST_P(BenchTransportCliTest, SyncRpcCallsFromTheMainThread) {
+  const nlohmann::json doc = RunJson({"--op", "rpc", "--sync", "--tls", GetParam(), "--iters",
+                                      "200", "--rounds", "2", "--no-perftest"});
+  ASSERT_FALSE(doc.empty());
+  EXPECT_EQ(doc.at("sync"), true);
+  ExpectPositiveFinite(doc.at("p50_us"), "p50_us");
+  EXPECT_GE(doc["p99_us"].get<double>(), doc["p50_us"].get<double>());
+  ExpectPositiveFinite(doc.at("calls_per_s"), "calls_per_s");
+  ASSERT_EQ(doc.at("rounds_p50_us").size(), 2u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, BenchTransportCliTest, ::testing::Values("shm", "tcp"),
                          [](const auto& param_info) { return param_info.param; });
 
@@ -138,6 +149,7 @@ TEST(BenchTransportCliStandaloneTest, BadUsageExitsTwoNamingTheFlag) {
       {{"--op", "put", "--size", "64K", "--warmup", "-1"}, "--warmup"},
       {{"--op", "put", "--size", "64K", "--iters", "many"}, "--iters"},
       {{"--size", "64K"}, "--op"},
+      {{"--op", "put", "--size", "64K", "--sync"}, "--sync"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {kKvstash, "bench", "transport"};
@@ -156,7 +168,7 @@ TEST(BenchTransportCliStandaloneTest, HelpExplainsTheComparison) {
   EXPECT_EQ(r.exit_code, 0);
   for (const char* text :
        {"--op", "--size", "--tls", "--iters", "--warmup", "--window", "--rounds", "--json",
-        "--no-perftest", "ucp_am_bw", "ucp_am_lat", "UCX_TLS", "ratio"}) {
+        "--no-perftest", "--sync", "ucp_am_bw", "ucp_am_lat", "UCX_TLS", "ratio"}) {
     EXPECT_THAT(r.out, HasSubstr(text));
   }
 }
