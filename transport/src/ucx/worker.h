@@ -20,10 +20,6 @@ namespace kvstash::transport {
 // Translates a UCX status; the one place UCX codes become kvstash codes.
 Status FromUcs(ucs_status_t status, std::string_view what);
 
-// ucp_ep_create with peer-failure detection where the transports offer it (TCP), and without
-// where they do not (shared memory in UCX 1.13: "no peer failure handler"); the bootstrap
-// socket detects a dead peer either way.
-
 // Owns a ucp_context_h. Move-only.
 class UcpContext {
  public:
@@ -148,7 +144,8 @@ class Worker : public std::enable_shared_from_this<Worker> {
   // worker until it completes or 200 ms pass. Never blocks otherwise. On the thread.
   void WaitRequest(void* request);
 
-  // ucp_ep_create with UCX peer-failure detection (errors, not aborts, when a peer dies).
+  // ucp_ep_create with UCX peer-failure mode (errors, not aborts, when a peer dies), except
+  // over TCP alone (see Create); the bootstrap socket detects a dead peer either way.
   Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what);
 
   // Drops a rendezvous payload the receiver does not want. UCX 1.13's ucp_am_data_release of a
@@ -170,6 +167,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
   UcpWorkerAddress address_;
   size_t max_am_header_ = 0;
   int event_fd_ = -1;
+  bool tcp_only_ = false;  // UCX_TLS is "tcp": endpoints without peer-failure mode
 
   asio::io_context io_{1};
   std::thread thread_;
