@@ -118,6 +118,20 @@ TEST(BenchTransportCliStandaloneTest, NoPerftestLeavesPerftestFiguresNull) {
   EXPECT_EQ(doc.at("rounds_gbps").size(), 2u);
 }
 
+TEST(BenchTransportCliStandaloneTest, DistinctBuffersGiveEachCallInTheWindowItsOwn) {
+  for (const char* op : {"put", "get"}) {
+    const nlohmann::json doc =
+        RunJson({"--op", op, "--size", "64K", "--iters", "40", "--window", "4", "--rounds", "1",
+                 "--distinct-buffers", "--no-perftest"});
+    ASSERT_FALSE(doc.empty()) << op;
+    EXPECT_EQ(doc.at("distinct_buffers"), true) << op;
+    ExpectPositiveFinite(doc.at("gbps"), "gbps");
+  }
+  const nlohmann::json shared =
+      RunJson({"--op", "put", "--size", "64K", "--iters", "20", "--rounds", "1", "--no-perftest"});
+  EXPECT_EQ(shared.at("distinct_buffers"), false);
+}
+
 TEST(BenchTransportCliStandaloneTest, TableShowsMediansAndEveryRound) {
   auto r = RunProcess({kKvstash, "bench", "transport", "--op", "get", "--size", "1M", "--iters",
                        "10", "--rounds", "2", "--no-perftest"});
@@ -141,7 +155,6 @@ TEST(BenchTransportCliStandaloneTest, BadUsageExitsTwoNamingTheFlag) {
       {{"--op", "put"}, "--size"},
       {{"--op", "put", "--size", "64K", "--tls", "ib"}, "--tls"},
       {{"--op", "put", "--size", "64K", "--window", "0"}, "--window"},
-      {{"--op", "put", "--size", "64M", "--window", "64"}, "--window"},
       {{"--op", "rpc", "--window", "4"}, "--window"},
       {{"--op", "put", "--size", "64K", "--rounds", "0"}, "--rounds"},
       {{"--op", "put", "--size", "64K", "--iters", "-3"}, "--iters"},
@@ -150,6 +163,8 @@ TEST(BenchTransportCliStandaloneTest, BadUsageExitsTwoNamingTheFlag) {
       {{"--op", "put", "--size", "64K", "--iters", "many"}, "--iters"},
       {{"--size", "64K"}, "--op"},
       {{"--op", "put", "--size", "64K", "--sync"}, "--sync"},
+      {{"--op", "rpc", "--distinct-buffers"}, "--distinct-buffers"},
+      {{"--op", "put", "--size", "64M", "--window", "64", "--distinct-buffers"}, "--window"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {kKvstash, "bench", "transport"};
@@ -166,9 +181,9 @@ TEST(BenchTransportCliStandaloneTest, BadUsageExitsTwoNamingTheFlag) {
 TEST(BenchTransportCliStandaloneTest, HelpExplainsTheComparison) {
   auto r = RunProcess({kKvstash, "bench", "transport", "--help"});
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* text :
-       {"--op", "--size", "--tls", "--iters", "--warmup", "--window", "--rounds", "--json",
-        "--no-perftest", "--sync", "ucp_am_bw", "ucp_am_lat", "UCX_TLS", "ratio"}) {
+  for (const char* text : {"--op", "--size", "--tls", "--iters", "--warmup", "--window", "--rounds",
+                           "--json", "--no-perftest", "--sync", "--distinct-buffers", "ucp_am_bw",
+                           "ucp_am_lat", "UCX_TLS", "ratio"}) {
     EXPECT_THAT(r.out, HasSubstr(text));
   }
 }

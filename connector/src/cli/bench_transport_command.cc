@@ -68,7 +68,7 @@ constexpr uint64_t kMaxDefaultIters = 20000;
 constexpr uint64_t kRpcDefaultIters = 20000;
 constexpr int64_t kMaxIters = 1'000'000'000;
 constexpr int kMaxWindow = 1024;
-// window x size of registered memory on each side.
+// Payload memory on each side (window x size with --distinct-buffers).
 constexpr uint64_t kMaxWindowBytes = uint64_t{2} << 30;
 // Every call fails after this long; a stuck server ends the round instead of hanging it.
 constexpr auto kCallTimeout = 30s;
@@ -93,6 +93,9 @@ struct BenchConfig {
   uint64_t size = 0;  // payload bytes (put, get) or echo message bytes (rpc)
   std::string tls;
   int window = 8;
+  // Payload buffers per side: 1, as ucx_perftest (every call in the window moves from and into
+  // the same memory), or `window` with --distinct-buffers.
+  int slots = 1;
   uint64_t iters = 0;
   uint64_t warmup = 0;
   int rounds = 3;
@@ -144,19 +147,20 @@ void WriteAll(int fd, std::string_view text) {
   const size_t size = config.size;
   MemoryRegion memory;  // put: the ring of `window` slots; get: one block
   if (config.op != Op::kRpc) {
-    const size_t bytes = config.op == Op::kPut ? size * static_cast<size_t>(config.window) : size;
+    const size_t bytes = config.op == Op::kPut ? size * static_cast<size_t>(config.slots) : size;
     Result<MemoryRegion> region = server->AllocateMemory(bytes);
     if (!region.ok()) ChildFail(report_fd, region.status());
     memory = std::move(*region);
     std::memset(memory.data(), 0x5a, memory.size());  // fault the pages in before timing
   }
   const MemoryRegion* region = &memory;
-  const size_t slots = static_cast<size_t>(config.window);
+  const size_t slots = static_cast<size_t>(config.slots);
   auto next_slot = std::make_shared<size_t>(0);  // progress thread only
 
   // At most `window` puts are between ReceivePayload and Reply at once (the client keeps that
-  // many in flight and issues the next only on a reply), so a ring of `window` slots is never
-  // written twice at once.
+  // many in flight and issues the next only on a reply), so with --distinct-buffers a ring of
+  // `window` slots is never written twice at once. By default every put lands in one slot, as
+  // ucx_perftest's do: the bench measures movement, the transport tests check contents.
   server->Handle(kPutMethod, [region, size, slots, next_slot](ServerCall call) {
     if (call.payload_bytes() > size) {
       call.ReplyError(
@@ -315,7 +319,7 @@ Result<std::unique_ptr<ClientSide>> OpenClient(const BenchConfig& config, uint16
     }
     return side;
   }
-  KVSTASH_ASSIGN_OR_RETURN(side->memory, side->client->AllocateMemory(config.size * config.window));
+  KVSTASH_ASSIGN_OR_RETURN(side->memory, side->client->AllocateMemory(config.size * config.slots));
   // Non-constant bytes in every page, so the pages are faulted in before timing and nothing
   // below could shortcut a constant block.
   uint64_t x = 0x9e3779b97f4a7c15ULL;
@@ -372,12 +376,12 @@ class CallLoop : public std::enable_shared_from_this<CallLoop> {
     switch (config_.op) {
       case Op::kPut:
         method = kPutMethod;
-        options.send_payload = side_.memory.bytes().subspan(slot * size, size);
+        options.send_payload = side_.memory.bytes().subspan((slot % config_.slots) * size, size);
         options.send_region = &side_.memory;
         break;
       case Op::kGet:
         method = kGetMethod;
-        options.recv_payload = side_.memory.bytes().subspan(slot * size, size);
+        options.recv_payload = side_.memory.bytes().subspan((slot % config_.slots) * size, size);
         options.recv_region = &side_.memory;
         break;
       case Op::kRpc:
@@ -780,6 +784,7 @@ void PrintJson(std::ostream& out, const BenchConfig& config,
       {"size", config.size},
       {"tls", config.tls},
       {"window", config.op == Op::kRpc ? 1 : config.window},
+      {"distinct_buffers", config.slots > 1},
       {"iters", config.iters},
       {"warmup", config.warmup},
       {"rounds", config.rounds},
@@ -810,7 +815,8 @@ void PrintTable(std::ostream& out, const BenchConfig& config,
   out << fmt::format("size        {} ({} bytes{})\n", FormatBytes(config.size), config.size,
                      rpc ? ", echo message" : "");
   out << fmt::format("transport   UCX_TLS={}\n", config.tls);
-  out << fmt::format("window      {} call(s) in flight\n", rpc ? 1 : config.window);
+  out << fmt::format("window      {} call(s) in flight, {} payload buffer(s) per side\n",
+                     rpc ? 1 : config.window, config.slots);
   out << fmt::format("iters       {} per round after {} warmup\n", config.iters, config.warmup);
   out << fmt::format("rounds      {} (median shown)\n", config.rounds);
   out << fmt::format("perftest    {}\n",
@@ -858,6 +864,7 @@ struct BenchTransportFlags {
   bool json = false;
   bool no_perftest = false;
   bool sync = false;
+  bool distinct_buffers = false;
   bool iters_given = false;
   bool warmup_given = false;
   bool window_given = false;
@@ -935,7 +942,11 @@ int RunBenchTransport(const BenchTransportFlags& flags) {
     return Fail(kExitUsage, fmt::format("--window: {} is outside 1..{}", flags.window, kMaxWindow));
   }
   config.window = rpc ? 1 : flags.window;
-  if (!rpc && config.size * static_cast<uint64_t>(config.window) > kMaxWindowBytes) {
+  if (flags.distinct_buffers && rpc) {
+    return Fail(kExitUsage, "--distinct-buffers: rpc moves no payload");
+  }
+  config.slots = flags.distinct_buffers ? config.window : 1;
+  if (!rpc && config.size * static_cast<uint64_t>(config.slots) > kMaxWindowBytes) {
     return Fail(kExitUsage,
                 fmt::format("--window: {} slots of {} bytes need {} of registered memory per "
                             "side, over the limit of {}",
@@ -1073,8 +1084,8 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
       cmd->add_option(
              "--window", flags->window,
              "Calls kept in flight for put and get: each completion issues the next call from "
-             "its callback on the client's progress thread (1..1024; window x size at most "
-             "2 GiB). rpc always runs one call at a time")
+             "its callback on the client's progress thread (1..1024; with --distinct-buffers, "
+             "window x size at most 2 GiB). rpc always runs one call at a time")
           ->capture_default_str();
   cmd->add_option("--rounds", flags->rounds,
                   "Rounds to run; every figure is the median over rounds. Rounds alternate "
@@ -1082,6 +1093,10 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   cmd->add_flag("--json", flags->json,
                 "Print one JSON object on stdout instead of the table (logs stay on stderr)");
+  cmd->add_flag("--distinct-buffers", flags->distinct_buffers,
+                "put/get: give each call in the window its own payload buffer (window x size per "
+                "side, so large windows leave the CPU caches) instead of one buffer per side as "
+                "ucx_perftest uses");
   cmd->add_flag("--sync", flags->sync,
                 "rpc only: issue each call with CallSync from the command's main thread (as an "
                 "engine thread would) instead of from the client's progress thread; the "
@@ -1095,9 +1110,10 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
       "(issue to completion callback, us; with a window, including the wait behind the calls "
       "ahead); calls/s. ucx_perftest, in fresh processes each round: the server `ucx_perftest "
       "-p PORT` and the client `ucx_perftest 127.0.0.1 -p PORT -t ucp_am_bw -s SIZE -n ITERS "
-      "-w WARMUP -f`, its overall bandwidth (MB/s of 2^20 bytes) converted to GB/s; it sends "
-      "from and receives into one buffer per side, where kvstash cycles through --window "
-      "slots. ratio = kvstash / perftest: the share of raw UCX active-message bandwidth the "
+      "-w WARMUP -f`, its overall bandwidth (MB/s of 2^20 bytes) converted to GB/s. Both send "
+      "from and receive into one buffer per side (kvstash cycles through --window buffers "
+      "with --distinct-buffers). ratio = kvstash / perftest: the share of raw UCX active-message "
+      "bandwidth the "
       "transport delivers with its framing, protocol and completion handling. get is compared "
       "with the same one-way ucp_am_bw as put (perftest has no request-reply bandwidth test), "
       "so its ratio also carries the request each get sends first. rpc is compared with `-t "
