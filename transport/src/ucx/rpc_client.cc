@@ -391,6 +391,18 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // ---- deadlines ---------------------------------------------------------------------------
 
   void ScheduleDeadline(Clock::time_point deadline, uint64_t id) {
+    // Entries of finished calls stay until their deadline passes; at a high call rate with
+    // long deadlines they would pile up, so the heap is rebuilt from the calls still here when
+    // it holds more than twice as many.
+    if (deadlines_.size() >= 1024 && deadlines_.size() > 2 * calls_.size()) {
+      std::vector<Deadline> live;
+      live.reserve(calls_.size());
+      for (const auto& [call_id, call] : calls_) {
+        // Resolved calls still here wait for a transfer: their deadline resets a stalled peer.
+        if (call_id != id) live.emplace_back(call->deadline, call_id);
+      }
+      deadlines_ = decltype(deadlines_)(std::greater<>(), std::move(live));
+    }
     deadlines_.emplace(deadline, id);
     if (!timer_armed_ || deadline < timer_at_) ArmTimer(deadline);
   }
