@@ -1058,8 +1058,9 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
       "with ucx_perftest over the same UCX transports.");
   cmd->add_option("--op", flags->op,
                   "What to measure. put: calls whose request payload (--size bytes, from "
-                  "registered client memory) the server receives into a registered ring of "
-                  "--window slots, then answers empty. get: empty calls the server answers with a "
+                  "registered client memory) the server receives into registered memory (one "
+                  "buffer, or a ring of --window slots with --distinct-buffers), then answers "
+                  "empty. get: empty calls the server answers with a "
                   "--size byte payload from registered memory, received into registered client "
                   "memory. rpc: echo calls of a --size byte message (default 32), no payload, "
                   "one at a time")

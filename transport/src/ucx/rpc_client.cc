@@ -283,32 +283,27 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   }
 
   static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
-    auto* call = static_cast<PendingCall*>(user_data);
-    ucp_request_free(request);
-    call->send_request = nullptr;
-    auto* self = static_cast<Impl*>(call->impl);
-    if (call->abandoned) {
-      self->ReapAbandoned(call);
-      return;
-    }
-    if (status != UCS_OK && !call->resolved) {
-      self->Resolve(call, FromUcs(status, fmt::format("sending call {}", call->id)));
-      return;
-    }
-    self->MaybeFinish(call);
+    SendFinished(request, status, static_cast<PendingCall*>(user_data), &PendingCall::send_request,
+                 "sending call");
   }
 
   static void OnDataSent(void* request, ucs_status_t status, void* user_data) {
-    auto* call = static_cast<PendingCall*>(user_data);
+    SendFinished(request, status, static_cast<PendingCall*>(user_data), &PendingCall::data_request,
+                 "sending the payload of call");
+  }
+
+  // A send of the call (its request frame, or its payload as a kPayload frame) completed.
+  static void SendFinished(void* request, ucs_status_t status, PendingCall* call,
+                           void* PendingCall::*slot, std::string_view what) {
     ucp_request_free(request);
-    call->data_request = nullptr;
+    call->*slot = nullptr;
     auto* self = static_cast<Impl*>(call->impl);
     if (call->abandoned) {
       self->ReapAbandoned(call);
       return;
     }
     if (status != UCS_OK && !call->resolved) {
-      self->Resolve(call, FromUcs(status, fmt::format("sending the payload of call {}", call->id)));
+      self->Resolve(call, FromUcs(status, fmt::format("{} {}", what, call->id)));
       return;
     }
     self->MaybeFinish(call);
