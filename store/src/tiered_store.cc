@@ -122,6 +122,13 @@ struct TieredStore::Counters {
   }
 };
 
+Result<size_t> CpuMemoryBytes(const TieredStoreOptions& options) {
+  BlockSlabOptions slab_options;
+  slab_options.slot_bytes = options.block_bytes;
+  slab_options.slot_count = options.cpu_capacity_blocks;
+  return BlockSlab::RequiredBytes(slab_options);
+}
+
 Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions& options) {
   if (options.block_bytes == 0) return InvalidArgumentError("the block size must be positive");
   if (options.io_threads == 0 && options.ssd) {
@@ -135,6 +142,7 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions&
   slab_options.slot_bytes = options.block_bytes;
   slab_options.slot_count = options.cpu_capacity_blocks;
   slab_options.prefault = options.prefault;
+  slab_options.memory = options.cpu_memory;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockSlab> slab, BlockSlab::Create(slab_options));
   std::unique_ptr<SsdTier> ssd;
   if (options.ssd) {

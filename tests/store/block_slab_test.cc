@@ -80,5 +80,47 @@ TEST(BlockSlabTest, SmallAlignmentPacksSlots) {
   EXPECT_EQ((*slab)->Slot(2).data() - (*slab)->Slot(0).data(), 256);
 }
 
+TEST(BlockSlabTest, CarvesSlotsFromCallerMemoryAndLeavesItMapped) {
+  BlockSlabOptions options;
+  options.slot_bytes = 1000;
+  options.slot_count = 5;
+  auto needed = BlockSlab::RequiredBytes(options);
+  ASSERT_TRUE(needed.ok());
+  EXPECT_EQ(*needed % 4096, 0u);
+  EXPECT_GE(*needed, 5u * 4096);
+  std::vector<std::byte> backing(*needed + 4096);
+  // A page-aligned start inside the vector.
+  auto* start = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(backing.data()) + 4095) &
+                                             ~uintptr_t{4095});
+  options.memory = std::span<std::byte>(start, *needed);
+  {
+    auto slab = BlockSlab::Create(options);
+    ASSERT_TRUE(slab.ok()) << slab.status().ToString();
+    EXPECT_EQ((*slab)->region().data(), start);
+    EXPECT_EQ((*slab)->Slot(3).data(), start + 3 * 4096);
+    std::vector<std::byte> block(1000, std::byte{0x7e});
+    ASSERT_TRUE((*slab)->Write(3, block).ok());
+  }
+  // The slab is gone; the caller's memory is still there with what was written.
+  EXPECT_EQ(start[3 * 4096 + 999], std::byte{0x7e});
+}
+
+TEST(BlockSlabTest, RefusesCallerMemoryTooSmallOrMisaligned) {
+  BlockSlabOptions options;
+  options.slot_bytes = 4096;
+  options.slot_count = 4;
+  std::vector<std::byte> backing(8 * 4096);
+  auto* start = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(backing.data()) + 4095) &
+                                             ~uintptr_t{4095});
+  options.memory = std::span<std::byte>(start, 3 * 4096);
+  auto small = BlockSlab::Create(options);
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(small.status().message()), HasSubstr("needs 16384"));
+  options.memory = std::span<std::byte>(start + 64, 4 * 4096);
+  auto misaligned = BlockSlab::Create(options);
+  EXPECT_EQ(misaligned.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(misaligned.status().message()), HasSubstr("aligned"));
+}
+
 }  // namespace
 }  // namespace kvstash::store

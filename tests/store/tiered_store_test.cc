@@ -125,6 +125,28 @@ TEST_F(TieredStoreTest, CpuOnlyStoreServesAndEvicts) {
   ExpectCpuBlock(*store, 3);
 }
 
+TEST_F(TieredStoreTest, CpuTierUsesCallerMemory) {
+  TieredStoreOptions options = Options(3, 0);
+  auto bytes = CpuMemoryBytes(options);
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_GE(*bytes, 3 * kBlock);
+  std::vector<std::byte> backing(*bytes + 4096);
+  auto* start = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(backing.data()) + 4095) &
+                                             ~uintptr_t{4095});
+  options.cpu_memory = std::span<std::byte>(start, *bytes);
+  auto store = Open(options);
+  ASSERT_NE(store, nullptr);
+  StorePlan plan;
+  ASSERT_TRUE(store->PrepareStore(Keys({7}), &plan).ok());
+  ASSERT_EQ(plan.slots.size(), 1u);
+  const std::span<std::byte> slot = store->CpuSlot(plan.slots[0]);
+  EXPECT_GE(slot.data(), start);
+  EXPECT_LE(slot.data() + slot.size(), start + *bytes);
+  FillPattern(7, slot);
+  store->CompleteStore(Keys({7}), true);
+  ExpectCpuBlock(*store, 7);
+}
+
 TEST_F(TieredStoreTest, WriteThroughCascadesEveryCommit) {
   auto store = Open(Options(4, 16));
   Store(*store, Keys({1, 2, 3}));

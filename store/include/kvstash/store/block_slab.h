@@ -23,6 +23,11 @@ struct BlockSlabOptions {
   bool prefault = true;
   // Ask for transparent huge pages (fewer TLB misses on large copies); advisory.
   bool huge_pages = true;
+  // Memory to carve the slots from instead of a mapping of the slab's own (a node hands it
+  // memory its transport can share with clients). Owned by the caller and must outlive the
+  // slab; at least RequiredBytes(options), starting on a slot_alignment boundary. Prefault
+  // applies to it too; huge_pages does not.
+  std::span<std::byte> memory;
 };
 
 // Fixed-size block slots carved from one page-aligned anonymous mapping, ready to be registered
@@ -35,6 +40,9 @@ class BlockSlab {
   // InvalidArgument for a size, count or alignment outside the documented ranges or a total
   // that overflows; ResourceExhausted when the mapping fails (ENOMEM).
   static Result<std::unique_ptr<BlockSlab>> Create(const BlockSlabOptions& options);
+  // Bytes the slab maps (or needs in options.memory): slot_count slot strides, rounded up to
+  // a page. The same errors as Create for bad options.
+  static Result<size_t> RequiredBytes(const BlockSlabOptions& options);
   ~BlockSlab();
   BlockSlab(const BlockSlab&) = delete;
   BlockSlab& operator=(const BlockSlab&) = delete;
@@ -63,12 +71,13 @@ class BlockSlab {
   std::span<std::byte> region() { return {base_, mapped_bytes_}; }
 
  private:
-  BlockSlab(std::byte* base, size_t mapped_bytes, size_t slot_bytes, size_t slot_count,
-            size_t slot_stride);
+  BlockSlab(std::byte* base, size_t mapped_bytes, bool owns_mapping, size_t slot_bytes,
+            size_t slot_count, size_t slot_stride);
   Status Check(SlotId slot, size_t bytes) const;
 
   std::byte* const base_;
   const size_t mapped_bytes_;
+  const bool owns_mapping_;
   const size_t slot_bytes_;
   const size_t slot_count_;
   const size_t slot_stride_;

@@ -25,6 +25,10 @@ enum class CascadeMode : uint8_t {
   kWriteBack,     // only when the CPU tier evicts it (and at Flush)
 };
 
+struct TieredStoreOptions;
+// Bytes of CPU-tier memory the options need (see TieredStoreOptions::cpu_memory).
+Result<size_t> CpuMemoryBytes(const TieredStoreOptions& options);
+
 // "write-through" or "write-back"; InvalidArgument otherwise.
 Result<CascadeMode> ParseCascadeMode(std::string_view name);
 std::string_view CascadeModeName(CascadeMode mode);
@@ -35,6 +39,10 @@ struct TieredStoreOptions {
   size_t cpu_capacity_blocks = 0;
   EvictionPolicy cpu_policy = EvictionPolicy::kLru;
   bool prefault = true;
+  // The CPU tier's memory, when the caller provides it (a node: memory its transport shares
+  // with clients); at least CpuMemoryBytes(options), page-aligned, outliving the store.
+  // Empty: the store maps its own.
+  std::span<std::byte> cpu_memory;
   // The SSD tier; its block_bytes is set from the field above. None: CPU only.
   std::optional<SsdTierOptions> ssd;
   CascadeMode cascade = CascadeMode::kWriteThrough;
