@@ -111,6 +111,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   }
 
   void Handle(uint16_t method, Handler handler) { handlers_[method] = std::move(handler); }
+  void OnDisconnect(std::function<void(uint64_t)> fn) { on_disconnect_ = std::move(fn); }
 
   Status Start() {
     asio::error_code error;
@@ -595,6 +596,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     const Status gone = UnavailableError("connection {} closed", connection->id);
     for (auto& [id, pull] : std::exchange(connection->pulls, {})) pull.done(gone);
     for (auto& [id, sent] : std::exchange(connection->acks, {})) sent(gone);
+    if (on_disconnect_) on_disconnect_(connection->id);
     if (connection->ep) {
       endpoints_.erase(connection->ep.get());
       auto ep = std::make_shared<UcpEndpoint>(std::move(connection->ep));
@@ -759,6 +761,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   MemoryRegion probe_;
   uint64_t cookie_ = 0;
   std::unordered_map<uint16_t, Handler> handlers_;
+  std::function<void(uint64_t)> on_disconnect_;
   std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
   std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ServerCallState>, PairHash>
@@ -830,7 +833,12 @@ void RpcServer::Handle(uint16_t method, Handler handler) {
   impl_->Handle(method, std::move(handler));
 }
 
+void RpcServer::OnDisconnect(std::function<void(uint64_t connection_id)> fn) {
+  impl_->OnDisconnect(std::move(fn));
+}
+
 Status RpcServer::Start() { return impl_->Start(); }
+void RpcServer::Stop() { impl_->Stop(); }
 uint16_t RpcServer::port() const { return impl_->port(); }
 
 Result<MemoryRegion> RpcServer::RegisterMemory(MutableBytes memory) {

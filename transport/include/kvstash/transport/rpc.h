@@ -244,8 +244,14 @@ class RpcServer {
   ~RpcServer();
 
   void Handle(uint16_t method, Handler handler);
+  // Runs on the progress thread when a connection ends (the client closed or died, or the
+  // server is stopping), after its outstanding payload transfers failed. Register before Start.
+  void OnDisconnect(std::function<void(uint64_t connection_id)> fn);
   // Binds and starts accepting; port() is known after it returns.
   Status Start();
+  // Stops accepting, closes every connection (OnDisconnect runs for each) and joins the
+  // progress thread; after it no handler runs. Idempotent; the destructor calls it.
+  void Stop();
   uint16_t port() const;
 
   Result<MemoryRegion> RegisterMemory(MutableBytes memory);

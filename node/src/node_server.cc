@@ -1,0 +1,574 @@
+// NodeServer: the wire methods over the tiered store. Handlers and sessions live on the
+// transport's progress thread; the store is thread-safe and is only ever called from there.
+
+#include "kvstash/node/node_server.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "kvstash/common/hash.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/proto/wire.pb.h"
+
+namespace kvstash::node {
+namespace {
+
+using store::OffloadKey;
+using transport::Bytes;
+using transport::ServerCall;
+
+// A client namespace's id in the store's keys: the low 32 bits of xxh3-64 of its name, so the
+// same name maps to the same id across restarts (blocks on SSD stay with their namespace).
+store::NamespaceId NamespaceIdOf(std::string_view name) {
+  return static_cast<store::NamespaceId>(Xxh3Hash64(std::as_bytes(std::span(name))));
+}
+
+OffloadKey ToKey(const wire::Key& key, store::NamespaceId ns) {
+  OffloadKey k;
+  k.hash.lo = key.hash_lo();
+  k.hash.hi = key.hash_hi();
+  k.group = key.group();
+  k.namespace_id = ns;
+  return k;
+}
+
+void ToWire(const OffloadKey& key, wire::Key* out) {
+  out->set_hash_lo(key.hash.lo);
+  out->set_hash_hi(key.hash.hi);
+  out->set_group(key.group);
+}
+
+wire::LookupResult ToWire(store::LookupResult r) {
+  switch (r) {
+    case store::LookupResult::kHit:
+      return wire::LOOKUP_HIT;
+    case store::LookupResult::kRetry:
+      return wire::LOOKUP_RETRY;
+    case store::LookupResult::kMiss:
+      break;
+  }
+  return wire::LOOKUP_MISS;
+}
+
+template <typename Message>
+void ReplyWith(ServerCall& call, const Message& message, Bytes payload = {},
+               const transport::MemoryRegion* region = nullptr,
+               std::function<void(Status)> sent = {}) {
+  const std::string bytes = message.SerializeAsString();
+  call.Reply(std::as_bytes(std::span(bytes)), payload, region, std::move(sent));
+}
+
+}  // namespace
+
+class NodeServer::Impl {
+ public:
+  explicit Impl(NodeOptions options) : options_(std::move(options)) {}
+
+  ~Impl() {
+    // Handlers use the store and the CPU memory: stop serving first (sessions end there),
+    // then close the store, then give the memory back while the transport still exists.
+    if (server_) server_->Stop();
+    store_.reset();
+    cpu_region_ = transport::MemoryRegion();
+    server_.reset();
+  }
+
+  Status Start() {
+    options_.server.block_bytes = options_.store.block_bytes;
+    KVSTASH_ASSIGN_OR_RETURN(server_, transport::RpcServer::Create(options_.server));
+    KVSTASH_ASSIGN_OR_RETURN(const size_t cpu_bytes, store::CpuMemoryBytes(options_.store));
+    Result<transport::MemoryRegion> region = server_->AllocateMemory(cpu_bytes);
+    if (region.ok() && reinterpret_cast<uintptr_t>(region->data()) % 4096 == 0) {
+      cpu_region_ = std::move(*region);
+      options_.store.cpu_memory = cpu_region_.bytes().first(cpu_bytes);
+    } else {
+      KVSTASH_LOG_WARN(
+          "cannot allocate the CPU tier's {} bytes through the transport ({}); the store maps "
+          "its own and block payloads go by UCX rendezvous",
+          cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
+    }
+    KVSTASH_ASSIGN_OR_RETURN(store_, store::TieredStore::Open(options_.store));
+    Register();
+    server_->OnDisconnect([this](uint64_t connection) { EndSession(connection); });
+    return server_->Start();
+  }
+
+  uint16_t port() const { return server_->port(); }
+  store::TieredStore& store() { return *store_; }
+  bool shares_cpu_memory() const { return cpu_region_.size() != 0; }
+
+  NodeStats stats() const {
+    NodeStats s;
+    s.lookups = lookups_.load();
+    s.lookup_hits = lookup_hits_.load();
+    s.lookup_misses = lookup_misses_.load();
+    s.lookup_retries = lookup_retries_.load();
+    s.blocks_stored = blocks_stored_.load();
+    s.blocks_aborted = blocks_aborted_.load();
+    s.blocks_loaded = blocks_loaded_.load();
+    s.bytes_in = bytes_in_.load();
+    s.bytes_out = bytes_out_.load();
+    s.checksum_failures = checksum_failures_.load();
+    s.sessions_closed = sessions_closed_.load();
+    s.pins_released_on_close = pins_released_on_close_.load();
+    s.stores_aborted_on_close = stores_aborted_on_close_.load();
+    return s;
+  }
+
+  std::map<std::string, uint64_t> Counters() const {
+    const NodeStats n = stats();
+    const store::TieredStoreStats t = store_->stats();
+    const transport::TransportStats x = server_->stats();
+    return {
+        {"node.lookups", n.lookups},
+        {"node.lookup_hits", n.lookup_hits},
+        {"node.lookup_misses", n.lookup_misses},
+        {"node.lookup_retries", n.lookup_retries},
+        {"node.blocks_stored", n.blocks_stored},
+        {"node.blocks_aborted", n.blocks_aborted},
+        {"node.blocks_loaded", n.blocks_loaded},
+        {"node.bytes_in", n.bytes_in},
+        {"node.bytes_out", n.bytes_out},
+        {"node.checksum_failures", n.checksum_failures},
+        {"node.sessions_closed", n.sessions_closed},
+        {"node.pins_released_on_close", n.pins_released_on_close},
+        {"node.stores_aborted_on_close", n.stores_aborted_on_close},
+        {"cpu.capacity_blocks", store_->cpu().capacity()},
+        {"cpu.resident_blocks", store_->cpu().resident_blocks()},
+        {"cpu.block_bytes", store_->block_bytes()},
+        {"ssd.capacity_blocks", store_->ssd() != nullptr ? store_->ssd()->capacity_blocks() : 0},
+        {"ssd.resident_blocks", store_->ssd() != nullptr ? store_->ssd()->resident_blocks() : 0},
+        {"store.promotions_done", t.promotions_done},
+        {"store.promotion_failures", t.promotion_failures},
+        {"store.cascades_done", t.cascades_done},
+        {"store.cascade_failures", t.cascade_failures},
+        {"transport.connections", server_->connection_count()},
+        {"transport.calls", x.calls},
+        {"transport.malformed_frames", x.malformed_frames},
+        {"transport.mapped_payloads", x.mapped_payloads},
+    };
+  }
+
+ private:
+  struct Prepared {
+    store::SlotId slot = 0;
+    bool written = false;
+    bool writing = false;  // a PutBlock payload is on its way into the slot
+  };
+  struct Pin {
+    uint32_t count = 0;
+    std::span<const std::byte> block;
+  };
+  // What one connection holds. Progress thread only.
+  struct Session {
+    store::NamespaceId ns = 0;
+    std::map<OffloadKey, Prepared> prepared;
+    std::map<OffloadKey, Pin> pins;
+    bool closed = false;  // the connection ended; kept while payloads are still arriving
+    uint32_t writes_in_flight = 0;
+  };
+
+  const transport::MemoryRegion* region() const {
+    return cpu_region_.size() != 0 ? &cpu_region_ : nullptr;
+  }
+
+  Session& SessionOf(const ServerCall& call) {
+    auto [it, added] = sessions_.try_emplace(call.connection_id());
+    if (added) it->second.ns = NamespaceIdOf(call.key_namespace());
+    return it->second;
+  }
+
+  // Parses the request into *message, or answers InvalidArgument.
+  template <typename Message>
+  static bool Parse(ServerCall& call, Message* message, std::string_view what) {
+    const Bytes bytes = call.request();
+    if (!message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+      call.ReplyError(InvalidArgumentError("unparseable {} of {} bytes", what, bytes.size()));
+      return false;
+    }
+    return true;
+  }
+
+  // The keys of a request in this session's namespace, or an InvalidArgument answer.
+  bool Keys(ServerCall& call, const Session& session,
+            const google::protobuf::RepeatedPtrField<wire::Key>& keys,
+            std::vector<OffloadKey>* out) {
+    if (static_cast<size_t>(keys.size()) > options_.server.max_keys_per_request) {
+      call.ReplyError(InvalidArgumentError("{} keys in one request; the limit is {}", keys.size(),
+                                           options_.server.max_keys_per_request));
+      return false;
+    }
+    out->clear();
+    out->reserve(keys.size());
+    for (const wire::Key& key : keys) out->push_back(ToKey(key, session.ns));
+    return true;
+  }
+
+  void Register() {
+    using M = wire::Method;
+    auto handle = [this](M method, void (Impl::*fn)(ServerCall)) {
+      server_->Handle(static_cast<uint16_t>(method),
+                      [this, fn](ServerCall call) { (this->*fn)(std::move(call)); });
+    };
+    handle(wire::METHOD_LOOKUP, &Impl::OnLookup);
+    handle(wire::METHOD_PREPARE_STORE, &Impl::OnPrepareStore);
+    handle(wire::METHOD_PUT_BLOCK, &Impl::OnPutBlock);
+    handle(wire::METHOD_COMMIT, &Impl::OnCommit);
+    handle(wire::METHOD_LOAD, &Impl::OnLoad);
+    handle(wire::METHOD_GET_BLOCK, &Impl::OnGetBlock);
+    handle(wire::METHOD_RELEASE, &Impl::OnRelease);
+    handle(wire::METHOD_TOUCH, &Impl::OnTouch);
+    handle(wire::METHOD_STATS, &Impl::OnStats);
+    handle(wire::METHOD_ECHO, &Impl::OnEcho);
+  }
+
+  void OnLookup(ServerCall call) {
+    wire::LookupRequest request;
+    if (!Parse(call, &request, "lookup request")) return;
+    Session& session = SessionOf(call);
+    wire::LookupReply reply;
+    std::vector<OffloadKey> keys;
+    for (const wire::Lookup& lookup : request.lookups()) {
+      if (!Keys(call, session, lookup.keys(), &keys)) return;
+      lookups_.fetch_add(keys.size(), std::memory_order_relaxed);
+      wire::LookupAnswer* answer = reply.add_answers();
+      switch (lookup.mode()) {
+        case wire::LOOKUP_MODE_PER_KEY: {
+          std::vector<store::LookupResult> results(keys.size());
+          store_->Lookup(keys, results);
+          for (store::LookupResult r : results) {
+            answer->add_results(ToWire(r));
+            Count(r);
+          }
+          break;
+        }
+        case wire::LOOKUP_MODE_PREFIX:
+        case wire::LOOKUP_MODE_WINDOW: {
+          const store::ScanResult scan = lookup.mode() == wire::LOOKUP_MODE_PREFIX
+                                             ? store_->LookupPrefix(keys)
+                                             : store_->LookupWindow(keys, lookup.window_size());
+          answer->set_hit_length(static_cast<uint32_t>(scan.value_or(0)));
+          answer->set_retry(!scan.has_value());
+          if (!scan.has_value()) {
+            lookup_retries_.fetch_add(1, std::memory_order_relaxed);
+          } else {
+            lookup_hits_.fetch_add(*scan, std::memory_order_relaxed);
+            lookup_misses_.fetch_add(keys.size() - *scan, std::memory_order_relaxed);
+          }
+          break;
+        }
+        default:
+          call.ReplyError(InvalidArgumentError("lookup mode {} is not per-key, prefix or window",
+                                               static_cast<int>(lookup.mode())));
+          return;
+      }
+    }
+    ReplyWith(call, reply);
+  }
+
+  void Count(store::LookupResult r) {
+    switch (r) {
+      case store::LookupResult::kHit:
+        lookup_hits_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      case store::LookupResult::kMiss:
+        lookup_misses_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      case store::LookupResult::kRetry:
+        lookup_retries_.fetch_add(1, std::memory_order_relaxed);
+        break;
+    }
+  }
+
+  void OnPrepareStore(ServerCall call) {
+    wire::PrepareStoreRequest request;
+    if (!Parse(call, &request, "prepare-store request")) return;
+    Session& session = SessionOf(call);
+    std::vector<OffloadKey> keys;
+    if (!Keys(call, session, request.keys(), &keys)) return;
+    store::StorePlan plan;
+    const Status prepared = store_->PrepareStore(keys, &plan);
+    if (!prepared.ok()) {
+      call.ReplyError(prepared);
+      return;
+    }
+    std::map<OffloadKey, store::SlotId> to_store;
+    for (size_t i = 0; i < plan.keys_to_store.size(); ++i) {
+      to_store.emplace(plan.keys_to_store[i], plan.slots[i]);
+      session.prepared[plan.keys_to_store[i]] = Prepared{plan.slots[i]};
+    }
+    wire::PrepareStoreReply reply;
+    for (const OffloadKey& key : keys) reply.add_store(to_store.count(key) != 0);
+    // Only this namespace's evictions are the client's business.
+    for (const OffloadKey& key : plan.evicted) {
+      if (key.namespace_id == session.ns) ToWire(key, reply.add_evicted());
+    }
+    ReplyWith(call, reply);
+  }
+
+  void OnPutBlock(ServerCall call) {
+    wire::PutBlockRequest request;
+    if (!Parse(call, &request, "put-block request")) return;
+    Session& session = SessionOf(call);
+    const OffloadKey key = ToKey(request.key(), session.ns);
+    auto it = session.prepared.find(key);
+    if (it == session.prepared.end()) {
+      call.ReplyError(FailedPreconditionError(
+          "block {} was not prepared for storing by this client (PrepareStore first)",
+          key.ToString()));
+      return;
+    }
+    Prepared& slot = it->second;
+    const size_t bytes = call.payload_bytes();
+    if (bytes != store_->block_bytes() || request.length() != bytes) {
+      call.ReplyError(
+          InvalidArgumentError("block {} of {} bytes (payload {}); this node's block size is {}",
+                               key.ToString(), request.length(), bytes, store_->block_bytes()));
+      return;
+    }
+    if (slot.written || slot.writing) {
+      call.ReplyError(AlreadyExistsError("block {} was already sent", key.ToString()));
+      return;
+    }
+    slot.writing = true;
+    ++session.writes_in_flight;
+    const std::span<std::byte> dest = store_->CpuSlot(slot.slot).first(bytes);
+    const uint64_t connection = call.connection_id();
+    const uint64_t checksum = request.checksum();
+    auto shared = std::make_shared<ServerCall>(std::move(call));
+    shared->ReceivePayload(
+        dest, region(), [this, shared, connection, key, dest, checksum](Status status) {
+          if (status.ok() && checksum != 0 && Xxh3Hash64(dest) != checksum) {
+            checksum_failures_.fetch_add(1, std::memory_order_relaxed);
+            status = DataLossError("block {}: checksum mismatch", key.ToString());
+          }
+          if (status.ok()) bytes_in_.fetch_add(dest.size(), std::memory_order_relaxed);
+          FinishWrite(connection, key, status.ok());
+          if (status.ok()) {
+            ReplyWith(*shared, wire::PutBlockReply());
+          } else {
+            shared->ReplyError(status);
+          }
+        });
+  }
+
+  void FinishWrite(uint64_t connection, const OffloadKey& key, bool ok) {
+    auto s = sessions_.find(connection);
+    if (s == sessions_.end()) return;
+    Session& session = s->second;
+    --session.writes_in_flight;
+    auto it = session.prepared.find(key);
+    if (it != session.prepared.end()) {
+      it->second.writing = false;
+      it->second.written = ok;
+    }
+    if (session.closed && session.writes_in_flight == 0) EndSession(connection);
+  }
+
+  void OnCommit(ServerCall call) {
+    wire::CommitRequest request;
+    if (!Parse(call, &request, "commit request")) return;
+    Session& session = SessionOf(call);
+    std::vector<OffloadKey> keys;
+    if (!Keys(call, session, request.keys(), &keys)) return;
+    std::vector<OffloadKey> commit, abort;
+    wire::CommitReply reply;
+    auto fail = [&](const OffloadKey& key, const Status& why) {
+      wire::Error* error = reply.add_failed();
+      error->set_code(static_cast<wire::Code>(why.code()));
+      error->set_message(std::string(why.message()));
+    };
+    for (const OffloadKey& key : keys) {
+      auto it = session.prepared.find(key);
+      if (it == session.prepared.end()) {
+        fail(key, NotFoundError("block {} is not being stored by this client", key.ToString()));
+        continue;
+      }
+      if (it->second.writing) {
+        fail(key, FailedPreconditionError("block {} is still arriving; commit after its PutBlock "
+                                          "completes",
+                                          key.ToString()));
+        continue;
+      }
+      if (request.success() && it->second.written) {
+        commit.push_back(key);
+      } else {
+        if (request.success()) {
+          fail(key, FailedPreconditionError("block {} was never sent; aborted", key.ToString()));
+        }
+        abort.push_back(key);
+      }
+      session.prepared.erase(it);
+    }
+    if (!commit.empty()) store_->CompleteStore(commit, true);
+    if (!abort.empty()) store_->CompleteStore(abort, false);
+    blocks_stored_.fetch_add(commit.size(), std::memory_order_relaxed);
+    blocks_aborted_.fetch_add(abort.size(), std::memory_order_relaxed);
+    ReplyWith(call, reply);
+  }
+
+  void OnLoad(ServerCall call) {
+    wire::LoadRequest request;
+    if (!Parse(call, &request, "load request")) return;
+    Session& session = SessionOf(call);
+    std::vector<OffloadKey> keys;
+    if (!Keys(call, session, request.keys(), &keys)) return;
+    wire::LoadReply reply;
+    std::vector<std::span<const std::byte>> blocks;
+    for (const OffloadKey& key : keys) {
+      const Status pinned = store_->PrepareLoad(std::span(&key, 1), &blocks);
+      reply.add_pinned(pinned.ok());
+      reply.add_length(pinned.ok() ? blocks[0].size() : 0);
+      if (pinned.ok()) {
+        Pin& pin = session.pins[key];
+        ++pin.count;
+        pin.block = blocks[0];
+      }
+    }
+    ReplyWith(call, reply);
+  }
+
+  void OnGetBlock(ServerCall call) {
+    wire::GetBlockRequest request;
+    if (!Parse(call, &request, "get-block request")) return;
+    Session& session = SessionOf(call);
+    const OffloadKey key = ToKey(request.key(), session.ns);
+    auto it = session.pins.find(key);
+    if (it == session.pins.end()) {
+      call.ReplyError(FailedPreconditionError("block {} is not pinned by this client (Load first)",
+                                              key.ToString()));
+      return;
+    }
+    const std::span<const std::byte> block = it->second.block;
+    wire::GetBlockReply reply;
+    reply.set_length(block.size());
+    ReplyWith(call, reply, block, region(), [this, size = block.size()](Status status) {
+      if (!status.ok()) return;
+      blocks_loaded_.fetch_add(1, std::memory_order_relaxed);
+      bytes_out_.fetch_add(size, std::memory_order_relaxed);
+    });
+  }
+
+  void OnRelease(ServerCall call) {
+    wire::ReleaseRequest request;
+    if (!Parse(call, &request, "release request")) return;
+    Session& session = SessionOf(call);
+    std::vector<OffloadKey> keys;
+    if (!Keys(call, session, request.keys(), &keys)) return;
+    for (const OffloadKey& key : keys) {
+      auto it = session.pins.find(key);
+      if (it == session.pins.end()) continue;  // not pinned here: nothing to undo
+      (void)store_->CompleteLoad(std::span(&key, 1));
+      if (--it->second.count == 0) session.pins.erase(it);
+    }
+    ReplyWith(call, wire::ReleaseReply());
+  }
+
+  void OnTouch(ServerCall call) {
+    wire::TouchRequest request;
+    if (!Parse(call, &request, "touch request")) return;
+    Session& session = SessionOf(call);
+    std::vector<OffloadKey> keys;
+    if (!Keys(call, session, request.keys(), &keys)) return;
+    store_->Touch(keys);
+    ReplyWith(call, wire::TouchReply());
+  }
+
+  void OnStats(ServerCall call) {
+    wire::StatsReply reply;
+    for (const auto& [name, value] : Counters()) (*reply.mutable_counters())[name] = value;
+    ReplyWith(call, reply);
+  }
+
+  void OnEcho(ServerCall call) {
+    auto request = std::make_shared<wire::EchoRequest>();
+    if (!Parse(call, request.get(), "echo request")) return;
+    if (request->payload_bytes() > options_.server.transport.max_payload_bytes) {
+      call.ReplyError(InvalidArgumentError("echo of {} payload bytes; the limit is {}",
+                                           request->payload_bytes(),
+                                           options_.server.transport.max_payload_bytes));
+      return;
+    }
+    // A request payload is received (and dropped); payload_bytes come back as the reply's.
+    auto scratch = std::make_shared<std::vector<std::byte>>(
+        std::max<size_t>(call.payload_bytes(), request->payload_bytes()));
+    auto shared = std::make_shared<ServerCall>(std::move(call));
+    auto reply = [shared, request, scratch] {
+      wire::EchoReply echo;
+      echo.set_body(request->body());
+      ReplyWith(*shared, echo, std::span<const std::byte>(*scratch).first(request->payload_bytes()),
+                nullptr, [scratch](Status) {});
+    };
+    if (shared->payload_bytes() == 0) {
+      reply();
+      return;
+    }
+    shared->ReceivePayload(*scratch, nullptr, [shared, reply](Status status) {
+      if (!status.ok()) {
+        shared->ReplyError(status);
+        return;
+      }
+      reply();
+    });
+  }
+
+  // The connection ended: its pins are released and its unfinished stores aborted (once no
+  // payload is still arriving into their slots).
+  void EndSession(uint64_t connection) {
+    auto it = sessions_.find(connection);
+    if (it == sessions_.end()) return;
+    Session& session = it->second;
+    if (session.writes_in_flight != 0) {
+      session.closed = true;
+      return;
+    }
+    std::vector<OffloadKey> abort;
+    for (const auto& [key, prepared] : session.prepared) abort.push_back(key);
+    if (!abort.empty()) store_->CompleteStore(abort, false);
+    uint64_t pins = 0;
+    for (const auto& [key, pin] : session.pins) {
+      for (uint32_t i = 0; i < pin.count; ++i) (void)store_->CompleteLoad(std::span(&key, 1));
+      pins += pin.count;
+    }
+    if (!abort.empty() || pins != 0) {
+      KVSTASH_LOG_INFO("connection {} ended: aborted {} unfinished store(s), released {} pin(s)",
+                       connection, abort.size(), pins);
+    }
+    stores_aborted_on_close_.fetch_add(abort.size(), std::memory_order_relaxed);
+    blocks_aborted_.fetch_add(abort.size(), std::memory_order_relaxed);
+    pins_released_on_close_.fetch_add(pins, std::memory_order_relaxed);
+    sessions_closed_.fetch_add(1, std::memory_order_relaxed);
+    sessions_.erase(it);
+  }
+
+  NodeOptions options_;
+  std::unique_ptr<transport::RpcServer> server_;
+  transport::MemoryRegion cpu_region_;
+  std::unique_ptr<store::TieredStore> store_;
+  std::unordered_map<uint64_t, Session> sessions_;  // progress thread only
+  std::atomic<uint64_t> lookups_{0}, lookup_hits_{0}, lookup_misses_{0}, lookup_retries_{0},
+      blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0}, bytes_in_{0}, bytes_out_{0},
+      checksum_failures_{0}, sessions_closed_{0}, pins_released_on_close_{0},
+      stores_aborted_on_close_{0};
+};
+
+Result<std::unique_ptr<NodeServer>> NodeServer::Start(NodeOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  KVSTASH_RETURN_IF_ERROR(impl->Start());
+  return std::unique_ptr<NodeServer>(new NodeServer(std::move(impl)));
+}
+
+NodeServer::NodeServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NodeServer::~NodeServer() = default;
+
+uint16_t NodeServer::port() const { return impl_->port(); }
+NodeStats NodeServer::stats() const { return impl_->stats(); }
+std::map<std::string, uint64_t> NodeServer::Counters() const { return impl_->Counters(); }
+store::TieredStore& NodeServer::store() { return impl_->store(); }
+bool NodeServer::shares_cpu_memory() const { return impl_->shares_cpu_memory(); }
+
+}  // namespace kvstash::node
