@@ -11,17 +11,11 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/byte_units.h"
 #include "kvstash/common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace kvstash::cli {
-
-// Parses "262144", "256K", "2MiB", "1G": an integer with an optional power-of-two suffix.
-// InvalidArgument naming `flag` otherwise.
-Result<uint64_t> ParseBytes(std::string_view flag, std::string_view text);
-
-// "256 KiB", "2 MiB", "1 GiB" for whole multiples, else "1000 B".
-std::string FormatBytes(uint64_t bytes);
 
 // GB/s (1e9 bytes/s) for `bytes` moved in `elapsed`; 0 for an empty interval.
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed);
