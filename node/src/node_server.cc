@@ -97,6 +97,11 @@ class NodeServer::Impl {
     return server_->Start();
   }
 
+  Status Shutdown() {
+    server_->Stop();
+    return store_->Flush();
+  }
+
   uint16_t port() const { return server_->port(); }
   store::TieredStore& store() { return *store_; }
   bool shares_cpu_memory() const { return cpu_region_.size() != 0; }
@@ -565,6 +570,7 @@ Result<std::unique_ptr<NodeServer>> NodeServer::Start(NodeOptions options) {
 NodeServer::NodeServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NodeServer::~NodeServer() = default;
 
+Status NodeServer::Shutdown() { return impl_->Shutdown(); }
 uint16_t NodeServer::port() const { return impl_->port(); }
 NodeStats NodeServer::stats() const { return impl_->stats(); }
 std::map<std::string, uint64_t> NodeServer::Counters() const { return impl_->Counters(); }

@@ -9,9 +9,7 @@
 
 #include <thread>
 
-#include "block_pattern.h"
-#include "kvstash/common/hash.h"
-#include "kvstash/proto/wire.pb.h"
+#include "node_test_client.h"
 
 namespace kvstash::node {
 namespace {
@@ -19,19 +17,12 @@ namespace {
 using namespace std::chrono_literals;
 using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
+using ::kvstash::testing::NodeTestClient;
+using ::kvstash::testing::WireKey;
 using ::testing::HasSubstr;
 using transport::CallOptions;
-using transport::RpcClient;
 
 constexpr size_t kBlock = 64 << 10;
-
-wire::Key WireKey(uint64_t k, uint32_t group = 0) {
-  wire::Key key;
-  key.set_hash_lo(k);
-  key.set_hash_hi(k * 7 + 1);
-  key.set_group(group);
-  return key;
-}
 
 class NodeServerTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -50,73 +41,9 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     node_ = std::move(*node);
   }
 
-  std::unique_ptr<RpcClient> Client(const std::string& ns) {
-    transport::ClientOptions options;
-    options.port = node_->port();
-    options.auth_token = "token";
-    options.key_namespace = ns;
-    options.transport.tls = GetParam();
-    auto client = RpcClient::Create(options);
-    EXPECT_TRUE(client.ok()) << client.status().ToString();
-    return client.ok() ? std::move(*client) : nullptr;
-  }
-
-  template <typename Request, typename Reply>
-  Status Call(RpcClient& client, wire::Method method, const Request& request, Reply* reply,
-              CallOptions options = {}, size_t* payload = nullptr) {
-    options.deadline = transport::Clock::now() + 10s;
-    const std::string bytes = request.SerializeAsString();
-    std::vector<std::byte> out;
-    const Status status = client.CallSync(static_cast<uint16_t>(method),
-                                          std::as_bytes(std::span(bytes)), options, &out, payload);
-    if (status.ok() && reply != nullptr &&
-        !reply->ParseFromArray(out.data(), static_cast<int>(out.size()))) {
-      return InternalError("unparseable reply");
-    }
-    return status;
-  }
-
-  // PrepareStore, PutBlock (pattern k, with its checksum), Commit: the keys end committed.
-  void Store(RpcClient& client, const std::vector<uint64_t>& ks) {
-    wire::PrepareStoreRequest prepare;
-    for (uint64_t k : ks) *prepare.add_keys() = WireKey(k);
-    wire::PrepareStoreReply prepared;
-    ASSERT_TRUE(Call(client, wire::METHOD_PREPARE_STORE, prepare, &prepared).ok());
-    ASSERT_EQ(prepared.store_size(), static_cast<int>(ks.size()));
-    std::vector<std::byte> block(kBlock);
-    for (size_t i = 0; i < ks.size(); ++i) {
-      if (!prepared.store(static_cast<int>(i))) continue;
-      FillPattern(ks[i], block);
-      wire::PutBlockRequest put;
-      *put.mutable_key() = WireKey(ks[i]);
-      put.set_length(kBlock);
-      put.set_checksum(Xxh3Hash64(block));
-      CallOptions options;
-      options.send_payload = block;
-      const Status s =
-          Call(client, wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, options);
-      ASSERT_TRUE(s.ok()) << s.ToString();
-    }
-    wire::CommitRequest commit;
-    for (uint64_t k : ks) *commit.add_keys() = WireKey(k);
-    commit.set_success(true);
-    wire::CommitReply committed;
-    ASSERT_TRUE(Call(client, wire::METHOD_COMMIT, commit, &committed).ok());
-    EXPECT_EQ(committed.failed_size(), 0);
-  }
-
-  std::vector<wire::LookupResult> PerKey(RpcClient& client, const std::vector<uint64_t>& ks) {
-    wire::LookupRequest request;
-    wire::Lookup* lookup = request.add_lookups();
-    lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
-    for (uint64_t k : ks) *lookup->add_keys() = WireKey(k);
-    wire::LookupReply reply;
-    EXPECT_TRUE(Call(client, wire::METHOD_LOOKUP, request, &reply).ok());
-    std::vector<wire::LookupResult> out;
-    if (reply.answers_size() == 1) {
-      for (int r : reply.answers(0).results()) out.push_back(static_cast<wire::LookupResult>(r));
-    }
-    return out;
+  std::unique_ptr<NodeTestClient> Client(const std::string& ns) {
+    auto client = std::make_unique<NodeTestClient>(node_->port(), ns, "token", GetParam(), kBlock);
+    return client->ok() ? std::move(client) : nullptr;
   }
 
   std::unique_ptr<NodeServer> node_;
@@ -125,10 +52,10 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
 TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   auto client = Client("tenant");
   ASSERT_NE(client, nullptr);
-  Store(*client, {1, 2, 3, 4});
+  client->Store({1, 2, 3, 4});
   EXPECT_EQ(node_->shares_cpu_memory(), true);
 
-  EXPECT_THAT(PerKey(*client, {1, 4, 99}),
+  EXPECT_THAT(client->PerKey({1, 4, 99}),
               ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_MISS));
   wire::LookupRequest scans;
   wire::Lookup* prefix = scans.add_lookups();
@@ -139,7 +66,7 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   window->set_window_size(2);
   for (uint64_t k : {99, 98, 3, 4}) *window->add_keys() = WireKey(k);
   wire::LookupReply scanned;
-  ASSERT_TRUE(Call(*client, wire::METHOD_LOOKUP, scans, &scanned).ok());
+  ASSERT_TRUE(client->Call(wire::METHOD_LOOKUP, scans, &scanned).ok());
   ASSERT_EQ(scanned.answers_size(), 2);
   EXPECT_EQ(scanned.answers(0).hit_length(), 3u);  // stops at the miss
   EXPECT_EQ(scanned.answers(1).hit_length(), 4u);  // the last two form a window
@@ -148,7 +75,7 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   wire::LoadRequest load;
   for (uint64_t k : {2, 3, 99}) *load.add_keys() = WireKey(k);
   wire::LoadReply loaded;
-  ASSERT_TRUE(Call(*client, wire::METHOD_LOAD, load, &loaded).ok());
+  ASSERT_TRUE(client->Call(wire::METHOD_LOAD, load, &loaded).ok());
   ASSERT_EQ(loaded.pinned_size(), 3);
   EXPECT_TRUE(loaded.pinned(0));
   EXPECT_TRUE(loaded.pinned(1));
@@ -162,17 +89,17 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
     CallOptions options;
     options.recv_payload = out;
     size_t payload = 0;
-    ASSERT_TRUE(Call(*client, wire::METHOD_GET_BLOCK, get, &got, options, &payload).ok());
+    ASSERT_TRUE(client->Call(wire::METHOD_GET_BLOCK, get, &got, options, &payload).ok());
     EXPECT_EQ(payload, kBlock);
     EXPECT_EQ(got.length(), kBlock);
     EXPECT_TRUE(MatchesPattern(k, out)) << k;
   }
   wire::ReleaseRequest release;
   for (uint64_t k : {2, 3}) *release.add_keys() = WireKey(k);
-  ASSERT_TRUE(Call(*client, wire::METHOD_RELEASE, release, (wire::ReleaseReply*)nullptr).ok());
+  ASSERT_TRUE(client->Call(wire::METHOD_RELEASE, release, (wire::ReleaseReply*)nullptr).ok());
 
   wire::StatsReply stats;
-  ASSERT_TRUE(Call(*client, wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  ASSERT_TRUE(client->Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
   EXPECT_EQ(stats.counters().at("node.blocks_stored"), 4u);
   EXPECT_EQ(stats.counters().at("node.blocks_loaded"), 2u);
   EXPECT_EQ(stats.counters().at("node.bytes_in"), 4 * kBlock);
@@ -185,16 +112,16 @@ TEST_P(NodeServerTest, NamespacesDoNotSeeEachOther) {
   auto a = Client("a");
   auto b = Client("b");
   ASSERT_TRUE(a && b);
-  Store(*a, {7});
-  EXPECT_THAT(PerKey(*a, {7}), ::testing::ElementsAre(wire::LOOKUP_HIT));
-  EXPECT_THAT(PerKey(*b, {7}), ::testing::ElementsAre(wire::LOOKUP_MISS));
+  a->Store({7});
+  EXPECT_THAT(a->PerKey({7}), ::testing::ElementsAre(wire::LOOKUP_HIT));
+  EXPECT_THAT(b->PerKey({7}), ::testing::ElementsAre(wire::LOOKUP_MISS));
   wire::LoadRequest load;
   *load.add_keys() = WireKey(7);
   wire::LoadReply loaded;
-  ASSERT_TRUE(Call(*b, wire::METHOD_LOAD, load, &loaded).ok());
+  ASSERT_TRUE(b->Call(wire::METHOD_LOAD, load, &loaded).ok());
   EXPECT_FALSE(loaded.pinned(0));
   // b may store the same key; a's block is untouched.
-  Store(*b, {7});
+  b->Store({7});
   EXPECT_EQ(node_->stats().blocks_stored, 2u);
 }
 
@@ -207,50 +134,50 @@ TEST_P(NodeServerTest, BadRequestsGetClearErrors) {
   put.set_length(kBlock);
   CallOptions with_block;
   with_block.send_payload = block;
-  Status s = Call(*client, wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
+  Status s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_THAT(std::string(s.message()), HasSubstr("PrepareStore first"));
 
   wire::PrepareStoreRequest prepare;
   *prepare.add_keys() = WireKey(5);
   ASSERT_TRUE(
-      Call(*client, wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
+      client->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
   CallOptions short_block;
   short_block.send_payload = std::span(block).first(100);
   put.set_length(100);
-  s = Call(*client, wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, short_block);
+  s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, short_block);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(std::string(s.message()), HasSubstr("block size is 65536"));
 
   put.set_length(kBlock);
   put.set_checksum(12345);  // wrong
-  s = Call(*client, wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
+  s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
   EXPECT_EQ(node_->stats().checksum_failures, 1u);
   wire::CommitRequest commit;
   *commit.add_keys() = WireKey(5);
   commit.set_success(true);
   wire::CommitReply committed;
-  ASSERT_TRUE(Call(*client, wire::METHOD_COMMIT, commit, &committed).ok());
+  ASSERT_TRUE(client->Call(wire::METHOD_COMMIT, commit, &committed).ok());
   ASSERT_EQ(committed.failed_size(), 1);
   EXPECT_THAT(committed.failed(0).message(), HasSubstr("never sent"));
-  EXPECT_THAT(PerKey(*client, {5}), ::testing::ElementsAre(wire::LOOKUP_MISS));
+  EXPECT_THAT(client->PerKey({5}), ::testing::ElementsAre(wire::LOOKUP_MISS));
 
   wire::GetBlockRequest get;
   *get.mutable_key() = WireKey(5);
-  s = Call(*client, wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr);
+  s = client->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
 
   wire::LookupRequest many;
   wire::Lookup* lookup = many.add_lookups();
   lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
   for (int k = 0; k < 65; ++k) *lookup->add_keys() = WireKey(k);
-  s = Call(*client, wire::METHOD_LOOKUP, many, (wire::LookupReply*)nullptr);
+  s = client->Call(wire::METHOD_LOOKUP, many, (wire::LookupReply*)nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(std::string(s.message()), HasSubstr("limit is 64"));
 
   const std::string garbage = "\xff\xff\xff\xff not a protobuf";
-  s = client->CallSync(wire::METHOD_COMMIT, std::as_bytes(std::span(garbage)), {}, nullptr);
+  s = client->rpc().CallSync(wire::METHOD_COMMIT, std::as_bytes(std::span(garbage)), {}, nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
 }
 
@@ -258,25 +185,25 @@ TEST_P(NodeServerTest, EndedSessionReleasesPinsAndAbortsStores) {
   node_.reset();
   StartNode(4);  // room for four blocks
   auto keeper = Client("tenant");
-  Store(*keeper, {1, 2});
+  keeper->Store({1, 2});
   {
     auto crashing = Client("tenant");
     ASSERT_NE(crashing, nullptr);
     wire::LoadRequest load;
     *load.add_keys() = WireKey(1);
     *load.add_keys() = WireKey(2);
-    ASSERT_TRUE(Call(*crashing, wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
+    ASSERT_TRUE(crashing->Call(wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
     wire::PrepareStoreRequest prepare;
     *prepare.add_keys() = WireKey(10);
     *prepare.add_keys() = WireKey(11);
     ASSERT_TRUE(
-        Call(*crashing, wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr)
+        crashing->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr)
             .ok());
     // All four slots are pinned or being written: nothing can be stored now.
     wire::PrepareStoreRequest more;
     *more.add_keys() = WireKey(20);
     EXPECT_FALSE(
-        Call(*keeper, wire::METHOD_PREPARE_STORE, more, (wire::PrepareStoreReply*)nullptr).ok());
+        keeper->Call(wire::METHOD_PREPARE_STORE, more, (wire::PrepareStoreReply*)nullptr).ok());
   }  // the client goes away without releasing or committing
   for (int i = 0; i < 200 && node_->stats().sessions_closed == 0; ++i) {
     std::this_thread::sleep_for(10ms);
@@ -285,8 +212,8 @@ TEST_P(NodeServerTest, EndedSessionReleasesPinsAndAbortsStores) {
   EXPECT_EQ(stats.pins_released_on_close, 2u);
   EXPECT_EQ(stats.stores_aborted_on_close, 2u);
   // The capacity is back: four new blocks fit (evicting 1 and 2).
-  Store(*keeper, {20, 21, 22, 23});
-  EXPECT_THAT(PerKey(*keeper, {20, 21, 22, 23, 10}),
+  keeper->Store({20, 21, 22, 23});
+  EXPECT_THAT(keeper->PerKey({20, 21, 22, 23, 10}),
               ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
                                      wire::LOOKUP_HIT, wire::LOOKUP_MISS));
 }

@@ -54,6 +54,11 @@ class NodeServer {
   NodeServer(const NodeServer&) = delete;
   NodeServer& operator=(const NodeServer&) = delete;
 
+  // Stops serving (no new connections; every session ends, undoing its pins and unfinished
+  // stores), waits for the store's background work and, under write-back, writes every block
+  // the SSD tier lacks. The store's flush error, if any. Idempotent.
+  Status Shutdown();
+
   uint16_t port() const;
   NodeStats stats() const;
   // The counters of wire.StatsReply: the node's, the store's and the transport's.

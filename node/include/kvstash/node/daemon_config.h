@@ -1,0 +1,46 @@
+#pragma once
+
+// The settings of `kvstashd`: command-line flags, and the same settings in a TOML file given
+// with --config (flags win over the file). Kept apart from main so tests can check parsing and
+// validation without starting a daemon.
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "kvstash/common/status.h"
+#include "kvstash/node/node_server.h"
+
+namespace kvstash::node {
+
+inline constexpr uint16_t kDefaultPort = 7373;
+
+// The settings as written (sizes as text, "1GiB"), before validation.
+struct DaemonFlags {
+  std::string listen = "127.0.0.1";
+  int port = kDefaultPort;
+  std::string tls;  // UCX transports; empty: UCX_TLS or UCX's choice
+  std::string block_bytes = "256KiB";
+  std::string cpu_bytes = "1GiB";
+  std::string cpu_policy = "lru";
+  std::string ssd_dir;
+  std::string ssd_bytes;
+  std::string ssd_policy = "lru";
+  std::string cascade = "write-through";
+  bool ssd_sync = false;
+  std::string auth_token;
+  std::string auth_token_file;
+  int max_keys_per_request = 4096;
+  std::string max_message_bytes = "4MiB";
+  std::string max_payload_bytes = "64MiB";
+  std::string log_level = "info";
+};
+
+// Adds every flag (and --config) to `app`, bound to `flags`.
+void AddDaemonFlags(CLI::App& app, DaemonFlags& flags);
+
+// Validates the settings and turns them into the node's options. InvalidArgument names the
+// setting and the value; a token file that cannot be read is NotFound/PermissionDenied.
+Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags);
+
+}  // namespace kvstash::node

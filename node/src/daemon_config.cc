@@ -1,0 +1,158 @@
+#include "kvstash/node/daemon_config.h"
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <fstream>
+#include <sstream>
+
+#include "kvstash/common/byte_units.h"
+
+namespace kvstash::node {
+
+void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.set_config("--config", "",
+                 "TOML file with any of these settings as `name = value` (the long flag name "
+                 "without dashes, e.g. cpu-bytes = \"8GiB\"); flags given on the command line win "
+                 "over the file");
+  app.add_option("--listen", flags.listen, "Address to listen on (TCP bootstrap of every client)")
+      ->capture_default_str();
+  app.add_option("--port", flags.port, "Port to listen on (0: any free port, printed at start)")
+      ->capture_default_str();
+  app.add_option("--tls", flags.tls,
+                 "UCX transports for block traffic, as UCX_TLS names them (shm, tcp, "
+                 "shm,tcp...). Default: UCX_TLS, else UCX's own choice");
+  app.add_option("--block-bytes", flags.block_bytes,
+                 "Size of every block this node stores (clients learn it at hello); 4KiB..1GiB")
+      ->capture_default_str();
+  app.add_option("--cpu-bytes", flags.cpu_bytes,
+                 "Memory for the CPU tier; it holds cpu-bytes / block-bytes blocks")
+      ->capture_default_str();
+  app.add_option("--cpu-policy", flags.cpu_policy, "Eviction policy of the CPU tier: lru or arc")
+      ->capture_default_str();
+  app.add_option("--ssd-dir", flags.ssd_dir,
+                 "Directory of the SSD tier (created if missing; its blocks survive restarts). "
+                 "Default: no SSD tier");
+  app.add_option("--ssd-bytes", flags.ssd_bytes,
+                 "Capacity of the SSD tier (required with --ssd-dir)");
+  app.add_option("--ssd-policy", flags.ssd_policy, "Eviction policy of the SSD tier: lru or arc")
+      ->capture_default_str();
+  app.add_option("--cascade", flags.cascade,
+                 "When a committed block reaches the SSD tier: write-through (at once) or "
+                 "write-back (when the CPU tier evicts it, and at shutdown)")
+      ->capture_default_str();
+  app.add_flag("--ssd-sync", flags.ssd_sync,
+               "fdatasync every SSD store before it commits (survives power loss, slower)");
+  app.add_option("--auth-token", flags.auth_token,
+                 "Token every client must present at hello (default: none required). Prefer "
+                 "--auth-token-file: command lines are visible to other users");
+  app.add_option("--auth-token-file", flags.auth_token_file,
+                 "File whose first line is the auth token");
+  app.add_option("--max-keys-per-request", flags.max_keys_per_request,
+                 "Most keys one request may carry (1..1048576)")
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", flags.max_message_bytes, "Largest request message accepted")
+      ->capture_default_str();
+  app.add_option("--max-payload-bytes", flags.max_payload_bytes,
+                 "Largest payload accepted in one request (at least block-bytes)")
+      ->capture_default_str();
+  app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
+      ->capture_default_str();
+}
+
+namespace {
+
+Result<store::EvictionPolicy> Policy(std::string_view setting, const std::string& name) {
+  auto policy = store::ParseEvictionPolicy(name);
+  if (!policy.ok()) {
+    return InvalidArgumentError("{}: '{}' is not lru or arc", setting, name);
+  }
+  return *policy;
+}
+
+Result<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    const int e = errno;
+    return Status(e == EACCES ? StatusCode::kPermissionDenied : StatusCode::kNotFound,
+                  fmt::format("auth-token-file: cannot read '{}': {}", path, std::strerror(e)));
+  }
+  std::string token;
+  std::getline(in, token);
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.empty()) return InvalidArgumentError("auth-token-file: '{}' holds no token", path);
+  return token;
+}
+
+}  // namespace
+
+Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
+  NodeOptions options;
+  if (flags.port < 0 || flags.port > 65535) {
+    return InvalidArgumentError("port: {} is outside 0..65535", flags.port);
+  }
+  options.server.bind_address = flags.listen;
+  options.server.port = static_cast<uint16_t>(flags.port);
+  options.server.transport.tls = flags.tls;
+  KVSTASH_ASSIGN_OR_RETURN(const uint64_t block, ParseBytes("block-bytes", flags.block_bytes));
+  if (block < 4096 || block > (uint64_t{1} << 30)) {
+    return InvalidArgumentError("block-bytes: {} is outside 4KiB..1GiB", FormatBytes(block));
+  }
+  KVSTASH_ASSIGN_OR_RETURN(const uint64_t cpu, ParseBytes("cpu-bytes", flags.cpu_bytes));
+  if (cpu < block) {
+    return InvalidArgumentError("cpu-bytes: {} holds no block of {}", FormatBytes(cpu),
+                                FormatBytes(block));
+  }
+  options.store.block_bytes = block;
+  options.store.cpu_capacity_blocks = cpu / block;
+  KVSTASH_ASSIGN_OR_RETURN(options.store.cpu_policy, Policy("cpu-policy", flags.cpu_policy));
+  auto cascade = store::ParseCascadeMode(flags.cascade);
+  if (!cascade.ok()) {
+    return InvalidArgumentError("cascade: '{}' is not write-through or write-back", flags.cascade);
+  }
+  options.store.cascade = *cascade;
+  if (!flags.ssd_dir.empty()) {
+    if (flags.ssd_bytes.empty()) return InvalidArgumentError("ssd-bytes: required with ssd-dir");
+    store::SsdTierOptions ssd;
+    ssd.dir = flags.ssd_dir;
+    KVSTASH_ASSIGN_OR_RETURN(ssd.capacity_bytes, ParseBytes("ssd-bytes", flags.ssd_bytes));
+    if (ssd.capacity_bytes < block) {
+      return InvalidArgumentError("ssd-bytes: {} holds no block of {}",
+                                  FormatBytes(ssd.capacity_bytes), FormatBytes(block));
+    }
+    KVSTASH_ASSIGN_OR_RETURN(ssd.policy, Policy("ssd-policy", flags.ssd_policy));
+    ssd.sync = flags.ssd_sync;
+    options.store.ssd = ssd;
+  } else if (!flags.ssd_bytes.empty()) {
+    return InvalidArgumentError("ssd-bytes: given without ssd-dir");
+  }
+  if (!flags.auth_token.empty() && !flags.auth_token_file.empty()) {
+    return InvalidArgumentError("auth-token and auth-token-file: give one, not both");
+  }
+  options.server.auth_token = flags.auth_token;
+  if (!flags.auth_token_file.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(options.server.auth_token, ReadTokenFile(flags.auth_token_file));
+  }
+  if (flags.max_keys_per_request < 1 || flags.max_keys_per_request > (1 << 20)) {
+    return InvalidArgumentError("max-keys-per-request: {} is outside 1..1048576",
+                                flags.max_keys_per_request);
+  }
+  options.server.max_keys_per_request = static_cast<uint32_t>(flags.max_keys_per_request);
+  KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_message_bytes,
+                           ParseBytes("max-message-bytes", flags.max_message_bytes));
+  KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_payload_bytes,
+                           ParseBytes("max-payload-bytes", flags.max_payload_bytes));
+  if (options.server.transport.max_payload_bytes < block) {
+    return InvalidArgumentError("max-payload-bytes: {} is below block-bytes {}",
+                                FormatBytes(options.server.transport.max_payload_bytes),
+                                FormatBytes(block));
+  }
+  if (options.server.transport.max_message_bytes < 4096) {
+    return InvalidArgumentError("max-message-bytes: {} is below 4KiB",
+                                FormatBytes(options.server.transport.max_message_bytes));
+  }
+  return options;
+}
+
+}  // namespace kvstash::node

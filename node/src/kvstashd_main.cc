@@ -1,0 +1,97 @@
+// `kvstashd`: the kvstash offload node daemon. Serves one node's tiered store (CPU, optionally
+// SSD) to engine workers over UCX until SIGTERM or SIGINT, then stops accepting, ends every
+// session, flushes the store and exits 0.
+
+#include <signal.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "kvstash/common/byte_units.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/node/daemon_config.h"
+#include "kvstash/node/node_server.h"
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+int Fail(int code, std::string_view message) {
+  std::cerr << "kvstashd: " << message << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kvstash;
+  CLI::App app(
+      "kvstashd: the kvstash offload node. Keeps KV-cache blocks for engine workers in a CPU "
+      "tier (and optionally an SSD tier), answers prefix and sliding-window lookups, and moves "
+      "blocks over UCX (shared memory on one host, the network otherwise). Runs until SIGTERM "
+      "or SIGINT, then stops accepting, ends every session, flushes and exits 0.",
+      "kvstashd");
+  node::DaemonFlags flags;
+  node::AddDaemonFlags(app, flags);
+  app.footer(
+      "Exit status: 0 after a clean stop, 1 if the node cannot start or flush, 2 for bad "
+      "settings. On start it prints one line `kvstashd listening on ADDRESS:PORT` on stdout.");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return kExitUsage;
+  }
+  if (Status s = SetLogLevel(flags.log_level); !s.ok()) {
+    return Fail(kExitUsage, fmt::format("log-level: {}", s.message()));
+  }
+  Result<node::NodeOptions> options = node::ToNodeOptions(flags);
+  if (!options.ok()) {
+    return Fail(options.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
+                options.status().message());
+  }
+
+  // The signals are taken by sigwait below, never by a handler: block them before any thread
+  // starts so every thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  Result<std::unique_ptr<node::NodeServer>> started = node::NodeServer::Start(*options);
+  if (!started.ok()) {
+    return Fail(kExitFailure, fmt::format("cannot start: {}", started.status().ToString()));
+  }
+  std::unique_ptr<node::NodeServer> server = std::move(*started);
+  const auto& store = options->store;
+  KVSTASH_LOG_INFO(
+      "kvstashd listening on {}:{}: blocks of {}, CPU tier {} blocks ({}, {}{}), SSD tier {}, "
+      "auth {}",
+      options->server.bind_address, server->port(), FormatBytes(store.block_bytes),
+      store.cpu_capacity_blocks, FormatBytes(store.block_bytes * store.cpu_capacity_blocks),
+      flags.cpu_policy, server->shares_cpu_memory() ? ", shared with local clients" : "",
+      store.ssd ? fmt::format("{} in {} ({}, {})", FormatBytes(store.ssd->capacity_bytes),
+                              store.ssd->dir, flags.ssd_policy, flags.cascade)
+                : std::string("off"),
+      options->server.auth_token.empty() ? "off" : "token");
+  std::cout << "kvstashd listening on " << options->server.bind_address << ":" << server->port()
+            << std::endl;
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  KVSTASH_LOG_INFO("{}: stopping (no new connections; sessions end; store flushes)",
+                   signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  const Status stopped = server->Shutdown();
+  server.reset();
+  if (!stopped.ok()) {
+    return Fail(kExitFailure, fmt::format("stopping: {}", stopped.ToString()));
+  }
+  KVSTASH_LOG_INFO("stopped cleanly");
+  return kExitOk;
+}

@@ -1,0 +1,209 @@
+// `kvstashd` as operators run it: real daemon processes on loopback ports they pick (--port 0,
+// read back from the start line), clients in this process. Serving and a clean SIGTERM stop,
+// wrong tokens, restarts over an SSD directory (after SIGTERM and after kill -9), config files,
+// and settings refused with exit status 2.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <fstream>
+#include <thread>
+
+#include "node_test_client.h"
+#include "subprocess.h"
+#include "temp_dir.h"
+
+namespace kvstash {
+namespace {
+
+using namespace std::chrono_literals;
+using ::kvstash::testing::ChildProcess;
+using ::kvstash::testing::NodeTestClient;
+using ::kvstash::testing::RunProcess;
+using ::kvstash::testing::TempDir;
+using ::testing::HasSubstr;
+
+const std::string kKvstashd = KVSTASHD_PATH;
+constexpr size_t kBlock = 64 << 10;
+
+// A kvstashd child; port() is 0 when it did not start.
+class Daemon {
+ public:
+  // With `sizes`, small test sizes (64 KiB blocks, 4 MiB of CPU tier) come before `args`.
+  explicit Daemon(std::vector<std::string> args, bool sizes = true) {
+    std::vector<std::string> argv = {kKvstashd, "--port", "0", "--log-level", "warn"};
+    if (sizes) argv.insert(argv.end(), {"--block-bytes", "64KiB", "--cpu-bytes", "4MiB"});
+    argv.insert(argv.end(), args.begin(), args.end());
+    child_ = std::make_unique<ChildProcess>(argv);
+    // UCX may log on stdout first; the start line is the one that names the port.
+    const std::string prefix = "kvstashd listening on 127.0.0.1:";
+    for (int i = 0; i < 50; ++i) {
+      std::optional<std::string> line = child_->ReadLine(10000);
+      if (!line) break;
+      if (line->rfind(prefix, 0) == 0) {
+        port_ = static_cast<uint16_t>(std::stoi(line->substr(prefix.size())));
+        break;
+      }
+    }
+  }
+  uint16_t port() const { return port_; }
+  ChildProcess& process() { return *child_; }
+
+ private:
+  std::unique_ptr<ChildProcess> child_;
+  uint16_t port_ = 0;
+};
+
+TEST(KvstashdTest, ServesThenStopsCleanlyOnSigterm) {
+  Daemon daemon({"--auth-token", "s3cret"});
+  ASSERT_NE(daemon.port(), 0);
+  {
+    NodeTestClient client(daemon.port(), "tenant", "s3cret", "", kBlock);
+    ASSERT_TRUE(client.ok());
+    client.Store({1, 2, 3});
+    EXPECT_THAT(client.PerKey({1, 2, 3, 4}),
+                ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
+                                       wire::LOOKUP_MISS));
+    EXPECT_TRUE(client.ReadBack(2));
+    // The client stays connected through the stop: SIGTERM ends its session too.
+    EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+  }
+}
+
+TEST(KvstashdTest, WrongTokenIsRefused) {
+  Daemon daemon({"--auth-token", "s3cret"});
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient intruder(daemon.port(), "tenant", "guess", "", kBlock);
+  ASSERT_TRUE(intruder.ok());
+  const Status status = intruder.rpc().Connect();
+  EXPECT_EQ(status.code(), StatusCode::kUnauthenticated) << status.ToString();
+  EXPECT_THAT(std::string(status.message()), HasSubstr("wrong auth token"));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
+// The blocks come back after a restart over the same SSD directory: looked up (RETRY while
+// they are promoted to the CPU tier, then HIT) and read with the right bytes.
+void ExpectBlocksBack(uint16_t port, const std::vector<uint64_t>& keys) {
+  NodeTestClient client(port, "tenant", "", "", kBlock);
+  ASSERT_TRUE(client.ok());
+  std::vector<wire::LookupResult> results;
+  for (int i = 0; i < 200; ++i) {
+    results = client.PerKey(keys);
+    if (std::all_of(results.begin(), results.end(),
+                    [](wire::LookupResult r) { return r == wire::LOOKUP_HIT; })) {
+      break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ(results.at(i), wire::LOOKUP_HIT) << keys[i];
+    EXPECT_TRUE(client.ReadBack(keys[i])) << keys[i];
+  }
+}
+
+TEST(KvstashdTest, WriteBackBlocksSurviveASigtermRestart) {
+  TempDir dir;
+  const std::vector<std::string> ssd = {"--ssd-dir", dir.path() + "/ssd", "--ssd-bytes",
+                                        "8MiB",      "--cascade",         "write-back"};
+  {
+    Daemon daemon(ssd);
+    ASSERT_NE(daemon.port(), 0);
+    NodeTestClient client(daemon.port(), "tenant", "", "", kBlock);
+    client.Store({11, 12, 13});
+    // Write-back: the blocks are only in the CPU tier until the stop flushes them.
+    EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+  }
+  Daemon again(ssd);
+  ASSERT_NE(again.port(), 0);
+  ExpectBlocksBack(again.port(), {11, 12, 13});
+  EXPECT_EQ(again.process().Kill(SIGTERM), 0);
+}
+
+TEST(KvstashdTest, WriteThroughBlocksSurviveKillNine) {
+  TempDir dir;
+  const std::vector<std::string> ssd = {"--ssd-dir", dir.path() + "/ssd", "--ssd-bytes", "8MiB"};
+  {
+    Daemon daemon(ssd);
+    ASSERT_NE(daemon.port(), 0);
+    NodeTestClient client(daemon.port(), "tenant", "", "", kBlock);
+    client.Store({21, 22});
+    // Write-through cascades in the background: wait until the SSD tier holds both.
+    wire::StatsReply stats;
+    for (int i = 0; i < 200; ++i) {
+      ASSERT_TRUE(client.Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+      if (stats.counters().at("store.cascades_done") == 2) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    ASSERT_EQ(stats.counters().at("store.cascades_done"), 2u);
+    EXPECT_EQ(daemon.process().Kill(SIGKILL), 128 + SIGKILL);
+  }
+  Daemon again(ssd);
+  ASSERT_NE(again.port(), 0);
+  ExpectBlocksBack(again.port(), {21, 22});
+  EXPECT_EQ(again.process().Kill(SIGTERM), 0);
+}
+
+TEST(KvstashdTest, ReadsSettingsFromATomlFileWithFlagsWinning) {
+  TempDir dir;
+  const std::string config = dir.path() + "/kvstashd.toml";
+  std::ofstream(config) << "port = 1\nblock-bytes = \"128KiB\"\ncpu-bytes = \"4MiB\"\n";
+  // --port 0 (from Daemon) wins over the file's port 1; the block size comes from the file.
+  Daemon daemon({"--config", config}, /*sizes=*/false);
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient client(daemon.port(), "tenant", "", "", 128 << 10);
+  wire::StatsReply stats;
+  ASSERT_TRUE(client.Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.counters().at("cpu.block_bytes"), 128u << 10);
+  EXPECT_EQ(stats.counters().at("cpu.capacity_blocks"), 32u);
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
+TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
+  TempDir dir;
+  const std::string unknown = dir.path() + "/unknown.toml";
+  std::ofstream(unknown) << "cpu_policy = \"lru\"\n";
+  struct Case {
+    std::vector<std::string> args;
+    std::string named;
+  };
+  const std::vector<Case> cases = {
+      {{"--cpu-bytes", "1K"}, "cpu-bytes"},
+      {{"--block-bytes", "12Q"}, "block-bytes"},
+      {{"--cpu-policy", "fifo"}, "cpu-policy"},
+      {{"--cascade", "sometimes"}, "cascade"},
+      {{"--ssd-dir", "/tmp/x"}, "ssd-bytes"},
+      {{"--ssd-bytes", "1G"}, "ssd-dir"},
+      {{"--port", "70000"}, "port"},
+      {{"--auth-token", "a", "--auth-token-file", "/tmp/t"}, "auth-token"},
+      {{"--log-level", "loud"}, "log-level"},
+      {{"--max-payload-bytes", "1K"}, "max-payload-bytes"},
+      {{"--config", unknown}, "cpu_policy"},
+      {{"--no-such-flag"}, "--no-such-flag"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {kKvstashd};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const auto r = RunProcess(argv);
+    const std::string what = ::testing::PrintToString(c.args);
+    EXPECT_EQ(r.exit_code, 2) << what << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.named)) << what;
+  }
+  const auto missing = RunProcess({kKvstashd, "--auth-token-file", "/nonexistent/token"});
+  EXPECT_EQ(missing.exit_code, 1) << missing.err;
+  EXPECT_THAT(missing.err, HasSubstr("/nonexistent/token"));
+}
+
+TEST(KvstashdTest, HelpExplainsEverySetting) {
+  const auto r = RunProcess({kKvstashd, "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* flag :
+       {"--config", "--listen", "--port", "--tls", "--block-bytes", "--cpu-bytes", "--cpu-policy",
+        "--ssd-dir", "--ssd-bytes", "--ssd-policy", "--cascade", "--auth-token",
+        "--auth-token-file", "--max-keys-per-request", "--log-level", "SIGTERM"}) {
+    EXPECT_THAT(r.out, HasSubstr(flag));
+  }
+}
+
+}  // namespace
+}  // namespace kvstash

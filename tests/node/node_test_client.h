@@ -1,0 +1,132 @@
+#pragma once
+
+// A test's view of a node: wire-level calls over an RpcClient (the connector's node client is
+// not written yet), with blocks of FillPattern(key).
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "block_pattern.h"
+#include "kvstash/common/hash.h"
+#include "kvstash/proto/wire.pb.h"
+#include "kvstash/transport/rpc.h"
+
+namespace kvstash::testing {
+
+inline wire::Key WireKey(uint64_t k, uint32_t group = 0) {
+  wire::Key key;
+  key.set_hash_lo(k);
+  key.set_hash_hi(k * 7 + 1);
+  key.set_group(group);
+  return key;
+}
+
+class NodeTestClient {
+ public:
+  NodeTestClient(uint16_t port, const std::string& ns, const std::string& token,
+                 const std::string& tls, size_t block_bytes)
+      : block_bytes_(block_bytes) {
+    transport::ClientOptions options;
+    options.port = port;
+    options.auth_token = token;
+    options.key_namespace = ns;
+    options.transport.tls = tls;
+    auto client = transport::RpcClient::Create(options);
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    if (client.ok()) client_ = std::move(*client);
+  }
+
+  transport::RpcClient& rpc() { return *client_; }
+  bool ok() const { return client_ != nullptr; }
+
+  template <typename Request, typename Reply>
+  Status Call(wire::Method method, const Request& request, Reply* reply,
+              transport::CallOptions options = {}, size_t* payload = nullptr) {
+    options.deadline = transport::Clock::now() + std::chrono::seconds(10);
+    const std::string bytes = request.SerializeAsString();
+    std::vector<std::byte> out;
+    const Status status = client_->CallSync(
+        static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options, &out, payload);
+    if (status.ok() && reply != nullptr &&
+        !reply->ParseFromArray(out.data(), static_cast<int>(out.size()))) {
+      return InternalError("unparseable reply");
+    }
+    return status;
+  }
+
+  // PrepareStore, PutBlock (pattern k, with its checksum), Commit: the keys end committed.
+  void Store(const std::vector<uint64_t>& ks) {
+    wire::PrepareStoreRequest prepare;
+    for (uint64_t k : ks) *prepare.add_keys() = WireKey(k);
+    wire::PrepareStoreReply prepared;
+    const Status p = Call(wire::METHOD_PREPARE_STORE, prepare, &prepared);
+    ASSERT_TRUE(p.ok()) << p.ToString();
+    ASSERT_EQ(prepared.store_size(), static_cast<int>(ks.size()));
+    std::vector<std::byte> block(block_bytes_);
+    for (size_t i = 0; i < ks.size(); ++i) {
+      if (!prepared.store(static_cast<int>(i))) continue;
+      FillPattern(ks[i], block);
+      wire::PutBlockRequest put;
+      *put.mutable_key() = WireKey(ks[i]);
+      put.set_length(block_bytes_);
+      put.set_checksum(Xxh3Hash64(block));
+      transport::CallOptions options;
+      options.send_payload = block;
+      const Status s = Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, options);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    wire::CommitRequest commit;
+    for (uint64_t k : ks) *commit.add_keys() = WireKey(k);
+    commit.set_success(true);
+    wire::CommitReply committed;
+    ASSERT_TRUE(Call(wire::METHOD_COMMIT, commit, &committed).ok());
+    EXPECT_EQ(committed.failed_size(), 0);
+  }
+
+  std::vector<wire::LookupResult> PerKey(const std::vector<uint64_t>& ks) {
+    wire::LookupRequest request;
+    wire::Lookup* lookup = request.add_lookups();
+    lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
+    for (uint64_t k : ks) *lookup->add_keys() = WireKey(k);
+    wire::LookupReply reply;
+    EXPECT_TRUE(Call(wire::METHOD_LOOKUP, request, &reply).ok());
+    std::vector<wire::LookupResult> out;
+    if (reply.answers_size() == 1) {
+      for (int r : reply.answers(0).results()) out.push_back(static_cast<wire::LookupResult>(r));
+    }
+    return out;
+  }
+
+  // Loads, reads and releases key k; true when its bytes are FillPattern(k).
+  bool ReadBack(uint64_t k) {
+    wire::LoadRequest load;
+    *load.add_keys() = WireKey(k);
+    wire::LoadReply loaded;
+    if (!Call(wire::METHOD_LOAD, load, &loaded).ok() || loaded.pinned_size() != 1 ||
+        !loaded.pinned(0)) {
+      return false;
+    }
+    std::vector<std::byte> out(block_bytes_);
+    wire::GetBlockRequest get;
+    *get.mutable_key() = WireKey(k);
+    transport::CallOptions options;
+    options.recv_payload = out;
+    size_t payload = 0;
+    const bool got =
+        Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr, options, &payload).ok();
+    wire::ReleaseRequest release;
+    *release.add_keys() = WireKey(k);
+    (void)Call(wire::METHOD_RELEASE, release, (wire::ReleaseReply*)nullptr);
+    return got && payload == block_bytes_ && MatchesPattern(k, out);
+  }
+
+ private:
+  size_t block_bytes_;
+  std::unique_ptr<transport::RpcClient> client_;
+};
+
+}  // namespace kvstash::testing
