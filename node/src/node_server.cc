@@ -155,6 +155,7 @@ class NodeServer::Impl {
         {"transport.calls", x.calls},
         {"transport.malformed_frames", x.malformed_frames},
         {"transport.mapped_payloads", x.mapped_payloads},
+        {"transport.refused", x.refused},
     };
   }
 

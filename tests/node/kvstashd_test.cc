@@ -79,6 +79,11 @@ TEST(KvstashdTest, WrongTokenIsRefused) {
   const Status status = intruder.rpc().Connect();
   EXPECT_EQ(status.code(), StatusCode::kUnauthenticated) << status.ToString();
   EXPECT_THAT(std::string(status.message()), HasSubstr("wrong auth token"));
+  // The refusal is counted; the right token still gets in.
+  NodeTestClient client(daemon.port(), "tenant", "s3cret", "", kBlock);
+  wire::StatsReply stats;
+  ASSERT_TRUE(client.Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.counters().at("transport.refused"), 1u);
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }
 

@@ -100,6 +100,17 @@ struct ControlSend {
 
 wire::Code ToWire(StatusCode code) { return static_cast<wire::Code>(code); }
 
+// Compares every byte whatever the first difference, so the time taken says nothing about how
+// much of a guessed token was right (only its length can show).
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  volatile unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = diff | static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
 }  // namespace
 
 class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
@@ -165,6 +176,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     s.disconnects = disconnects_.load();
     s.malformed_frames = malformed_.load();
     s.mapped_payloads = mapped_.load();
+    s.refused = refusals_.load();
     return s;
   }
   size_t connection_count() const { return open_connections_.load(); }
@@ -514,7 +526,9 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       refused = FailedPreconditionError("protocol version {} is not the node's {}",
                                         hello.protocol_version(),
                                         static_cast<int>(wire::PROTOCOL_VERSION_CURRENT));
-    } else if (!options_.auth_token.empty() && hello.auth_token() != options_.auth_token) {
+    } else if (!options_.auth_token.empty() &&
+               !ConstantTimeEqual(hello.auth_token(), options_.auth_token)) {
+      refusals_.fetch_add(1, std::memory_order_relaxed);
       refused = UnauthenticatedError("wrong auth token");
     }
     ucp_ep_h ep = nullptr;
@@ -766,7 +780,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ServerCallState>, PairHash>
       active_;
-  std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0};
+  std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0},
+      refusals_{0};
   std::atomic<size_t> open_connections_{0};
 };
 

@@ -131,6 +131,7 @@ struct TransportStats {
   uint64_t malformed_frames = 0;  // frames dropped or answered with an error for bad framing
   uint64_t late_replies = 0;      // replies for calls already completed (deadline, cancel)
   uint64_t mapped_payloads = 0;   // payloads copied through the server's shared memory
+  uint64_t refused = 0;           // server: hellos refused for a wrong auth token
 };
 
 // The client end of one connection to one server. Connects on the first call (or Connect)
