@@ -10,6 +10,7 @@
 #include <fstream>
 #include <thread>
 
+#include "daemon_process.h"
 #include "node_test_client.h"
 #include "subprocess.h"
 #include "temp_dir.h"
@@ -19,41 +20,14 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::kvstash::testing::ChildProcess;
+using ::kvstash::testing::Daemon;
+using ::kvstash::testing::kKvstashd;
 using ::kvstash::testing::NodeTestClient;
 using ::kvstash::testing::RunProcess;
 using ::kvstash::testing::TempDir;
 using ::testing::HasSubstr;
 
-const std::string kKvstashd = KVSTASHD_PATH;
 constexpr size_t kBlock = 64 << 10;
-
-// A kvstashd child; port() is 0 when it did not start.
-class Daemon {
- public:
-  // With `sizes`, small test sizes (64 KiB blocks, 4 MiB of CPU tier) come before `args`.
-  explicit Daemon(std::vector<std::string> args, bool sizes = true) {
-    std::vector<std::string> argv = {kKvstashd, "--port", "0", "--log-level", "warn"};
-    if (sizes) argv.insert(argv.end(), {"--block-bytes", "64KiB", "--cpu-bytes", "4MiB"});
-    argv.insert(argv.end(), args.begin(), args.end());
-    child_ = std::make_unique<ChildProcess>(argv);
-    // UCX may log on stdout first; the start line is the one that names the port.
-    const std::string prefix = "kvstashd listening on 127.0.0.1:";
-    for (int i = 0; i < 50; ++i) {
-      std::optional<std::string> line = child_->ReadLine(10000);
-      if (!line) break;
-      if (line->rfind(prefix, 0) == 0) {
-        port_ = static_cast<uint16_t>(std::stoi(line->substr(prefix.size())));
-        break;
-      }
-    }
-  }
-  uint16_t port() const { return port_; }
-  ChildProcess& process() { return *child_; }
-
- private:
-  std::unique_ptr<ChildProcess> child_;
-  uint16_t port_ = 0;
-};
 
 TEST(KvstashdTest, ServesThenStopsCleanlyOnSigterm) {
   Daemon daemon({"--auth-token", "s3cret"});

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,6 +75,8 @@ ChildProcess::ChildProcess(const std::vector<std::string>& argv) {
   }
   pid_ = fork();
   if (pid_ == 0) {
+    // Dies with the test: a test that crashes or times out leaves no daemon behind.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], 1);
     dup2(in[0], 0);
     std::vector<char*> args;

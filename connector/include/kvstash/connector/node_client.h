@@ -1,0 +1,96 @@
+#pragma once
+
+// NodeClient: an engine-side client of one or many offload nodes. Each block key lives on one
+// node, chosen by rendezvous hashing (highest hash of key and node address), so every client
+// places a key on the same node and adding or losing a node moves only that node's keys.
+// Batched calls fan out to the nodes concerned in parallel and come back in key order. A node
+// that cannot be reached (down, slow past the deadline) is a miss for its keys, never an error
+// that stops the caller; unreachable() counts such answers.
+//
+// Thread-safe.
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvstash/common/hash.h"
+#include "kvstash/common/status.h"
+#include "kvstash/transport/rpc.h"
+
+namespace kvstash::connector {
+
+// A block's key as the client knows it; the node adds the connection's namespace.
+struct BlockKey {
+  Hash128 hash;
+  uint32_t group = 0;
+  friend bool operator==(const BlockKey&, const BlockKey&) = default;
+  std::string ToString() const;  // "0x2a/g1"
+};
+// "0x2a", "0x2a/g1", "42" (decimal), with an optional 128-bit hex hash "0x<hi><lo>".
+Result<BlockKey> ParseBlockKey(std::string_view text);
+
+struct NodeAddress {
+  std::string host;
+  uint16_t port = 0;
+  std::string ToString() const { return host + ":" + std::to_string(port); }
+};
+// "HOST:PORT"; InvalidArgument naming the text otherwise.
+Result<NodeAddress> ParseNodeAddress(std::string_view text);
+
+struct NodeClientOptions {
+  std::vector<NodeAddress> nodes;
+  std::string key_namespace = "default";
+  std::string auth_token;
+  transport::TransportOptions transport;
+  // Every call to a node fails after this long (the node then counts as unreachable for it).
+  std::chrono::milliseconds timeout{5000};
+  std::chrono::milliseconds connect_timeout{2000};
+};
+
+enum class KeyState : uint8_t { kMiss, kHit, kRetry };
+
+class NodeClient {
+ public:
+  static Result<std::unique_ptr<NodeClient>> Create(NodeClientOptions options);
+  ~NodeClient();
+
+  size_t node_count() const;
+  const NodeAddress& node(size_t i) const;
+  // The node that holds `key`.
+  size_t NodeOf(const BlockKey& key) const;
+
+  // Per-key lookups in key order; an unreachable node's keys are misses.
+  std::vector<KeyState> Lookup(std::span<const BlockKey> keys);
+  // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
+  std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
+
+  // Stores blocks[i] under keys[i] (each exactly its node's block size): prepare, send, commit,
+  // per node in parallel. Keys a node already holds are skipped. The first error, naming the
+  // node and the key; blocks of other nodes are still stored.
+  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks);
+
+  // Reads the block of `key` into `out` (pinned for the read, released after). NotFound when
+  // its node does not hold it (or cannot be reached: then Unavailable).
+  Result<size_t> Get(const BlockKey& key, transport::MutableBytes out);
+
+  // The node's counters (wire.StatsReply).
+  Result<std::map<std::string, uint64_t>> Stats(size_t node);
+  // The node's block size (from its counters).
+  Result<uint64_t> BlockBytes(size_t node);
+
+  uint64_t unreachable() const;
+
+  class Impl;
+
+ private:
+  explicit NodeClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvstash::connector

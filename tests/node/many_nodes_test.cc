@@ -1,0 +1,130 @@
+// NodeClient against several real `kvstashd` processes: keys spread by rendezvous hashing,
+// batched lookups merged in key order, and a node killed with SIGKILL: its keys become misses,
+// the others still hit, and no error reaches the caller of a lookup.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include "block_pattern.h"
+#include "daemon_process.h"
+#include "kvstash/connector/node_client.h"
+
+namespace kvstash {
+namespace {
+
+using connector::BlockKey;
+using connector::KeyState;
+using connector::NodeClient;
+using ::kvstash::testing::Daemon;
+using ::kvstash::testing::FillPattern;
+using ::kvstash::testing::MatchesPattern;
+using ::testing::HasSubstr;
+
+constexpr size_t kBlock = 64 << 10;
+
+BlockKey Key(uint64_t k) {
+  BlockKey key;
+  key.hash.lo = k;
+  key.hash.hi = ~k;
+  return key;
+}
+
+TEST(NodeAddressTest, ParsesHostPortAndRefusesTheRest) {
+  auto a = connector::ParseNodeAddress("127.0.0.1:7373");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->host, "127.0.0.1");
+  EXPECT_EQ(a->port, 7373);
+  EXPECT_EQ(a->ToString(), "127.0.0.1:7373");
+  for (const char* bad : {"127.0.0.1", ":80", "host:", "host:0", "host:70000", "host:x"}) {
+    auto r = connector::ParseNodeAddress(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(bad));
+  }
+}
+
+TEST(BlockKeyTest, ParsesHexDecimalAndGroups) {
+  auto k = connector::ParseBlockKey("0x2a/g3");
+  ASSERT_TRUE(k.ok());
+  EXPECT_EQ(k->hash.lo, 42u);
+  EXPECT_EQ(k->hash.hi, 0u);
+  EXPECT_EQ(k->group, 3u);
+  EXPECT_EQ(k->ToString(), "0x2a/g3");
+  auto wide = connector::ParseBlockKey("0x1ffffffffffffffff");
+  ASSERT_TRUE(wide.ok());
+  EXPECT_EQ(wide->hash.hi, 1u);
+  EXPECT_EQ(wide->hash.lo, ~uint64_t{0});
+  EXPECT_EQ(connector::ParseBlockKey("42")->hash.lo, 42u);
+  for (const std::string& bad : std::vector<std::string>{"", "0x", "0xzz", "4x2", "0x2a/3",
+                                                         "0x2a/gx", "0x" + std::string(33, 'f')}) {
+    EXPECT_EQ(connector::ParseBlockKey(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  connector::NodeClientOptions options;
+  for (int i = 0; i < 3; ++i) {
+    daemons.push_back(std::make_unique<Daemon>(std::vector<std::string>{}));
+    ASSERT_NE(daemons.back()->port(), 0);
+    options.nodes.push_back({"127.0.0.1", daemons.back()->port()});
+  }
+  options.timeout = std::chrono::milliseconds(2000);
+  auto created = NodeClient::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  NodeClient& client = **created;
+  ASSERT_EQ(*client.BlockBytes(0), kBlock);
+
+  constexpr int kKeys = 48;  // the 4 MiB CPU tier of each node holds 64 blocks
+  std::vector<BlockKey> keys;
+  std::vector<std::vector<std::byte>> blocks;
+  std::vector<transport::Bytes> views;
+  std::vector<int> per_node(3, 0);
+  for (int k = 0; k < kKeys; ++k) {
+    keys.push_back(Key(k));
+    blocks.emplace_back(kBlock);
+    FillPattern(k, blocks.back());
+    ++per_node[client.NodeOf(keys.back())];
+  }
+  for (auto& b : blocks) views.emplace_back(b);
+  for (int n = 0; n < 3; ++n) EXPECT_GT(per_node[n], 5) << "node " << n;
+  ASSERT_TRUE(client.Put(keys, views).ok());
+  for (int n = 0; n < 3; ++n) {
+    auto stats = client.Stats(n);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->at("cpu.resident_blocks"), static_cast<uint64_t>(per_node[n])) << n;
+  }
+  const std::vector<KeyState> before = client.Lookup(keys);
+  EXPECT_EQ(std::count(before.begin(), before.end(), KeyState::kHit), kKeys);
+  std::vector<std::byte> out(kBlock);
+  for (int k : {0, 17, 47}) {
+    auto got = client.Get(keys[k], out);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, kBlock);
+    EXPECT_TRUE(MatchesPattern(k, out)) << k;
+  }
+
+  // Node 1 dies.
+  daemons[1]->process().Kill(SIGKILL);
+  const std::vector<KeyState> after = client.Lookup(keys);
+  for (int k = 0; k < kKeys; ++k) {
+    const KeyState expected = client.NodeOf(keys[k]) == 1 ? KeyState::kMiss : KeyState::kHit;
+    EXPECT_EQ(after[k], expected) << "key " << k << " on node " << client.NodeOf(keys[k]);
+  }
+  EXPECT_GT(client.unreachable(), 0u);
+  // A prefix lookup stops at the first key of the dead node.
+  size_t first_dead = 0;
+  while (client.NodeOf(keys[first_dead]) != 1) ++first_dead;
+  EXPECT_EQ(client.LookupPrefix(keys), first_dead);
+  // Reading a dead node's key is an error for that key only.
+  int dead_key = static_cast<int>(first_dead);
+  auto lost = client.Get(keys[dead_key], out);
+  EXPECT_EQ(lost.status().code(), StatusCode::kUnavailable) << lost.status().ToString();
+  int live_key = dead_key == 0 ? 1 : 0;
+  while (client.NodeOf(keys[live_key]) == 1) ++live_key;
+  ASSERT_TRUE(client.Get(keys[live_key], out).ok());
+  EXPECT_TRUE(MatchesPattern(live_key, out));
+}
+
+}  // namespace
+}  // namespace kvstash
