@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
       "kvstash");
   app.require_subcommand(1);
   int exit_code = kvstash::cli::kExitOk;
+  kvstash::cli::AddNodeCommands(app, &exit_code);
   kvstash::cli::AddTraceCommand(app, &exit_code);
   kvstash::cli::AddBenchCommand(app, &exit_code);
   try {

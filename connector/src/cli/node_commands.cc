@@ -1,0 +1,257 @@
+// `kvstash put|get|lookup|stats --node HOST:PORT ...`: talk to offload nodes by hand.
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <iostream>
+#include <iterator>
+
+#include "commands.h"
+#include "kvstash/common/hash.h"
+#include "kvstash/connector/node_client.h"
+#include "nlohmann/json.hpp"
+
+namespace kvstash::cli {
+namespace {
+
+using connector::BlockKey;
+using connector::KeyState;
+using connector::NodeClient;
+
+struct NodeFlags {
+  std::vector<std::string> nodes;
+  std::string key_namespace = "default";
+  std::string token;
+  std::string token_file;
+  std::string tls;
+  int timeout_ms = 5000;
+  std::vector<std::string> keys;
+  std::string file;  // put: the block; get: where to write it
+  bool prefix = false;
+  bool json = false;
+};
+
+int Fail(std::string_view command, int code, std::string_view message) {
+  std::cerr << "kvstash " << command << ": " << message << "\n";
+  return code;
+}
+
+void AddConnectionFlags(CLI::App* cmd, NodeFlags& flags, bool keys) {
+  cmd->add_option("--node", flags.nodes,
+                  "An offload node as HOST:PORT; repeat for many nodes (each key goes to one, by "
+                  "rendezvous hashing, as every kvstash client places it)")
+      ->required();
+  cmd->add_option("--namespace", flags.key_namespace, "Key namespace of the blocks")
+      ->capture_default_str();
+  cmd->add_option("--token", flags.token, "The nodes' auth token");
+  cmd->add_option("--token-file", flags.token_file, "File whose first line is the auth token");
+  cmd->add_option("--tls", flags.tls, "UCX transports (as UCX_TLS); default: UCX's choice");
+  cmd->add_option("--timeout-ms", flags.timeout_ms, "Deadline of each call to a node")
+      ->capture_default_str();
+  if (keys) {
+    cmd->add_option("--key", flags.keys,
+                    "Block key: a hash in hex (0x2a, up to 32 digits) or decimal, optionally "
+                    "/gGROUP (0x2a/g1)")
+        ->required();
+  }
+}
+
+Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
+  connector::NodeClientOptions options;
+  for (const std::string& node : flags.nodes) {
+    KVSTASH_ASSIGN_OR_RETURN(auto address, connector::ParseNodeAddress(node));
+    options.nodes.push_back(address);
+  }
+  if (!flags.token.empty() && !flags.token_file.empty()) {
+    return InvalidArgumentError("--token and --token-file: give one, not both");
+  }
+  options.auth_token = flags.token;
+  if (!flags.token_file.empty()) {
+    std::ifstream in(flags.token_file);
+    if (!in) return NotFoundError("--token-file: cannot read '{}'", flags.token_file);
+    std::getline(in, options.auth_token);
+  }
+  if (flags.timeout_ms < 1) {
+    return InvalidArgumentError("--timeout-ms: {} is not a positive count", flags.timeout_ms);
+  }
+  options.key_namespace = flags.key_namespace;
+  options.transport.tls = flags.tls;
+  options.timeout = std::chrono::milliseconds(flags.timeout_ms);
+  options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  return NodeClient::Create(options);
+}
+
+Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
+  std::vector<BlockKey> keys;
+  for (const std::string& text : flags.keys) {
+    KVSTASH_ASSIGN_OR_RETURN(auto key, connector::ParseBlockKey(text));
+    keys.push_back(key);
+  }
+  return keys;
+}
+
+int ExitFor(const Status& status) {
+  return status.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;
+}
+
+int RunPut(const NodeFlags& flags) {
+  auto keys = Keys(flags);
+  if (!keys.ok()) return Fail("put", kExitUsage, keys.status().message());
+  if (keys->size() != 1) return Fail("put", kExitUsage, "--key: give exactly one key to put");
+  std::ifstream in(flags.file, std::ios::binary);
+  if (!in) return Fail("put", kExitFailure, fmt::format("--file: cannot read '{}'", flags.file));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto client = Connect(flags);
+  if (!client.ok()) return Fail("put", ExitFor(client.status()), client.status().message());
+  const size_t node = (*client)->NodeOf(keys->front());
+  auto block_bytes = (*client)->BlockBytes(node);
+  if (!block_bytes.ok()) return Fail("put", kExitFailure, block_bytes.status().message());
+  if (bytes.size() != *block_bytes) {
+    return Fail(
+        "put", kExitUsage,
+        fmt::format("--file: '{}' holds {} bytes; node {} stores blocks of exactly {}", flags.file,
+                    bytes.size(), (*client)->node(node).ToString(), *block_bytes));
+  }
+  const transport::Bytes block = std::as_bytes(std::span(bytes));
+  const Status put = (*client)->Put(*keys, std::span(&block, 1));
+  if (!put.ok()) return Fail("put", kExitFailure, put.message());
+  std::cout << fmt::format("stored {} ({} bytes, xxh3 {:#018x}) on {}\n", keys->front().ToString(),
+                           bytes.size(), Xxh3Hash64(block), (*client)->node(node).ToString());
+  return kExitOk;
+}
+
+int RunGet(const NodeFlags& flags) {
+  auto keys = Keys(flags);
+  if (!keys.ok()) return Fail("get", kExitUsage, keys.status().message());
+  if (keys->size() != 1) return Fail("get", kExitUsage, "--key: give exactly one key to get");
+  auto client = Connect(flags);
+  if (!client.ok()) return Fail("get", ExitFor(client.status()), client.status().message());
+  const size_t node = (*client)->NodeOf(keys->front());
+  auto block_bytes = (*client)->BlockBytes(node);
+  if (!block_bytes.ok()) return Fail("get", kExitFailure, block_bytes.status().message());
+  std::vector<std::byte> block(*block_bytes);
+  auto got = (*client)->Get(keys->front(), block);
+  if (!got.ok()) return Fail("get", kExitFailure, got.status().message());
+  block.resize(*got);
+  if (!flags.file.empty()) {
+    std::ofstream out(flags.file, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(block.data()), static_cast<std::streamsize>(*got));
+    if (!out) {
+      return Fail("get", kExitFailure, fmt::format("--out: cannot write '{}'", flags.file));
+    }
+  }
+  std::cout << fmt::format("{}: {} bytes, xxh3 {:#018x}, from {}{}\n", keys->front().ToString(),
+                           *got, Xxh3Hash64(block), (*client)->node(node).ToString(),
+                           flags.file.empty() ? "" : ", written to " + flags.file);
+  return kExitOk;
+}
+
+std::string_view StateName(KeyState s) {
+  switch (s) {
+    case KeyState::kHit:
+      return "hit";
+    case KeyState::kRetry:
+      return "retry";
+    case KeyState::kMiss:
+      break;
+  }
+  return "miss";
+}
+
+int RunLookup(const NodeFlags& flags) {
+  auto keys = Keys(flags);
+  if (!keys.ok()) return Fail("lookup", kExitUsage, keys.status().message());
+  auto client = Connect(flags);
+  if (!client.ok()) return Fail("lookup", ExitFor(client.status()), client.status().message());
+  const std::vector<KeyState> states = (*client)->Lookup(*keys);
+  std::optional<size_t> prefix;
+  if (flags.prefix) prefix = (*client)->LookupPrefix(*keys);
+  if (flags.json) {
+    nlohmann::json doc = {{"keys", nlohmann::json::array()}};
+    for (size_t i = 0; i < keys->size(); ++i) {
+      doc["keys"].push_back({{"key", (*keys)[i].ToString()},
+                             {"state", StateName(states[i])},
+                             {"node", (*client)->node((*client)->NodeOf((*keys)[i])).ToString()}});
+    }
+    if (flags.prefix) doc["prefix"] = prefix.has_value() ? nlohmann::json(*prefix) : nullptr;
+    doc["unreachable"] = (*client)->unreachable();
+    std::cout << doc.dump() << "\n";
+  } else {
+    for (size_t i = 0; i < keys->size(); ++i) {
+      std::cout << fmt::format("{} {} ({})\n", (*keys)[i].ToString(), StateName(states[i]),
+                               (*client)->node((*client)->NodeOf((*keys)[i])).ToString());
+    }
+    if (flags.prefix) {
+      std::cout << (prefix.has_value()
+                        ? fmt::format("prefix {} of {} keys\n", *prefix, keys->size())
+                        : std::string("prefix: retry (blocks being written or promoted)\n"));
+    }
+  }
+  if ((*client)->unreachable() != 0) {
+    std::cerr << "kvstash lookup: warning: some nodes could not be reached; their keys show as "
+                 "miss\n";
+  }
+  return kExitOk;
+}
+
+int RunStats(const NodeFlags& flags) {
+  auto client = Connect(flags);
+  if (!client.ok()) return Fail("stats", ExitFor(client.status()), client.status().message());
+  nlohmann::json doc = nlohmann::json::object();
+  int code = kExitOk;
+  for (size_t n = 0; n < (*client)->node_count(); ++n) {
+    const std::string name = (*client)->node(n).ToString();
+    auto counters = (*client)->Stats(n);
+    if (!counters.ok()) {
+      std::cerr << "kvstash stats: " << counters.status().message() << "\n";
+      code = kExitFailure;
+      continue;
+    }
+    if (flags.json) {
+      doc[name] = *counters;
+    } else {
+      std::cout << name << "\n";
+      for (const auto& [counter, value] : *counters) {
+        std::cout << fmt::format("  {:<32} {}\n", counter, value);
+      }
+    }
+  }
+  if (flags.json) std::cout << doc.dump() << "\n";
+  return code;
+}
+
+}  // namespace
+
+void AddNodeCommands(CLI::App& app, int* exit_code) {
+  auto flags = std::make_shared<NodeFlags>();
+
+  CLI::App* put = app.add_subcommand("put",
+                                     "Store one block (a file of exactly the node's "
+                                     "block size) under a key");
+  AddConnectionFlags(put, *flags, true);
+  put->add_option("--file", flags->file, "The block's bytes")->required();
+  put->callback([flags, exit_code] { *exit_code = RunPut(*flags); });
+
+  CLI::App* get = app.add_subcommand(
+      "get", "Read one block: prints its size and xxh3 checksum, and writes it to --out");
+  AddConnectionFlags(get, *flags, true);
+  get->add_option("--out", flags->file, "File to write the block to");
+  get->callback([flags, exit_code] { *exit_code = RunGet(*flags); });
+
+  CLI::App* lookup = app.add_subcommand(
+      "lookup",
+      "Look keys up (hit, miss, or retry while a block is being written or promoted "
+      "from SSD); a node that cannot be reached answers miss, with a warning");
+  AddConnectionFlags(lookup, *flags, true);
+  lookup->add_flag("--prefix", flags->prefix,
+                   "Also print how many leading keys are hits (the maximal prefix)");
+  lookup->add_flag("--json", flags->json, "One JSON object on stdout");
+  lookup->callback([flags, exit_code] { *exit_code = RunLookup(*flags); });
+
+  CLI::App* stats = app.add_subcommand("stats", "Print each node's counters");
+  AddConnectionFlags(stats, *flags, false);
+  stats->add_flag("--json", flags->json, "One JSON object on stdout, by node");
+  stats->callback([flags, exit_code] { *exit_code = RunStats(*flags); });
+}
+
+}  // namespace kvstash::cli
