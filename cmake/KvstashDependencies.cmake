@@ -21,5 +21,7 @@ pkg_check_modules(PROTOBUF_LITE REQUIRED IMPORTED_TARGET protobuf-lite)
 find_program(KVSTASH_PROTOC protoc REQUIRED)
 # UCX (ucp + ucs), standalone Asio (header only).
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+# Prometheus metrics of the node (prometheus-cpp; the pull part serves them over HTTP).
+pkg_check_modules(PROMETHEUS REQUIRED IMPORTED_TARGET prometheus-cpp-pull prometheus-cpp-core)
 find_path(ASIO_INCLUDE_DIR asio.hpp REQUIRED)
 find_program(KVSTASH_UCX_PERFTEST ucx_perftest)

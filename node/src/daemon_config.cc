@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cerrno>
+#include <charconv>
 #include <fstream>
 #include <sstream>
 
@@ -57,6 +58,10 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
   app.add_option("--max-payload-bytes", flags.max_payload_bytes,
                  "Largest payload accepted in one request (at least block-bytes)")
       ->capture_default_str();
+  app.add_option("--metrics-address", flags.metrics_address,
+                 "HOST:PORT of the HTTP endpoint with Prometheus metrics at /metrics and a "
+                 "health check at /healthz (port 0: any free port, printed at start); off: none")
+      ->capture_default_str();
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
 }
@@ -87,7 +92,23 @@ Result<std::string> ReadTokenFile(const std::string& path) {
 
 }  // namespace
 
+Result<std::string> MetricsAddress(const DaemonFlags& flags) {
+  if (flags.metrics_address == "off") return std::string();
+  const size_t colon = flags.metrics_address.rfind(':');
+  unsigned port = 0;
+  const std::string_view text(flags.metrics_address);
+  const std::string_view digits = colon == std::string::npos ? "" : text.substr(colon + 1);
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), port);
+  if (colon == std::string::npos || colon == 0 || digits.empty() || ec != std::errc() ||
+      end != digits.data() + digits.size() || port > 65535) {
+    return InvalidArgumentError("metrics-address: '{}' is not HOST:PORT or off",
+                                flags.metrics_address);
+  }
+  return flags.metrics_address;
+}
+
 Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
+  KVSTASH_RETURN_IF_ERROR(MetricsAddress(flags).status());
   NodeOptions options;
   if (flags.port < 0 || flags.port > 65535) {
     return InvalidArgumentError("port: {} is outside 0..65535", flags.port);

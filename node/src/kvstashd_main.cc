@@ -10,6 +10,7 @@
 #include "kvstash/common/byte_units.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/node/daemon_config.h"
+#include "kvstash/node/metrics.h"
 #include "kvstash/node/node_server.h"
 
 namespace {
@@ -82,11 +83,25 @@ int main(int argc, char** argv) {
       options->server.auth_token.empty() ? "off" : "token");
   std::cout << "kvstashd listening on " << options->server.bind_address << ":" << server->port()
             << std::endl;
+  std::unique_ptr<node::MetricsEndpoint> metrics;
+  if (const std::string address = *node::MetricsAddress(flags); !address.empty()) {
+    Result<std::unique_ptr<node::MetricsEndpoint>> endpoint =
+        node::MetricsEndpoint::Start(address, *server);
+    if (!endpoint.ok()) {
+      (void)server->Shutdown();
+      return Fail(kExitFailure, fmt::format("cannot start: {}", endpoint.status().message()));
+    }
+    metrics = std::move(*endpoint);
+    const std::string host = address.substr(0, address.rfind(':'));
+    std::cout << "kvstashd metrics on http://" << host << ":" << metrics->port() << "/metrics"
+              << std::endl;
+  }
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
   KVSTASH_LOG_INFO("{}: stopping (no new connections; sessions end; store flushes)",
                    signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  metrics.reset();
   const Status stopped = server->Shutdown();
   server.reset();
   if (!stopped.ok()) {

@@ -19,7 +19,8 @@ class Daemon {
  public:
   // With `sizes`, small test sizes (64 KiB blocks, 4 MiB of CPU tier) come before `args`.
   explicit Daemon(std::vector<std::string> args, bool sizes = true) {
-    std::vector<std::string> argv = {kKvstashd, "--port", "0", "--log-level", "warn"};
+    std::vector<std::string> argv = {kKvstashd,     "--port",      "0",   "--metrics-address",
+                                     "127.0.0.1:0", "--log-level", "warn"};
     if (sizes) argv.insert(argv.end(), {"--block-bytes", "64KiB", "--cpu-bytes", "4MiB"});
     argv.insert(argv.end(), args.begin(), args.end());
     child_ = std::make_unique<ChildProcess>(argv);
@@ -30,16 +31,23 @@ class Daemon {
       if (!line) break;
       if (line->rfind(prefix, 0) == 0) {
         port_ = static_cast<uint16_t>(std::stoi(line->substr(prefix.size())));
+        const std::string metrics = "kvstashd metrics on http://127.0.0.1:";
+        std::optional<std::string> next = child_->ReadLine(10000);
+        if (next && next->rfind(metrics, 0) == 0) {
+          metrics_port_ = static_cast<uint16_t>(std::stoi(next->substr(metrics.size())));
+        }
         break;
       }
     }
   }
   uint16_t port() const { return port_; }
+  uint16_t metrics_port() const { return metrics_port_; }
   ChildProcess& process() { return *child_; }
 
  private:
   std::unique_ptr<ChildProcess> child_;
   uint16_t port_ = 0;
+  uint16_t metrics_port_ = 0;
 };
 
 }  // namespace kvstash::testing

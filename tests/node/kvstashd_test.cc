@@ -3,9 +3,13 @@
 // wrong tokens, restarts over an SSD directory (after SIGTERM and after kill -9), config files,
 // and settings refused with exit status 2.
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <thread>
@@ -43,6 +47,50 @@ TEST(KvstashdTest, ServesThenStopsCleanlyOnSigterm) {
     // The client stays connected through the stop: SIGTERM ends its session too.
     EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
   }
+}
+
+// GET http://127.0.0.1:port/path: the response body, or "" when the request fails.
+std::string HttpGet(uint16_t port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request =
+      "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  (void)!write(fd, request.data(), request.size());
+  std::string response;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
+  close(fd);
+  if (response.rfind("HTTP/1.1 200", 0) != 0 && response.rfind("HTTP/1.0 200", 0) != 0) return "";
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+TEST(KvstashdTest, MetricsMoveUnderLoadAndHealthAnswers) {
+  Daemon daemon({});
+  ASSERT_NE(daemon.port(), 0);
+  ASSERT_NE(daemon.metrics_port(), 0);
+  EXPECT_THAT(HttpGet(daemon.metrics_port(), "/healthz"), HasSubstr("kvstash_up 1"));
+  const std::string idle = HttpGet(daemon.metrics_port(), "/metrics");
+  EXPECT_THAT(idle, HasSubstr("kvstash_blocks_stored_total 0"));
+  EXPECT_THAT(idle, HasSubstr("kvstash_capacity_blocks{tier=\"cpu\"} 64"));
+  NodeTestClient client(daemon.port(), "tenant", "", "", kBlock);
+  client.Store({1, 2, 3});
+  EXPECT_TRUE(client.ReadBack(2));
+  client.PerKey({1, 99});
+  const std::string busy = HttpGet(daemon.metrics_port(), "/metrics");
+  EXPECT_THAT(busy, HasSubstr("kvstash_blocks_stored_total 3"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_blocks{tier=\"cpu\"} 3"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"in\"} 196608"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"out\"} 65536"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{result=\"miss\"} 1"));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }
 
 TEST(KvstashdTest, WrongTokenIsRefused) {

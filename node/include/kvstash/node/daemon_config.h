@@ -34,10 +34,14 @@ struct DaemonFlags {
   std::string max_message_bytes = "4MiB";
   std::string max_payload_bytes = "64MiB";
   std::string log_level = "info";
+  std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
 };
 
 // Adds every flag (and --config) to `app`, bound to `flags`.
 void AddDaemonFlags(CLI::App& app, DaemonFlags& flags);
+
+// The metrics endpoint's HOST:PORT, or "" when it is off; InvalidArgument for anything else.
+Result<std::string> MetricsAddress(const DaemonFlags& flags);
 
 // Validates the settings and turns them into the node's options. InvalidArgument names the
 // setting and the value; a token file that cannot be read is NotFound/PermissionDenied.

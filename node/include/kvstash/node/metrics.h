@@ -1,0 +1,31 @@
+#pragma once
+
+// Prometheus metrics of a node, served over HTTP at /metrics (and /healthz, which answers 200
+// with `kvstash_up 1` while the daemon runs). The values are read from the node's counters at
+// every scrape, so nothing on the request path pays for them.
+
+#include <memory>
+#include <string>
+
+#include "kvstash/common/status.h"
+#include "kvstash/node/node_server.h"
+
+namespace kvstash::node {
+
+class MetricsEndpoint {
+ public:
+  // Serves `node`'s metrics on `address` ("HOST:PORT"; port 0 picks a free one). The node must
+  // outlive the endpoint.
+  static Result<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address,
+                                                        NodeServer& node);
+  ~MetricsEndpoint();
+  uint16_t port() const;
+
+  class Impl;
+
+ private:
+  explicit MetricsEndpoint(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvstash::node

@@ -1,0 +1,168 @@
+#include "kvstash/node/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/exposer.h>
+#include <prometheus/metric_family.h>
+
+#include <map>
+
+namespace kvstash::node {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+// One exported metric: a family name and a sample per (labels, counter name).
+struct Export {
+  const char* name;
+  MetricType type;
+  const char* help;
+  std::vector<std::pair<std::vector<ClientMetric::Label>, const char*>> samples;
+};
+
+const std::vector<Export>& Exports() {
+  static const std::vector<Export> exports = {
+      {"kvstash_blocks",
+       MetricType::Gauge,
+       "Blocks held, by tier",
+       {{{{"tier", "cpu"}}, "cpu.resident_blocks"}, {{{"tier", "ssd"}}, "ssd.resident_blocks"}}},
+      {"kvstash_capacity_blocks",
+       MetricType::Gauge,
+       "Block capacity, by tier",
+       {{{{"tier", "cpu"}}, "cpu.capacity_blocks"}, {{{"tier", "ssd"}}, "ssd.capacity_blocks"}}},
+      {"kvstash_block_bytes", MetricType::Gauge, "Bytes of every block", {{{}, "cpu.block_bytes"}}},
+      {"kvstash_lookup_keys_total",
+       MetricType::Counter,
+       "Keys looked up, by result",
+       {{{{"result", "hit"}}, "node.lookup_hits"},
+        {{{"result", "miss"}}, "node.lookup_misses"},
+        {{{"result", "retry"}}, "node.lookup_retries"}}},
+      {"kvstash_blocks_stored_total",
+       MetricType::Counter,
+       "Blocks committed",
+       {{{}, "node.blocks_stored"}}},
+      {"kvstash_blocks_aborted_total",
+       MetricType::Counter,
+       "Block stores aborted (by the client, a failed transfer or an ended session)",
+       {{{}, "node.blocks_aborted"}}},
+      {"kvstash_blocks_loaded_total",
+       MetricType::Counter,
+       "Blocks sent to clients",
+       {{{}, "node.blocks_loaded"}}},
+      {"kvstash_payload_bytes_total",
+       MetricType::Counter,
+       "Block bytes moved, by direction",
+       {{{{"direction", "in"}}, "node.bytes_in"}, {{{"direction", "out"}}, "node.bytes_out"}}},
+      {"kvstash_checksum_failures_total",
+       MetricType::Counter,
+       "Blocks whose bytes did not match the client's checksum",
+       {{{}, "node.checksum_failures"}}},
+      {"kvstash_promotions_total",
+       MetricType::Counter,
+       "Blocks promoted from SSD to the CPU tier",
+       {{{}, "store.promotions_done"}}},
+      {"kvstash_cascades_total",
+       MetricType::Counter,
+       "Blocks written from the CPU tier to SSD",
+       {{{}, "store.cascades_done"}}},
+      {"kvstash_sessions_closed_total",
+       MetricType::Counter,
+       "Client sessions that ended",
+       {{{}, "node.sessions_closed"}}},
+      {"kvstash_pins_released_on_close_total",
+       MetricType::Counter,
+       "Pins an ended session still held",
+       {{{}, "node.pins_released_on_close"}}},
+      {"kvstash_connections",
+       MetricType::Gauge,
+       "Open client connections",
+       {{{}, "transport.connections"}}},
+      {"kvstash_requests_total",
+       MetricType::Counter,
+       "Requests dispatched",
+       {{{}, "transport.calls"}}},
+      {"kvstash_refusals_total",
+       MetricType::Counter,
+       "Connections refused for a wrong token",
+       {{{}, "transport.refused"}}},
+      {"kvstash_malformed_frames_total",
+       MetricType::Counter,
+       "Malformed frames received",
+       {{{}, "transport.malformed_frames"}}},
+  };
+  return exports;
+}
+
+class NodeCollectable : public prometheus::Collectable {
+ public:
+  explicit NodeCollectable(NodeServer& node) : node_(node) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    const std::map<std::string, uint64_t> counters = node_.Counters();
+    std::vector<MetricFamily> families;
+    for (const Export& e : Exports()) {
+      MetricFamily family{e.name, e.help, e.type, {}};
+      for (const auto& [labels, counter] : e.samples) {
+        auto it = counters.find(counter);
+        const double value = it == counters.end() ? 0.0 : static_cast<double>(it->second);
+        ClientMetric metric;
+        metric.label = labels;
+        if (e.type == MetricType::Counter) {
+          metric.counter.value = value;
+        } else {
+          metric.gauge.value = value;
+        }
+        family.metric.push_back(std::move(metric));
+      }
+      families.push_back(std::move(family));
+    }
+    return families;
+  }
+
+ private:
+  NodeServer& node_;
+};
+
+// /healthz: answers while the daemon serves.
+class Up : public prometheus::Collectable {
+ public:
+  std::vector<MetricFamily> Collect() const override {
+    ClientMetric up;
+    up.gauge.value = 1;
+    return {MetricFamily{"kvstash_up", "1 while the node serves", MetricType::Gauge, {up}}};
+  }
+};
+
+}  // namespace
+
+class MetricsEndpoint::Impl {
+ public:
+  std::shared_ptr<NodeCollectable> node;
+  std::shared_ptr<Up> up = std::make_shared<Up>();
+  std::unique_ptr<prometheus::Exposer> exposer;
+};
+
+Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& address,
+                                                                NodeServer& node) {
+  auto impl = std::make_unique<Impl>();
+  impl->node = std::make_shared<NodeCollectable>(node);
+  try {
+    impl->exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return UnavailableError("metrics address {}: {}", address, e.what());
+  }
+  impl->exposer->RegisterCollectable(impl->node, "/metrics");
+  impl->exposer->RegisterCollectable(impl->up, "/healthz");
+  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(std::move(impl)));
+}
+
+MetricsEndpoint::MetricsEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MetricsEndpoint::~MetricsEndpoint() = default;
+
+uint16_t MetricsEndpoint::port() const {
+  const std::vector<int> ports = impl_->exposer->GetListeningPorts();
+  return ports.empty() ? 0 : static_cast<uint16_t>(ports.front());
+}
+
+}  // namespace kvstash::node
