@@ -686,16 +686,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
 
   // ---- loose frames (cancel, tests) --------------------------------------------------------
 
-  void SendCancelFrame(uint64_t id) {
-    LooseSend send;
-    FrameHeader header;
-    header.kind = FrameKind::kCancel;
-    header.request_id = id;
-    header.connection_id = connection_id_.load();
-    send.header.resize(kFrameHeaderBytes);
-    WriteFrame(header, {}, send.header);
-    SendLoose(std::move(send));
-  }
+  void SendCancelFrame(uint64_t id) { SendControl(FrameKind::kCancel, id); }
 
   void SendLoose(LooseSend send) {
     if (!ep_) return;
