@@ -62,6 +62,10 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "HOST:PORT of the HTTP endpoint with Prometheus metrics at /metrics and a "
                  "health check at /healthz (port 0: any free port, printed at start); off: none")
       ->capture_default_str();
+  app.add_option("--lease-timeout-ms", flags.lease_timeout_ms,
+                 "A client silent this long (no request) loses its pins and unfinished stores; "
+                 "a client that disconnects or dies loses them at once")
+      ->capture_default_str();
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
 }
@@ -160,6 +164,10 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
                                 flags.max_keys_per_request);
   }
   options.server.max_keys_per_request = static_cast<uint32_t>(flags.max_keys_per_request);
+  if (flags.lease_timeout_ms < 10) {
+    return InvalidArgumentError("lease-timeout-ms: {} is below 10", flags.lease_timeout_ms);
+  }
+  options.lease_timeout = std::chrono::milliseconds(flags.lease_timeout_ms);
   KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_message_bytes,
                            ParseBytes("max-message-bytes", flags.max_message_bytes));
   KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_payload_bytes,

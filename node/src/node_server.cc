@@ -6,7 +6,10 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -18,6 +21,7 @@ namespace kvstash::node {
 namespace {
 
 using store::OffloadKey;
+using Clock = std::chrono::steady_clock;
 using transport::Bytes;
 using transport::ServerCall;
 
@@ -71,6 +75,7 @@ class NodeServer::Impl {
   ~Impl() {
     // Handlers use the store and the CPU memory: stop serving first (sessions end there),
     // then close the store, then give the memory back while the transport still exists.
+    StopLeaseSweeper();
     if (server_) server_->Stop();
     store_.reset();
     cpu_region_ = transport::MemoryRegion();
@@ -94,10 +99,13 @@ class NodeServer::Impl {
     KVSTASH_ASSIGN_OR_RETURN(store_, store::TieredStore::Open(options_.store));
     Register();
     server_->OnDisconnect([this](uint64_t connection) { EndSession(connection); });
-    return server_->Start();
+    KVSTASH_RETURN_IF_ERROR(server_->Start());
+    StartLeaseSweeper();
+    return Status::OK();
   }
 
   Status Shutdown() {
+    StopLeaseSweeper();
     server_->Stop();
     return store_->Flush();
   }
@@ -121,6 +129,8 @@ class NodeServer::Impl {
     s.sessions_closed = sessions_closed_.load();
     s.pins_released_on_close = pins_released_on_close_.load();
     s.stores_aborted_on_close = stores_aborted_on_close_.load();
+    s.leases_expired = leases_expired_.load();
+    s.pins_released_on_expiry = pins_released_on_expiry_.load();
     return s;
   }
 
@@ -142,6 +152,8 @@ class NodeServer::Impl {
         {"node.sessions_closed", n.sessions_closed},
         {"node.pins_released_on_close", n.pins_released_on_close},
         {"node.stores_aborted_on_close", n.stores_aborted_on_close},
+        {"node.leases_expired", n.leases_expired},
+        {"node.pins_released_on_expiry", n.pins_released_on_expiry},
         {"cpu.capacity_blocks", store_->cpu().capacity()},
         {"cpu.resident_blocks", store_->cpu().resident_blocks()},
         {"cpu.block_bytes", store_->block_bytes()},
@@ -176,15 +188,18 @@ class NodeServer::Impl {
     std::map<OffloadKey, Pin> pins;
     bool closed = false;  // the connection ended; kept while payloads are still arriving
     uint32_t writes_in_flight = 0;
+    Clock::time_point last_seen = Clock::now();
   };
 
   const transport::MemoryRegion* region() const {
     return cpu_region_.size() != 0 ? &cpu_region_ : nullptr;
   }
 
+  // Every request renews its session's lease.
   Session& SessionOf(const ServerCall& call) {
     auto [it, added] = sessions_.try_emplace(call.connection_id());
     if (added) it->second.ns = NamespaceIdOf(call.key_namespace());
+    it->second.last_seen = Clock::now();
     return it->second;
   }
 
@@ -532,6 +547,19 @@ class NodeServer::Impl {
       session.closed = true;
       return;
     }
+    const auto [aborted, pins] = Undo(session);
+    if (aborted != 0 || pins != 0) {
+      KVSTASH_LOG_INFO("connection {} ended: aborted {} unfinished store(s), released {} pin(s)",
+                       connection, aborted, pins);
+    }
+    stores_aborted_on_close_.fetch_add(aborted, std::memory_order_relaxed);
+    pins_released_on_close_.fetch_add(pins, std::memory_order_relaxed);
+    sessions_closed_.fetch_add(1, std::memory_order_relaxed);
+    sessions_.erase(it);
+  }
+
+  // Aborts the session's unfinished stores and releases its pins: {stores, pins}.
+  std::pair<size_t, uint64_t> Undo(Session& session) {
     std::vector<OffloadKey> abort;
     for (const auto& [key, prepared] : session.prepared) abort.push_back(key);
     if (!abort.empty()) store_->CompleteStore(abort, false);
@@ -540,15 +568,49 @@ class NodeServer::Impl {
       for (uint32_t i = 0; i < pin.count; ++i) (void)store_->CompleteLoad(std::span(&key, 1));
       pins += pin.count;
     }
-    if (!abort.empty() || pins != 0) {
-      KVSTASH_LOG_INFO("connection {} ended: aborted {} unfinished store(s), released {} pin(s)",
-                       connection, abort.size(), pins);
-    }
-    stores_aborted_on_close_.fetch_add(abort.size(), std::memory_order_relaxed);
+    session.prepared.clear();
+    session.pins.clear();
     blocks_aborted_.fetch_add(abort.size(), std::memory_order_relaxed);
-    pins_released_on_close_.fetch_add(pins, std::memory_order_relaxed);
-    sessions_closed_.fetch_add(1, std::memory_order_relaxed);
-    sessions_.erase(it);
+    return {abort.size(), pins};
+  }
+
+  // Sessions silent for longer than the lease lose their pins and unfinished stores (the
+  // connection stays; its next request starts a new lease). On the progress thread.
+  void ExpireLeases() {
+    const auto now = Clock::now();
+    for (auto& [connection, session] : sessions_) {
+      if (session.writes_in_flight != 0 || now - session.last_seen < options_.lease_timeout ||
+          (session.pins.empty() && session.prepared.empty())) {
+        continue;
+      }
+      const auto [aborted, pins] = Undo(session);
+      KVSTASH_LOG_WARN(
+          "connection {}: lease expired after {} ms of silence: aborted {} unfinished store(s), "
+          "released {} pin(s)",
+          connection, options_.lease_timeout.count(), aborted, pins);
+      leases_expired_.fetch_add(1, std::memory_order_relaxed);
+      pins_released_on_expiry_.fetch_add(pins, std::memory_order_relaxed);
+    }
+  }
+
+  // A thread that asks the progress thread to expire leases a few times per lease.
+  void StartLeaseSweeper() {
+    sweeper_ = std::thread([this] {
+      const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
+      std::unique_lock lock(sweeper_mu_);
+      while (!sweeper_cv_.wait_for(lock, period, [this] { return sweeper_stop_; })) {
+        server_->RunOnProgressThread([this] { ExpireLeases(); });
+      }
+    });
+  }
+
+  void StopLeaseSweeper() {
+    {
+      std::lock_guard lock(sweeper_mu_);
+      sweeper_stop_ = true;
+    }
+    sweeper_cv_.notify_all();
+    if (sweeper_.joinable()) sweeper_.join();
   }
 
   NodeOptions options_;
@@ -556,10 +618,14 @@ class NodeServer::Impl {
   transport::MemoryRegion cpu_region_;
   std::unique_ptr<store::TieredStore> store_;
   std::unordered_map<uint64_t, Session> sessions_;  // progress thread only
+  std::thread sweeper_;
+  std::mutex sweeper_mu_;
+  std::condition_variable sweeper_cv_;
+  bool sweeper_stop_ = false;
   std::atomic<uint64_t> lookups_{0}, lookup_hits_{0}, lookup_misses_{0}, lookup_retries_{0},
       blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0}, bytes_in_{0}, bytes_out_{0},
       checksum_failures_{0}, sessions_closed_{0}, pins_released_on_close_{0},
-      stores_aborted_on_close_{0};
+      stores_aborted_on_close_{0}, leases_expired_{0}, pins_released_on_expiry_{0};
 };
 
 Result<std::unique_ptr<NodeServer>> NodeServer::Start(NodeOptions options) {

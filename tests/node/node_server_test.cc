@@ -28,7 +28,8 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { StartNode(16); }
 
-  void StartNode(size_t cpu_blocks) {
+  void StartNode(size_t cpu_blocks,
+                 std::chrono::milliseconds lease = std::chrono::milliseconds(30000)) {
     NodeOptions options;
     options.server.transport.tls = GetParam();
     options.server.auth_token = "token";
@@ -36,6 +37,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     options.store.block_bytes = kBlock;
     options.store.cpu_capacity_blocks = cpu_blocks;
     options.store.prefault = false;
+    options.lease_timeout = lease;
     auto node = NodeServer::Start(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
@@ -216,6 +218,39 @@ TEST_P(NodeServerTest, EndedSessionReleasesPinsAndAbortsStores) {
   EXPECT_THAT(keeper->PerKey({20, 21, 22, 23, 10}),
               ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
                                      wire::LOOKUP_HIT, wire::LOOKUP_MISS));
+}
+
+TEST_P(NodeServerTest, SilentClientLosesItsPinsAndStoresAfterTheLease) {
+  node_.reset();
+  StartNode(4, 300ms);
+  auto keeper = Client("tenant");
+  keeper->Store({1, 2});
+  auto silent = Client("tenant");
+  ASSERT_TRUE(silent && keeper);
+  wire::LoadRequest load;
+  *load.add_keys() = WireKey(1);
+  *load.add_keys() = WireKey(2);
+  ASSERT_TRUE(silent->Call(wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
+  wire::PrepareStoreRequest prepare;
+  *prepare.add_keys() = WireKey(10);
+  *prepare.add_keys() = WireKey(11);
+  ASSERT_TRUE(
+      silent->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
+  // The silent client stays connected and says nothing.
+  for (int i = 0; i < 300 && node_->stats().leases_expired == 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  const NodeStats stats = node_->stats();
+  EXPECT_EQ(stats.leases_expired, 1u);
+  EXPECT_EQ(stats.pins_released_on_expiry, 2u);
+  EXPECT_EQ(stats.sessions_closed, 0u);  // still connected
+  keeper->Store({20, 21, 22, 23});
+  EXPECT_THAT(keeper->PerKey({20, 21, 22, 23}), ::testing::Each(::testing::Eq(wire::LOOKUP_HIT)));
+  // Its pin is gone: reading now asks for a new Load.
+  wire::GetBlockRequest get;
+  *get.mutable_key() = WireKey(1);
+  EXPECT_EQ(silent->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr).code(),
+            StatusCode::kFailedPrecondition);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, NodeServerTest, ::testing::Values("shm", "tcp"),

@@ -35,6 +35,7 @@ struct DaemonFlags {
   std::string max_payload_bytes = "64MiB";
   std::string log_level = "info";
   std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
+  int lease_timeout_ms = 30000;
 };
 
 // Adds every flag (and --config) to `app`, bound to `flags`.

@@ -12,6 +12,7 @@
 // directly (see transport/rpc.h); where that memory cannot be had, the store maps its own and
 // payloads go by UCX rendezvous.
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -26,6 +27,9 @@ namespace kvstash::node {
 struct NodeOptions {
   transport::ServerOptions server;  // listen address, port, auth token, transport, limits
   store::TieredStoreOptions store;  // block size, CPU capacity and policy, SSD tier, cascade
+  // A client silent for this long (no request at all) loses its pins and unfinished stores,
+  // so an engine that hangs without disconnecting does not hold capacity forever.
+  std::chrono::milliseconds lease_timeout{30000};
 };
 
 // Counters since start. Monotonic.
@@ -43,6 +47,8 @@ struct NodeStats {
   uint64_t sessions_closed = 0;
   uint64_t pins_released_on_close = 0;   // pins a closed session still held
   uint64_t stores_aborted_on_close = 0;  // preparations a closed session never committed
+  uint64_t leases_expired = 0;           // silent sessions whose pins and stores were undone
+  uint64_t pins_released_on_expiry = 0;
 };
 
 class NodeServer {
