@@ -79,6 +79,23 @@ TEST_F(NodeCliTest, PutGetLookupAndStatsRoundTrip) {
   EXPECT_EQ(counters["node.blocks_loaded"], 1);
 }
 
+TEST_F(NodeCliTest, BenchNodeStoresAndVerifiesUnderConcurrentClients) {
+  auto r = Run({"bench", "node", "--node", node_, "--token", "tk", "--clients", "3", "--seconds",
+                "1", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["clients"], 3);
+  EXPECT_GT(doc["puts"].get<uint64_t>(), 0u);
+  EXPECT_GT(doc["gets"].get<uint64_t>(), 0u);
+  EXPECT_EQ(doc["errors"], 0);
+  EXPECT_EQ(doc["mismatches"], 0);
+  EXPECT_GT(doc["gbps"].get<double>(), 0.0);
+  EXPECT_THAT(r.err, HasSubstr("GB/s"));  // the progress line
+  auto bad = Run({"bench", "node", "--node", node_, "--clients", "0"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--clients"));
+}
+
 TEST_F(NodeCliTest, ClearMessagesForWhatGoesWrong) {
   auto missing = Run({"get", "--node", node_, "--token", "tk", "--key", "0x99"});
   EXPECT_EQ(missing.exit_code, 1);

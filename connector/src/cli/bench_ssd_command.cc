@@ -479,6 +479,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
 
   AddBenchTransportCommand(*bench, exit_code);
+  AddBenchNodeCommand(*bench, exit_code);
 }
 
 }  // namespace kvstash::cli

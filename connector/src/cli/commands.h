@@ -20,6 +20,9 @@ void AddTraceCommand(CLI::App& app, int* exit_code);
 // `kvstash bench ssd ...`; `bench` is the parent of every benchmark subcommand.
 void AddBenchCommand(CLI::App& app, int* exit_code);
 
+// `kvstash bench node ...`, a subcommand of `bench` (AddBenchCommand registers it).
+void AddBenchNodeCommand(CLI::App& bench, int* exit_code);
+
 // `kvstash bench transport ...`, a subcommand of `bench` (AddBenchCommand registers it).
 void AddBenchTransportCommand(CLI::App& bench, int* exit_code);
 

@@ -1,0 +1,276 @@
+// `kvstash bench node`: a load generator against running offload nodes. N clients (threads,
+// each with its own connections) store and read blocks for a while; every block read is
+// checked against what was stored. A progress line on stderr each second, a summary at the end.
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "bench_util.h"
+#include "commands.h"
+#include "kvstash/connector/node_client.h"
+
+namespace kvstash::cli {
+namespace {
+
+using connector::BlockKey;
+using connector::NodeClient;
+using Clock = std::chrono::steady_clock;
+
+struct BenchNodeFlags {
+  std::vector<std::string> nodes;
+  std::string key_namespace = "bench";
+  std::string token;
+  std::string tls;
+  int clients = 8;
+  double seconds = 10;
+  double read_share = 0.5;
+  int keys_per_client = 64;
+  bool json = false;
+};
+
+// The bytes of block `key` of `bytes` size: the key's value repeated, with the position mixed
+// in, so a block read back under the wrong key or torn anywhere does not match.
+void Fill(uint64_t key, std::span<std::byte> out) {
+  uint64_t x = key * 0x9e3779b97f4a7c15ULL + 1;
+  for (size_t i = 0; i + 8 <= out.size(); i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(out.data() + i, &x, 8);
+  }
+}
+
+struct ClientTotals {
+  uint64_t puts = 0, gets = 0, misses = 0, errors = 0, mismatches = 0;
+  std::vector<double> put_us, get_us;
+};
+
+struct Shared {
+  std::atomic<uint64_t> puts{0}, gets{0}, errors{0}, mismatches{0};
+  std::atomic<bool> stop{false};
+};
+
+ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes, Shared& shared,
+                       std::string* failure) {
+  ClientTotals totals;
+  connector::NodeClientOptions options;
+  for (const std::string& node : flags.nodes)
+    options.nodes.push_back(*connector::ParseNodeAddress(node));
+  options.key_namespace = flags.key_namespace;
+  options.auth_token = flags.token;
+  options.transport.tls = flags.tls;
+  auto client = NodeClient::Create(options);
+  if (!client.ok()) {
+    *failure = std::string(client.status().message());
+    return totals;
+  }
+  std::mt19937_64 random(static_cast<uint64_t>(id) * 7919 + 1);
+  std::vector<std::byte> block(block_bytes), expected(block_bytes);
+  std::vector<uint64_t> stored;
+  while (!shared.stop.load(std::memory_order_relaxed)) {
+    const bool read =
+        !stored.empty() && std::uniform_real_distribution<double>(0, 1)(random) < flags.read_share;
+    const auto start = Clock::now();
+    if (read) {
+      const uint64_t k = stored[random() % stored.size()];
+      BlockKey key;
+      key.hash.lo = k;
+      auto got = (*client)->Get(key, block);
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      if (!got.ok()) {
+        // An evicted block is a miss, not an error: the nodes are caches.
+        if (got.status().code() == StatusCode::kNotFound) {
+          ++totals.misses;
+        } else {
+          ++totals.errors;
+          shared.errors.fetch_add(1);
+        }
+        continue;
+      }
+      Fill(k, expected);
+      if (*got != block_bytes || std::memcmp(block.data(), expected.data(), block_bytes) != 0) {
+        ++totals.mismatches;
+        shared.mismatches.fetch_add(1);
+      }
+      ++totals.gets;
+      shared.gets.fetch_add(1);
+      totals.get_us.push_back(us);
+    } else {
+      const uint64_t k = (static_cast<uint64_t>(id + 1) << 32) | (random() % flags.keys_per_client);
+      BlockKey key;
+      key.hash.lo = k;
+      Fill(k, block);
+      const transport::Bytes bytes = block;
+      const Status put = (*client)->Put(std::span(&key, 1), std::span(&bytes, 1));
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      if (!put.ok()) {
+        ++totals.errors;
+        shared.errors.fetch_add(1);
+        continue;
+      }
+      if (std::find(stored.begin(), stored.end(), k) == stored.end()) stored.push_back(k);
+      ++totals.puts;
+      shared.puts.fetch_add(1);
+      totals.put_us.push_back(us);
+    }
+  }
+  return totals;
+}
+
+int RunBenchNode(const BenchNodeFlags& flags) {
+  auto fail = [](int code, std::string_view message) {
+    std::cerr << "kvstash bench node: " << message << "\n";
+    return code;
+  };
+  for (const std::string& node : flags.nodes) {
+    if (auto a = connector::ParseNodeAddress(node); !a.ok())
+      return fail(kExitUsage, a.status().message());
+  }
+  if (flags.clients < 1 || flags.clients > 1024) {
+    return fail(kExitUsage, fmt::format("--clients: {} is outside 1..1024", flags.clients));
+  }
+  if (!(flags.seconds > 0) || flags.seconds > 86400) {
+    return fail(kExitUsage, fmt::format("--seconds: {} is outside (0, 86400]", flags.seconds));
+  }
+  if (!(flags.read_share >= 0 && flags.read_share <= 1)) {
+    return fail(kExitUsage, fmt::format("--read-share: {} is outside 0..1", flags.read_share));
+  }
+  if (flags.keys_per_client < 1) {
+    return fail(kExitUsage,
+                fmt::format("--keys-per-client: {} is not positive", flags.keys_per_client));
+  }
+  uint64_t block_bytes = 0;
+  {
+    connector::NodeClientOptions options;
+    for (const std::string& node : flags.nodes)
+      options.nodes.push_back(*connector::ParseNodeAddress(node));
+    options.key_namespace = flags.key_namespace;
+    options.auth_token = flags.token;
+    options.transport.tls = flags.tls;
+    auto probe = NodeClient::Create(options);
+    if (!probe.ok()) return fail(kExitFailure, probe.status().message());
+    auto bytes = (*probe)->BlockBytes(0);
+    if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
+    block_bytes = *bytes;
+  }
+
+  Shared shared;
+  std::vector<ClientTotals> totals(flags.clients);
+  std::vector<std::string> failures(flags.clients);
+  std::vector<std::thread> threads;
+  const auto start = Clock::now();
+  for (int i = 0; i < flags.clients; ++i) {
+    threads.emplace_back(
+        [&, i] { totals[i] = RunClient(flags, i, block_bytes, shared, &failures[i]); });
+  }
+  const auto end = start + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(flags.seconds));
+  uint64_t last_puts = 0, last_gets = 0;
+  auto last = start;
+  while (Clock::now() < end) {
+    std::this_thread::sleep_until(std::min(end, last + std::chrono::seconds(1)));
+    const auto now = Clock::now();
+    const uint64_t puts = shared.puts.load(), gets = shared.gets.load();
+    const double dt = std::chrono::duration<double>(now - last).count();
+    std::cerr << fmt::format(
+        "\r[{:5.1f}s] {} clients  put {:.2f} GB/s  get {:.2f} GB/s  errors {}  mismatches {}   ",
+        std::chrono::duration<double>(now - start).count(), flags.clients,
+        dt > 0 ? (puts - last_puts) * block_bytes / dt / 1e9 : 0.0,
+        dt > 0 ? (gets - last_gets) * block_bytes / dt / 1e9 : 0.0, shared.errors.load(),
+        shared.mismatches.load());
+    last_puts = puts;
+    last_gets = gets;
+    last = now;
+  }
+  shared.stop = true;
+  for (std::thread& t : threads) t.join();
+  const auto elapsed = Clock::now() - start;
+  std::cerr << "\n";
+  for (const std::string& f : failures) {
+    if (!f.empty()) return fail(kExitFailure, f);
+  }
+
+  ClientTotals sum;
+  for (ClientTotals& t : totals) {
+    sum.puts += t.puts;
+    sum.gets += t.gets;
+    sum.misses += t.misses;
+    sum.errors += t.errors;
+    sum.mismatches += t.mismatches;
+    sum.put_us.insert(sum.put_us.end(), t.put_us.begin(), t.put_us.end());
+    sum.get_us.insert(sum.get_us.end(), t.get_us.begin(), t.get_us.end());
+  }
+  const double put_gbps = Gbps(sum.puts * block_bytes, elapsed);
+  const double get_gbps = Gbps(sum.gets * block_bytes, elapsed);
+  const double secs = std::chrono::duration<double>(elapsed).count();
+  if (flags.json) {
+    const nlohmann::json doc = {
+        {"clients", flags.clients},
+        {"seconds", secs},
+        {"block_bytes", block_bytes},
+        {"puts", sum.puts},
+        {"gets", sum.gets},
+        {"get_misses", sum.misses},
+        {"errors", sum.errors},
+        {"mismatches", sum.mismatches},
+        {"put_gbps", put_gbps},
+        {"get_gbps", get_gbps},
+        {"gbps", put_gbps + get_gbps},
+        {"ops_per_s", (sum.puts + sum.gets) / secs},
+        {"put_p50_us", Percentile(sum.put_us, 50)},
+        {"put_p99_us", Percentile(sum.put_us, 99)},
+        {"get_p50_us", Percentile(sum.get_us, 50)},
+        {"get_p99_us", Percentile(sum.get_us, 99)},
+    };
+    std::cout << doc.dump() << "\n";
+  } else {
+    std::cout << fmt::format(
+        "{} clients, {:.1f} s, blocks of {}\n"
+        "put  {:>8} blocks  {:.2f} GB/s  p50 {:.0f} us  p99 {:.0f} us\n"
+        "get  {:>8} blocks  {:.2f} GB/s  p50 {:.0f} us  p99 {:.0f} us  ({} evicted: misses)\n"
+        "all  {:.2f} GB/s, {:.0f} ops/s; errors {}, content mismatches {}\n",
+        flags.clients, secs, FormatBytes(block_bytes), sum.puts, put_gbps,
+        Percentile(sum.put_us, 50), Percentile(sum.put_us, 99), sum.gets, get_gbps,
+        Percentile(sum.get_us, 50), Percentile(sum.get_us, 99), sum.misses, put_gbps + get_gbps,
+        (sum.puts + sum.gets) / secs, sum.errors, sum.mismatches);
+  }
+  return sum.mismatches == 0 && sum.errors == 0 ? kExitOk : kExitFailure;
+}
+
+}  // namespace
+
+void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
+  auto flags = std::make_shared<BenchNodeFlags>();
+  CLI::App* cmd = bench.add_subcommand(
+      "node",
+      "Load running offload nodes: --clients clients (threads, each with its own connections) "
+      "store and read blocks of the nodes' block size for --seconds; every block read back is "
+      "checked against what was stored. A progress line on stderr each second; the summary "
+      "gives GB/s, operations/s, p50/p99 latency per operation, errors and content mismatches "
+      "(exit 1 if any). Reads of blocks the nodes evicted count as misses, not errors.");
+  cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
+      ->required();
+  cmd->add_option("--clients", flags->clients, "Concurrent clients (1..1024)")
+      ->capture_default_str();
+  cmd->add_option("--seconds", flags->seconds, "How long to run")->capture_default_str();
+  cmd->add_option("--read-share", flags->read_share,
+                  "Share of operations that read a block the client stored (0..1)")
+      ->capture_default_str();
+  cmd->add_option("--keys-per-client", flags->keys_per_client,
+                  "Distinct keys each client writes (overwrites of a key the node holds are "
+                  "skipped by the node)")
+      ->capture_default_str();
+  cmd->add_option("--namespace", flags->key_namespace, "Key namespace")->capture_default_str();
+  cmd->add_option("--token", flags->token, "The nodes' auth token");
+  cmd->add_option("--tls", flags->tls, "UCX transports (as UCX_TLS)");
+  cmd->add_flag("--json", flags->json, "One JSON object on stdout");
+  cmd->callback([flags, exit_code] { *exit_code = RunBenchNode(*flags); });
+}
+
+}  // namespace kvstash::cli
