@@ -56,16 +56,22 @@ struct Shared {
   std::atomic<bool> stop{false};
 };
 
-ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes, Shared& shared,
-                       std::string* failure) {
-  ClientTotals totals;
+// The node client of one bench client. The addresses were checked by RunBenchNode.
+connector::NodeClientOptions ClientOptions(const BenchNodeFlags& flags) {
   connector::NodeClientOptions options;
-  for (const std::string& node : flags.nodes)
+  for (const std::string& node : flags.nodes) {
     options.nodes.push_back(*connector::ParseNodeAddress(node));
+  }
   options.key_namespace = flags.key_namespace;
   options.auth_token = flags.token;
   options.transport.tls = flags.tls;
-  auto client = NodeClient::Create(options);
+  return options;
+}
+
+ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes, Shared& shared,
+                       std::string* failure) {
+  ClientTotals totals;
+  auto client = NodeClient::Create(ClientOptions(flags));
   if (!client.ok()) {
     *failure = std::string(client.status().message());
     return totals;
@@ -147,13 +153,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   }
   uint64_t block_bytes = 0;
   {
-    connector::NodeClientOptions options;
-    for (const std::string& node : flags.nodes)
-      options.nodes.push_back(*connector::ParseNodeAddress(node));
-    options.key_namespace = flags.key_namespace;
-    options.auth_token = flags.token;
-    options.transport.tls = flags.tls;
-    auto probe = NodeClient::Create(options);
+    auto probe = NodeClient::Create(ClientOptions(flags));
     if (!probe.ok()) return fail(kExitFailure, probe.status().message());
     auto bytes = (*probe)->BlockBytes(0);
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());

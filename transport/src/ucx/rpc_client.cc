@@ -504,16 +504,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       self->Resolve(call, Status::OK());
       return UCS_OK;
     }
-    ucp_request_param_t recv{};
-    recv.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    ucp_request_param_t recv = ContigParam(call, call->recv_region);
     recv.cb.recv_am = &Impl::OnRecvDone;
-    recv.user_data = call;
-    recv.datatype = ucp_dt_make_contig(1);
-    if (call->recv_region != nullptr) {
-      recv.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      recv.memh = static_cast<ucp_mem_h>(call->recv_region->handle());
-    }
     ucs_status_ptr_t request =
         ucp_am_recv_data_nbx(self->worker_->ucp(), data, call->recv_payload.data(), payload, &recv);
     if (request == nullptr) {
@@ -631,16 +623,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     header.connection_id = connection_id_.load();
     call->payload_header.resize(kFrameHeaderBytes);
     WriteFrame(header, {}, call->payload_header);
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    ucp_request_param_t param = ContigParam(call, call->send_region);
     param.cb.send = &Impl::OnDataSent;
-    param.user_data = call;
-    param.datatype = ucp_dt_make_contig(1);
-    if (call->send_region != nullptr) {
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      param.memh = static_cast<ucp_mem_h>(call->send_region->handle());
-    }
     ucs_status_ptr_t request = ucp_am_send_nbx(
         ep_.get(), kRpcAmId, call->payload_header.data(), call->payload_header.size(),
         call->send_payload.data(), call->send_payload.size(), &param);

@@ -263,20 +263,12 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
                    MutableBytes dest, const MemoryRegion* region,
                    std::function<void(Status)> done) {
     auto* op = new PayloadRecv{state, std::move(done)};
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    ucp_request_param_t param = ContigParam(op, region);
     param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
       ucp_request_free(request);
       std::unique_ptr<PayloadRecv> owned(static_cast<PayloadRecv*>(user_data));
       owned->done(FromUcs(status, "receiving a request payload"));
     };
-    param.user_data = op;
-    param.datatype = ucp_dt_make_contig(1);
-    if (region != nullptr) {
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      param.memh = static_cast<ucp_mem_h>(region->handle());
-    }
     ucs_status_ptr_t request =
         ucp_am_recv_data_nbx(worker_->ucp(), descriptor, dest.data(), dest.size(), &param);
     if (request == nullptr || UCS_PTR_IS_ERR(request)) {

@@ -20,6 +20,22 @@ namespace kvstash::transport {
 // Translates a UCX status; the one place UCX codes become kvstash codes.
 Status FromUcs(ucs_status_t status, std::string_view what);
 
+// Parameters of a UCX operation on a contiguous buffer that completes with a callback (the
+// caller sets cb.send or cb.recv_am): `user_data`, and the memory handle of `region` when the
+// buffer is registered there.
+inline ucp_request_param_t ContigParam(void* user_data, const MemoryRegion* region) {
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.user_data = user_data;
+  param.datatype = ucp_dt_make_contig(1);
+  if (region != nullptr) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<ucp_mem_h>(region->handle());
+  }
+  return param;
+}
+
 // Owns a ucp_context_h. Move-only.
 class UcpContext {
  public:
