@@ -114,6 +114,8 @@ Result<NodeAddress> ParseNodeAddress(std::string_view text) {
 
 class NodeClient::Impl {
  public:
+  static constexpr std::chrono::microseconds kMaxPause{10000};
+
   explicit Impl(NodeClientOptions options) : options_(std::move(options)) {}
 
   Status Init() {
@@ -217,109 +219,63 @@ class NodeClient::Impl {
     return states;
   }
 
+  // One PutBlock call per block (prepare and commit included), all in flight at once across
+  // the nodes; the caller waits for the last.
   Status Put(std::span<const BlockKey> keys, std::span<const Bytes> blocks) {
     if (keys.size() != blocks.size()) {
       return InvalidArgumentError("{} keys for {} blocks", keys.size(), blocks.size());
     }
-    std::vector<std::vector<size_t>> by_node(clients_.size());
-    for (size_t i = 0; i < keys.size(); ++i) by_node[NodeOf(keys[i])].push_back(i);
-    std::vector<std::future<Status>> runs;
-    for (size_t n = 0; n < by_node.size(); ++n) {
-      if (by_node[n].empty()) continue;
-      runs.push_back(std::async(std::launch::async, [this, n, &by_node, keys, blocks] {
-        return PutOnNode(n, by_node[n], keys, blocks);
-      }));
-    }
-    Status first;
-    for (auto& run : runs) {
-      Status s = run.get();
-      if (first.ok() && !s.ok()) first = std::move(s);
-    }
-    return first;
-  }
-
-  Status PutOnNode(size_t n, const std::vector<size_t>& indices, std::span<const BlockKey> keys,
-                   std::span<const Bytes> blocks) {
-    wire::PrepareStoreRequest prepare;
-    for (size_t i : indices) *prepare.add_keys() = ToWire(keys[i]);
-    wire::PrepareStoreReply prepared;
-    KVSTASH_RETURN_IF_ERROR(CallSync(n, wire::METHOD_PREPARE_STORE, prepare, &prepared));
-    if (prepared.store_size() != static_cast<int>(indices.size())) {
-      return InternalError("node {} answered {} of {} keys", node_name(n), prepared.store_size(),
-                           indices.size());
-    }
-    std::vector<std::future<Outcome>> puts;
-    std::vector<size_t> sent;
-    for (size_t j = 0; j < indices.size(); ++j) {
-      if (!prepared.store(static_cast<int>(j))) continue;
-      const size_t i = indices[j];
+    std::vector<std::pair<size_t, std::future<Outcome>>> puts;
+    puts.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const size_t n = NodeOf(keys[i]);
       wire::PutBlockRequest put;
       *put.mutable_key() = ToWire(keys[i]);
       put.set_length(blocks[i].size());
       put.set_checksum(Xxh3Hash64(blocks[i]));
+      put.set_prepare(true);
+      put.set_commit(true);
       CallOptions options;
       options.send_payload = blocks[i];
-      puts.push_back(Start(n, wire::METHOD_PUT_BLOCK, put, options));
-      sent.push_back(i);
+      puts.emplace_back(n, Start(n, wire::METHOD_PUT_BLOCK, put, options));
     }
     Status first;
-    std::vector<size_t> delivered;
-    for (size_t j = 0; j < puts.size(); ++j) {
-      const Outcome outcome = puts[j].get();
-      if (outcome.status.ok()) {
-        delivered.push_back(sent[j]);
-      } else if (first.ok()) {
-        first = Status(outcome.status.code(),
-                       fmt::format("node {}: block {}: {}", node_name(n), keys[sent[j]].ToString(),
-                                   outcome.status.message()));
-      }
-    }
-    // Commit what arrived, abort the rest (so the node frees their slots at once).
-    wire::CommitRequest commit;
-    commit.set_success(true);
-    for (size_t i : delivered) *commit.add_keys() = ToWire(keys[i]);
-    wire::CommitRequest abort;
-    abort.set_success(false);
-    for (size_t i : sent) {
-      if (std::find(delivered.begin(), delivered.end(), i) == delivered.end()) {
-        *abort.add_keys() = ToWire(keys[i]);
-      }
-    }
-    if (abort.keys_size() > 0) {
-      (void)CallSync(n, wire::METHOD_COMMIT, abort, (wire::CommitReply*)nullptr);
-    }
-    if (commit.keys_size() > 0) {
-      wire::CommitReply committed;
-      KVSTASH_RETURN_IF_ERROR(CallSync(n, wire::METHOD_COMMIT, commit, &committed));
-      if (committed.failed_size() > 0 && first.ok()) {
-        first = Status(static_cast<StatusCode>(committed.failed(0).code()),
-                       fmt::format("node {}: {}", node_name(n), committed.failed(0).message()));
+    for (size_t i = 0; i < puts.size(); ++i) {
+      auto& [n, future] = puts[i];
+      const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
+      if (status.ok()) continue;
+      if (Unreachable(status)) unreachable_.fetch_add(1, std::memory_order_relaxed);
+      if (first.ok()) {
+        first = Status(status.code(), fmt::format("node {}: block {}: {}", node_name(n),
+                                                  keys[i].ToString(), status.message()));
       }
     }
     return first;
   }
 
+  // One GetBlock that pins the block for its transfer. A block the node is promoting from SSD
+  // is asked for again until the deadline.
   Result<size_t> Get(const BlockKey& key, transport::MutableBytes out) {
     const size_t n = NodeOf(key);
-    wire::LoadRequest load;
-    *load.add_keys() = ToWire(key);
-    wire::LoadReply loaded;
-    KVSTASH_RETURN_IF_ERROR(CallSync(n, wire::METHOD_LOAD, load, &loaded));
-    if (loaded.pinned_size() != 1 || !loaded.pinned(0)) {
-      return NotFoundError("node {} does not hold block {}", node_name(n), key.ToString());
-    }
     wire::GetBlockRequest get;
     *get.mutable_key() = ToWire(key);
+    get.set_pin(true);
     CallOptions options;
     options.recv_payload = out;
-    size_t payload = 0;
-    const Status got =
-        CallSync(n, wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr, options, &payload);
-    wire::ReleaseRequest release;
-    *release.add_keys() = ToWire(key);
-    (void)CallSync(n, wire::METHOD_RELEASE, release, (wire::ReleaseReply*)nullptr);
-    KVSTASH_RETURN_IF_ERROR(got);
-    return payload;
+    const auto give_up = transport::Clock::now() + options_.timeout;
+    for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
+      size_t payload = 0;
+      const Status got = CallSync(n, wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr,
+                                  options, &payload);
+      if (got.ok()) return payload;
+      if (got.code() == StatusCode::kNotFound) {
+        return NotFoundError("node {} does not hold block {}", node_name(n), key.ToString());
+      }
+      if (got.code() != StatusCode::kAborted || transport::Clock::now() + pause > give_up) {
+        return got;
+      }
+      std::this_thread::sleep_for(pause);
+    }
   }
 
   Result<std::map<std::string, uint64_t>> Stats(size_t node) {

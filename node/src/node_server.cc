@@ -336,14 +336,6 @@ class NodeServer::Impl {
     if (!Parse(call, &request, "put-block request")) return;
     Session& session = SessionOf(call);
     const OffloadKey key = ToKey(request.key(), session.ns);
-    auto it = session.prepared.find(key);
-    if (it == session.prepared.end()) {
-      call.ReplyError(FailedPreconditionError(
-          "block {} was not prepared for storing by this client (PrepareStore first)",
-          key.ToString()));
-      return;
-    }
-    Prepared& slot = it->second;
     const size_t bytes = call.payload_bytes();
     if (bytes != store_->block_bytes() || request.length() != bytes) {
       call.ReplyError(
@@ -351,6 +343,32 @@ class NodeServer::Impl {
                                key.ToString(), request.length(), bytes, store_->block_bytes()));
       return;
     }
+    wire::PutBlockReply reply;
+    auto it = session.prepared.find(key);
+    if (it == session.prepared.end() && request.prepare()) {
+      store::StorePlan plan;
+      const Status prepared = store_->PrepareStore(std::span(&key, 1), &plan);
+      if (!prepared.ok()) {
+        call.ReplyError(prepared);
+        return;
+      }
+      for (const OffloadKey& evicted : plan.evicted) {
+        if (evicted.namespace_id == session.ns) ToWire(evicted, reply.add_evicted());
+      }
+      if (plan.keys_to_store.empty()) {
+        reply.set_skipped(true);  // held or being stored already; the bytes are not taken
+        ReplyWith(call, reply);
+        return;
+      }
+      it = session.prepared.emplace(key, Prepared{plan.slots[0]}).first;
+    }
+    if (it == session.prepared.end()) {
+      call.ReplyError(FailedPreconditionError(
+          "block {} was not prepared for storing by this client (PrepareStore first)",
+          key.ToString()));
+      return;
+    }
+    Prepared& slot = it->second;
     if (slot.written || slot.writing) {
       call.ReplyError(AlreadyExistsError("block {} was already sent", key.ToString()));
       return;
@@ -360,24 +378,31 @@ class NodeServer::Impl {
     const std::span<std::byte> dest = store_->CpuSlot(slot.slot).first(bytes);
     const uint64_t connection = call.connection_id();
     const uint64_t checksum = request.checksum();
+    const bool commit = request.commit();
     auto shared = std::make_shared<ServerCall>(std::move(call));
-    shared->ReceivePayload(
-        dest, region(), [this, shared, connection, key, dest, checksum](Status status) {
-          if (status.ok() && checksum != 0 && Xxh3Hash64(dest) != checksum) {
-            checksum_failures_.fetch_add(1, std::memory_order_relaxed);
-            status = DataLossError("block {}: checksum mismatch", key.ToString());
-          }
-          if (status.ok()) bytes_in_.fetch_add(dest.size(), std::memory_order_relaxed);
-          FinishWrite(connection, key, status.ok());
-          if (status.ok()) {
-            ReplyWith(*shared, wire::PutBlockReply());
-          } else {
-            shared->ReplyError(status);
-          }
-        });
+    shared->ReceivePayload(dest, region(),
+                           [this, shared, connection, key, dest, checksum, commit,
+                            reply = std::move(reply)](Status status) {
+                             if (status.ok() && checksum != 0 && Xxh3Hash64(dest) != checksum) {
+                               checksum_failures_.fetch_add(1, std::memory_order_relaxed);
+                               status =
+                                   DataLossError("block {}: checksum mismatch", key.ToString());
+                             }
+                             if (status.ok()) {
+                               bytes_in_.fetch_add(dest.size(), std::memory_order_relaxed);
+                             }
+                             FinishWrite(connection, key, status.ok(), commit);
+                             if (status.ok()) {
+                               ReplyWith(*shared, reply);
+                             } else {
+                               shared->ReplyError(status);
+                             }
+                           });
   }
 
-  void FinishWrite(uint64_t connection, const OffloadKey& key, bool ok) {
+  // A PutBlock's bytes are in (ok) or failed. With `commit`, the block is committed (or
+  // aborted) at once, as a Commit of it would.
+  void FinishWrite(uint64_t connection, const OffloadKey& key, bool ok, bool commit) {
     auto s = sessions_.find(connection);
     if (s == sessions_.end()) return;
     Session& session = s->second;
@@ -386,6 +411,11 @@ class NodeServer::Impl {
     if (it != session.prepared.end()) {
       it->second.writing = false;
       it->second.written = ok;
+      if (commit) {
+        session.prepared.erase(it);
+        store_->CompleteStore(std::span(&key, 1), ok);
+        (ok ? blocks_stored_ : blocks_aborted_).fetch_add(1, std::memory_order_relaxed);
+      }
     }
     if (session.closed && session.writes_in_flight == 0) EndSession(connection);
   }
@@ -458,20 +488,37 @@ class NodeServer::Impl {
     if (!Parse(call, &request, "get-block request")) return;
     Session& session = SessionOf(call);
     const OffloadKey key = ToKey(request.key(), session.ns);
-    auto it = session.pins.find(key);
-    if (it == session.pins.end()) {
+    std::span<const std::byte> block;
+    bool pinned_here = false;  // pinned for this transfer only (request.pin)
+    if (auto it = session.pins.find(key); it != session.pins.end()) {
+      block = it->second.block;
+    } else if (request.pin()) {
+      std::vector<std::span<const std::byte>> blocks;
+      if (!store_->PrepareLoad(std::span(&key, 1), &blocks).ok()) {
+        store::LookupResult found = store::LookupResult::kMiss;
+        store_->Lookup(std::span(&key, 1), std::span(&found, 1));  // starts a promotion
+        call.ReplyError(
+            found == store::LookupResult::kRetry
+                ? AbortedError("block {} is on SSD and being promoted; ask again", key.ToString())
+                : NotFoundError("block {} is not on this node", key.ToString()));
+        return;
+      }
+      block = blocks[0];
+      pinned_here = true;
+    } else {
       call.ReplyError(FailedPreconditionError("block {} is not pinned by this client (Load first)",
                                               key.ToString()));
       return;
     }
-    const std::span<const std::byte> block = it->second.block;
     wire::GetBlockReply reply;
     reply.set_length(block.size());
-    ReplyWith(call, reply, block, region(), [this, size = block.size()](Status status) {
-      if (!status.ok()) return;
-      blocks_loaded_.fetch_add(1, std::memory_order_relaxed);
-      bytes_out_.fetch_add(size, std::memory_order_relaxed);
-    });
+    ReplyWith(call, reply, block, region(),
+              [this, size = block.size(), key, pinned_here](Status status) {
+                if (pinned_here) (void)store_->CompleteLoad(std::span(&key, 1));
+                if (!status.ok()) return;
+                blocks_loaded_.fetch_add(1, std::memory_order_relaxed);
+                bytes_out_.fetch_add(size, std::memory_order_relaxed);
+              });
   }
 
   void OnRelease(ServerCall call) {

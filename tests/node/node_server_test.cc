@@ -110,6 +110,68 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   EXPECT_EQ(stats.counters().at("transport.mapped_payloads"), GetParam() == "shm" ? 6u : 0u);
 }
 
+// PutBlock with prepare and commit stores a block in one call; GetBlock with pin reads one
+// without a Load, and the pin ends with the transfer.
+TEST_P(NodeServerTest, OneCallStoreAndRead) {
+  auto client = Client("tenant");
+  ASSERT_NE(client, nullptr);
+  std::vector<std::byte> block(kBlock);
+  auto put = [&](uint64_t k, uint64_t checksum_xor, wire::PutBlockReply* reply) {
+    FillPattern(k, block);
+    wire::PutBlockRequest request;
+    *request.mutable_key() = WireKey(k);
+    request.set_length(kBlock);
+    request.set_checksum(Xxh3Hash64(block) ^ checksum_xor);
+    request.set_prepare(true);
+    request.set_commit(true);
+    CallOptions options;
+    options.send_payload = block;
+    return client->Call(wire::METHOD_PUT_BLOCK, request, reply, options);
+  };
+  wire::PutBlockReply reply;
+  ASSERT_TRUE(put(7, 0, &reply).ok());
+  EXPECT_FALSE(reply.skipped());
+  EXPECT_THAT(client->PerKey({7}), ::testing::ElementsAre(wire::LOOKUP_HIT));
+  ASSERT_TRUE(put(7, 0, &reply).ok());  // held already: the bytes are not taken again
+  EXPECT_TRUE(reply.skipped());
+  // A corrupted block is refused and aborted: nothing of it stays.
+  const Status bad = put(8, 1, &reply);
+  EXPECT_EQ(bad.code(), StatusCode::kDataLoss) << bad.ToString();
+  EXPECT_THAT(client->PerKey({8}), ::testing::ElementsAre(wire::LOOKUP_MISS));
+
+  auto get = [&](uint64_t k, size_t* payload) {
+    std::fill(block.begin(), block.end(), std::byte{0});
+    wire::GetBlockRequest request;
+    *request.mutable_key() = WireKey(k);
+    request.set_pin(true);
+    CallOptions options;
+    options.recv_payload = block;
+    return client->Call(wire::METHOD_GET_BLOCK, request, (wire::GetBlockReply*)nullptr, options,
+                        payload);
+  };
+  size_t payload = 0;
+  ASSERT_TRUE(get(7, &payload).ok());
+  EXPECT_EQ(payload, kBlock);
+  EXPECT_TRUE(MatchesPattern(7, block));
+  EXPECT_EQ(get(99, &payload).code(), StatusCode::kNotFound);
+  // Without pin, GetBlock still wants a Load first.
+  wire::GetBlockRequest unpinned;
+  *unpinned.mutable_key() = WireKey(7);
+  EXPECT_EQ(client->Call(wire::METHOD_GET_BLOCK, unpinned, (wire::GetBlockReply*)nullptr).code(),
+            StatusCode::kFailedPrecondition);
+
+  // The transfer's pin is gone: filling the tier with other blocks evicts block 7.
+  std::vector<uint64_t> others;
+  for (uint64_t k = 100; k < 100 + 16; ++k) others.push_back(k);
+  client->Store(others);
+  EXPECT_THAT(client->PerKey({7}), ::testing::ElementsAre(wire::LOOKUP_MISS));
+  wire::StatsReply stats;
+  ASSERT_TRUE(client->Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.counters().at("node.blocks_stored"), 17u);
+  EXPECT_EQ(stats.counters().at("node.blocks_aborted"), 1u);
+  EXPECT_EQ(stats.counters().at("node.checksum_failures"), 1u);
+}
+
 TEST_P(NodeServerTest, NamespacesDoNotSeeEachOther) {
   auto a = Client("a");
   auto b = Client("b");

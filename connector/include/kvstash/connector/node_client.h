@@ -70,13 +70,15 @@ class NodeClient {
   // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 
-  // Stores blocks[i] under keys[i] (each exactly its node's block size): prepare, send, commit,
-  // per node in parallel. Keys a node already holds are skipped. The first error, naming the
-  // node and the key; blocks of other nodes are still stored.
+  // Stores blocks[i] under keys[i] (each exactly its node's block size): one call per block
+  // that prepares, sends and commits it, all blocks in flight at once. Keys a node already
+  // holds are skipped. The first error, naming the node and the key; the other blocks are
+  // still stored.
   Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks);
 
-  // Reads the block of `key` into `out` (pinned for the read, released after). NotFound when
-  // its node does not hold it (or cannot be reached: then Unavailable).
+  // Reads the block of `key` into `out` in one call (the node pins it for the transfer). A block
+  // the node is promoting from SSD is asked for again until the timeout. NotFound when its node
+  // does not hold it (or cannot be reached: then Unavailable).
   Result<size_t> Get(const BlockKey& key, transport::MutableBytes out);
 
   // The node's counters (wire.StatsReply).
