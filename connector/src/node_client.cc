@@ -120,6 +120,10 @@ class NodeClient::Impl {
 
   Status Init() {
     if (options_.nodes.empty()) return InvalidArgumentError("no nodes given");
+    if (!options_.worker) {
+      KVSTASH_ASSIGN_OR_RETURN(options_.worker,
+                               transport::ClientWorker::Create(options_.transport));
+    }
     for (const NodeAddress& node : options_.nodes) {
       transport::ClientOptions client;
       client.host = node.host;
@@ -128,6 +132,7 @@ class NodeClient::Impl {
       client.auth_token = options_.auth_token;
       client.transport = options_.transport;
       client.connect_timeout = options_.connect_timeout;
+      client.worker = options_.worker;
       KVSTASH_ASSIGN_OR_RETURN(auto rpc, RpcClient::Create(client));
       clients_.push_back(std::move(rpc));
       const std::string name = node.ToString();

@@ -5,6 +5,7 @@
 
 #include "kvstash/transport/rpc.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -379,6 +380,77 @@ TEST_P(RpcTest, ClientDestroyedWithCallsOutstandingCompletesThem) {
   std::this_thread::sleep_for(50ms);
   client_.reset();
   EXPECT_EQ(cancelled.load(), 10);
+}
+
+// Clients on one ClientWorker share its thread; each reply reaches the client that called,
+// also with a second server in play, and one client going away leaves the others working.
+TEST_P(RpcTest, ClientsShareOneWorker) {
+  auto worker = ClientWorker::Create(TransportFor(GetParam()));
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  ServerOptions second_options;
+  second_options.transport = TransportFor(GetParam());
+  auto second = RpcServer::Create(second_options);
+  ASSERT_TRUE(second.ok());
+  (*second)->Handle(
+      kEcho, [](ServerCall call) { call.Reply(AsBytes("second:" + AsString(call.request()))); });
+  ASSERT_TRUE((*second)->Start().ok());
+
+  std::vector<std::unique_ptr<RpcClient>> clients;
+  for (int i = 0; i < 6; ++i) {
+    ClientOptions options;
+    options.port = i % 2 == 0 ? server_->port() : (*second)->port();
+    options.auth_token = i % 2 == 0 ? "secret" : "";
+    options.worker = *worker;
+    auto client = RpcClient::Create(options);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    clients.push_back(std::move(*client));
+  }
+  // Concurrent calls from threads, a block each way for the first server's clients.
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 6; ++i) {
+    threads.emplace_back([&, i] {
+      for (int n = 0; n < 50; ++n) {
+        const std::string body = fmt::format("c{}n{}", i, n);
+        std::vector<std::byte> reply;
+        const Status s = clients[i]->CallSync(kEcho, AsBytes(body), Within(5s), &reply);
+        const std::string expected = i % 2 == 0 ? body : "second:" + body;
+        if (!s.ok() || AsString(reply) != expected) wrong.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  // One thread drives them all.
+  std::promise<std::thread::id> on0, on1;
+  clients[0]->RunOnProgressThread([&] { on0.set_value(std::this_thread::get_id()); });
+  clients[5]->RunOnProgressThread([&] { on1.set_value(std::this_thread::get_id()); });
+  EXPECT_EQ(on0.get_future().get(), on1.get_future().get());
+
+  // A client destroyed with a call outstanding completes it; the others go on.
+  std::promise<Status> held;
+  clients[2]->Call(kSilent, {}, Within(10s), [&](const Response& r) { held.set_value(r.status); });
+  std::this_thread::sleep_for(20ms);
+  clients[2].reset();
+  EXPECT_EQ(held.get_future().get().code(), StatusCode::kCancelled);
+  std::vector<std::byte> reply;
+  ASSERT_TRUE(clients[4]->CallSync(kEcho, AsBytes("still"), Within(5s), &reply).ok());
+  EXPECT_EQ(AsString(reply), "still");
+
+  // Blocks move on a shared worker as on an own one.
+  std::vector<std::byte> block(1 << 20), back(1 << 20);
+  FillPattern(77, block);
+  CallOptions put = Within(5s);
+  put.send_payload = block;
+  ASSERT_TRUE(clients[0]->CallSync(kPut, {}, put, &reply).ok());
+  CallOptions get = Within(5s);
+  get.recv_payload = back;
+  size_t got = 0;
+  ASSERT_TRUE(clients[4]->CallSync(kGet, {}, get, &reply, &got).ok());
+  EXPECT_EQ(got, block.size());
+  EXPECT_TRUE(MatchesPattern(77, back));
+  EXPECT_EQ((*worker)->unrouted_frames(), 0u);
+  clients.clear();
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "shm_rndv", "tcp"),

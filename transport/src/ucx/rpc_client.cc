@@ -70,26 +70,74 @@ Status StatusFromWireError(uint16_t code, Bytes message) {
 
 }  // namespace
 
+// The shared part of the clients of one worker: routes each frame to the client whose
+// connection it names, and keeps the clients that were destroyed until nothing of theirs can
+// still run on the thread. Progress-thread state, except where noted.
+class ClientWorker::Impl {
+ public:
+  explicit Impl(std::shared_ptr<Worker> worker)
+      : worker_(std::move(worker)), sweep_(worker_->io()) {}
+  ~Impl();
+
+  Status Start();
+  Worker& worker() { return *worker_; }
+  const std::shared_ptr<Worker>& shared_worker() const { return worker_; }
+  uint64_t unrouted() const { return unrouted_.load(); }
+
+  // Routes frames naming `connection` to `client`; false when another client of this worker
+  // has that id (two servers chose the same one).
+  bool Route(uint64_t connection, RpcClient::Impl* client);
+  void Unroute(uint64_t connection, const RpcClient::Impl* client);
+  // Takes a client that was shut down; destroys it once it is quiet (no call or UCX request
+  // left, a grace period for cancelled socket and timer handlers to run).
+  void Retire(std::unique_ptr<RpcClient::Impl> client);
+
+ private:
+  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  void Sweep();
+
+  std::shared_ptr<Worker> worker_;
+  std::unordered_map<uint64_t, RpcClient::Impl*> routes_;
+  std::vector<std::pair<Clock::time_point, std::unique_ptr<RpcClient::Impl>>> retired_;
+  asio::steady_timer sweep_;
+  bool sweeping_ = false;
+  std::atomic<uint64_t> unrouted_{0};
+};
+
 class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
  public:
-  Impl(ClientOptions options, std::shared_ptr<Worker> worker)
-      : options_(std::move(options)), worker_(std::move(worker)), timer_(worker_->io()) {}
-
-  Status Init() {
-    ucp_am_handler_param_t param{};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-    param.id = kRpcAmId;
-    param.cb = &Impl::OnFrame;
-    param.arg = this;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG;
-    KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
-                                    "ucp_worker_set_am_recv_handler"));
-    worker_->Start([this] { Shutdown(); });
-    return Status::OK();
+  Impl(ClientOptions options, ClientWorker::Impl* hub)
+      : options_(std::move(options)),
+        hub_(hub),
+        worker_(hub->shared_worker()),
+        timer_(worker_->io()) {
+    options_.worker.reset();  // the RpcClient holds it; a retired Impl must not
   }
 
-  void Stop() { worker_->Stop(); }
+  // Fails every call, closes the connection and hands this Impl to the hub, which destroys it
+  // once quiet. Returns after the shutdown (so no callback of this client runs after).
+  static void Detach(std::unique_ptr<Impl> self) {
+    Worker& worker = *self->worker_;
+    if (worker.OnThread()) {
+      self->Shutdown();
+      self->hub_->Retire(std::move(self));
+      return;
+    }
+    std::promise<void> done;
+    auto future = done.get_future();
+    Impl* raw = self.release();
+    worker.Run([raw, &done] {
+      std::unique_ptr<Impl> owned(raw);
+      owned->Shutdown();
+      owned->hub_->Retire(std::move(owned));
+      done.set_value();
+    });
+    future.wait();  // the hub's thread runs while any of its clients exists
+  }
+
+  // Nothing of this client can still run: no calls, no UCX request, no endpoint.
+  bool Quiet() const { return calls_.empty() && abandoned_.empty() && !ep_; }
 
   std::shared_ptr<Worker> worker() const { return worker_; }
   const ClientOptions& options() const { return options_; }
@@ -439,9 +487,11 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
 
   // ---- frames from the server --------------------------------------------------------------
 
-  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param) {
-    auto* self = static_cast<Impl*>(arg);
+ public:
+  // A frame the hub routed here (its connection id is this client's).
+  ucs_status_t OnFrame(const void* header, size_t header_length, void* data, size_t length,
+                       const ucp_am_recv_param_t* param) {
+    Impl* self = this;
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     auto release = [&] {
       if (rndv && !self->worker_->DiscardRendezvous(data, length)) {
@@ -519,6 +569,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     return UCS_OK;
   }
 
+ private:
   // ---- mapped payloads ---------------------------------------------------------------------
 
   struct SharedRegion {
@@ -790,6 +841,15 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       return;
     }
     ep_ = UcpEndpoint(ep);
+    if (!hub_->Route(reply.connection_id(), this)) {
+      // Another server of this worker's clients chose the same id: try again (a new id).
+      ep_ = UcpEndpoint();
+      FailConnect(
+          UnavailableError("{}:{} gave connection id {:#x}, which another connection of "
+                           "this worker has; reconnect",
+                           options_.host, options_.port, reply.connection_id()));
+      return;
+    }
     connection_id_ = reply.connection_id();
     ProbeMapping(reply);
     state_ = State::kConnected;
@@ -851,6 +911,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       KVSTASH_LOG_WARN("{}", status.ToString());
     }
     const bool was_connected = state_ == State::kConnected;
+    if (was_connected) hub_->Unroute(connection_id_.load(), this);
     state_ = State::kIdle;
     ++attempt_;
     if (was_connected) disconnects_.fetch_add(1, std::memory_order_relaxed);
@@ -923,6 +984,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   }
 
   ClientOptions options_;
+  ClientWorker::Impl* hub_;  // outlives this Impl
   std::shared_ptr<Worker> worker_;
   std::atomic<uint64_t> next_id_{1};
 
@@ -952,20 +1014,115 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       malformed_{0}, late_replies_{0}, mapped_payloads_{0};
 };
 
+// ---- ClientWorker ----------------------------------------------------------------------------
+
+Status ClientWorker::Impl::Start() {
+  ucp_am_handler_param_t param{};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  param.id = kRpcAmId;
+  param.cb = &Impl::OnFrame;
+  param.arg = this;
+  param.flags = UCP_AM_FLAG_WHOLE_MSG;
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
+                                  "ucp_worker_set_am_recv_handler"));
+  // Every client detaches (shuts down) before the hub goes, so nothing is left to close.
+  worker_->Start([this] { sweep_.cancel(); });
+  return Status::OK();
+}
+
+ClientWorker::Impl::~Impl() {
+  worker_->Stop();  // joins the thread: nothing of the retired clients runs any more
+  retired_.clear();
+}
+
+bool ClientWorker::Impl::Route(uint64_t connection, RpcClient::Impl* client) {
+  auto [it, added] = routes_.try_emplace(connection, client);
+  return added || it->second == client;
+}
+
+void ClientWorker::Impl::Unroute(uint64_t connection, const RpcClient::Impl* client) {
+  auto it = routes_.find(connection);
+  if (it != routes_.end() && it->second == client) routes_.erase(it);
+}
+
+void ClientWorker::Impl::Retire(std::unique_ptr<RpcClient::Impl> client) {
+  retired_.emplace_back(Clock::now(), std::move(client));
+  if (!sweeping_) Sweep();
+}
+
+void ClientWorker::Impl::Sweep() {
+  // Cancelled socket and timer handlers of a shut-down client run within a pass of the event
+  // loop; the grace period covers them with a wide margin.
+  constexpr auto kGrace = std::chrono::milliseconds(200);
+  const auto now = Clock::now();
+  std::erase_if(retired_, [&](const auto& entry) {
+    return now - entry.first >= kGrace && entry.second->Quiet();
+  });
+  sweeping_ = !retired_.empty() && !worker_->stopping();
+  if (!sweeping_) return;
+  sweep_.expires_after(kGrace);
+  sweep_.async_wait([this](const asio::error_code& error) {
+    if (error) {
+      sweeping_ = false;
+      return;
+    }
+    Sweep();
+  });
+}
+
+ucs_status_t ClientWorker::Impl::OnFrame(void* arg, const void* header, size_t header_length,
+                                         void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  uint64_t connection = 0;
+  if (header_length >= kFrameHeaderBytes) {
+    std::memcpy(&connection,
+                static_cast<const std::byte*>(header) + offsetof(FrameHeader, connection_id),
+                sizeof(connection));
+  }
+  auto it = self->routes_.find(connection);
+  if (it == self->routes_.end()) {
+    // A frame of a connection already closed (or garbage): nobody waits for it.
+    self->unrouted_.fetch_add(1, std::memory_order_relaxed);
+    KVSTASH_LOG_DEBUG("dropped a frame for connection {:#x}, which no client has", connection);
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+      (void)self->worker_->DiscardRendezvous(data, length);
+    }
+    return UCS_OK;
+  }
+  return it->second->OnFrame(header, header_length, data, length, param);
+}
+
+Result<std::shared_ptr<ClientWorker>> ClientWorker::Create(const TransportOptions& options) {
+  KVSTASH_ASSIGN_OR_RETURN(auto worker, Worker::Create(options, "kvstash-client"));
+  auto impl = std::make_shared<Impl>(std::move(worker));
+  KVSTASH_RETURN_IF_ERROR(impl->Start());
+  return std::shared_ptr<ClientWorker>(new ClientWorker(std::move(impl)));
+}
+
+ClientWorker::ClientWorker(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ClientWorker::~ClientWorker() = default;
+const TransportOptions& ClientWorker::options() const { return impl_->worker().options(); }
+uint64_t ClientWorker::unrouted_frames() const { return impl_->unrouted(); }
+
 // ---- RpcClient -------------------------------------------------------------------------------
 
 Result<std::unique_ptr<RpcClient>> RpcClient::Create(ClientOptions options) {
   if (options.port == 0) return InvalidArgumentError("client needs the server's port");
-  KVSTASH_ASSIGN_OR_RETURN(auto worker, Worker::Create(options.transport, "kvstash-client"));
-  auto impl = std::make_unique<Impl>(std::move(options), std::move(worker));
-  KVSTASH_RETURN_IF_ERROR(impl->Init());
-  return std::unique_ptr<RpcClient>(new RpcClient(std::move(impl)));
+  std::shared_ptr<ClientWorker> worker = options.worker;
+  if (!worker) {
+    KVSTASH_ASSIGN_OR_RETURN(worker, ClientWorker::Create(options.transport));
+  }
+  auto impl = std::make_unique<Impl>(std::move(options), &worker->impl());
+  return std::unique_ptr<RpcClient>(new RpcClient(std::move(worker), std::move(impl)));
 }
 
-RpcClient::RpcClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RpcClient::RpcClient(std::shared_ptr<ClientWorker> worker, std::unique_ptr<Impl> impl)
+    : worker_(std::move(worker)), impl_(std::move(impl)) {}
 
 RpcClient::~RpcClient() {
-  if (impl_) impl_->Stop();
+  if (impl_) Impl::Detach(std::move(impl_));
 }
 
 Status RpcClient::Connect() { return impl_->Connect(); }

@@ -51,6 +51,9 @@ struct NodeClientOptions {
   // Every call to a node fails after this long (the node then counts as unreachable for it).
   std::chrono::milliseconds timeout{5000};
   std::chrono::milliseconds connect_timeout{2000};
+  // The UCX worker and progress thread the connections run on; clients of one process should
+  // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
+  std::shared_ptr<transport::ClientWorker> worker;
 };
 
 enum class KeyState : uint8_t { kMiss, kHit, kRetry };

@@ -16,10 +16,12 @@
 // (A UCX sockaddr listener cannot carry shared-memory transports in UCX 1.13: measured
 // "Destination is unreachable" with UCX_TLS=shm.)
 //
-// Threads: each RpcClient and RpcServer owns one UCX worker and one progress thread, which
-// also runs an Asio io_context (sockets, deadline timers). The progress thread spins while
-// there is traffic and sleeps on the worker's event fd when idle. Every callback runs on that
-// thread and must not block.
+// Threads: each RpcServer owns one UCX worker and one progress thread, which also runs an Asio
+// io_context (sockets, deadline timers). So does each RpcClient, unless it is given a
+// ClientWorker: then the connections of every client on that ClientWorker share its worker
+// and thread (one per process is the intent: a client per node, many engine threads, one
+// thread driving UCX). The progress thread spins while there is traffic and sleeps on the
+// worker's event fd when idle. Every callback runs on that thread and must not block.
 
 #include <chrono>
 #include <cstddef>
@@ -113,14 +115,19 @@ struct CallOptions {
   const MemoryRegion* recv_region = nullptr;
 };
 
+class ClientWorker;
+
 struct ClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
   std::string key_namespace = "default";
   std::string auth_token;
   std::string client_name;
-  TransportOptions transport;
+  TransportOptions transport;  // ignored with `worker`: the worker's options apply
   std::chrono::milliseconds connect_timeout{5000};
+  // Run this client's connection on a shared worker and progress thread (see ClientWorker).
+  // Empty: the client makes its own.
+  std::shared_ptr<ClientWorker> worker;
 };
 
 struct TransportStats {
@@ -136,7 +143,7 @@ struct TransportStats {
 
 // The client end of one connection to one server. Connects on the first call (or Connect)
 // and again on the next call after the connection is lost. Thread-safe: calls may start on
-// any thread; callbacks run on the client's progress thread.
+// any thread; callbacks run on the client's progress thread (its own, or its ClientWorker's).
 class RpcClient {
  public:
   static Result<std::unique_ptr<RpcClient>> Create(ClientOptions options);
@@ -178,8 +185,34 @@ class RpcClient {
   class Impl;
 
  private:
-  explicit RpcClient(std::unique_ptr<Impl> impl);
+  RpcClient(std::shared_ptr<ClientWorker> worker, std::unique_ptr<Impl> impl);
+  std::shared_ptr<ClientWorker> worker_;  // declared first: outlives impl_
   std::unique_ptr<Impl> impl_;
+};
+
+// A UCX worker and progress thread that many RpcClients share: every connection of every
+// client created with it (ClientOptions::worker) is driven by this one thread, and replies
+// are routed to their client by connection id. On a machine with few cores, one spinning
+// progress thread per process instead of one per connection leaves the cores to the work.
+// Callbacks of all its clients run on its thread, one at a time. Lives while any of its
+// clients does.
+class ClientWorker {
+ public:
+  static Result<std::shared_ptr<ClientWorker>> Create(const TransportOptions& options);
+  ~ClientWorker();
+  ClientWorker(const ClientWorker&) = delete;
+  ClientWorker& operator=(const ClientWorker&) = delete;
+
+  const TransportOptions& options() const;
+  // Frames that named no connection of this worker's clients (dropped).
+  uint64_t unrouted_frames() const;
+
+  class Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  explicit ClientWorker(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
 };
 
 class ServerCallState;
