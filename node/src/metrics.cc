@@ -4,6 +4,7 @@
 #include <prometheus/exposer.h>
 #include <prometheus/metric_family.h>
 
+#include <limits>
 #include <map>
 
 namespace kvstash::node {
@@ -13,13 +14,61 @@ using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
 
+// Samples of a family: (labels, counter name).
+using Samples = std::vector<std::pair<std::vector<ClientMetric::Label>, const char*>>;
+
 // One exported metric: a family name and a sample per (labels, counter name).
 struct Export {
   const char* name;
   MetricType type;
   const char* help;
-  std::vector<std::pair<std::vector<ClientMetric::Label>, const char*>> samples;
+  Samples samples;
 };
+
+// kvstash_request_seconds: one histogram per wire method, with cumulative buckets as
+// Prometheus wants them.
+MetricFamily RequestSeconds(const std::vector<MethodLatency>& latencies) {
+  MetricFamily family{"kvstash_request_seconds",
+                      "Request latency by method: from dispatch until the reply is handed to "
+                      "the transport (put_block: including its payload's arrival; get_block "
+                      "and echo: until the reply's payload has been sent)",
+                      MetricType::Histogram,
+                      {}};
+  for (const MethodLatency& latency : latencies) {
+    ClientMetric metric;
+    metric.label = {{"method", latency.method}};
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
+      cumulative += latency.buckets[i];
+      metric.histogram.bucket.push_back(
+          {cumulative, std::chrono::duration<double>(kLatencyBuckets[i]).count()});
+    }
+    metric.histogram.bucket.push_back({latency.count, std::numeric_limits<double>::infinity()});
+    metric.histogram.sample_count = latency.count;
+    metric.histogram.sample_sum = std::chrono::duration<double>(latency.sum).count();
+    family.metric.push_back(std::move(metric));
+  }
+  return family;
+}
+
+// kvstash_lookup_keys_total's samples: {kind, result} -> node.lookup_<result>s.<kind>.
+Samples LookupSamples() {
+  static const char* const kCounters[][4] = {
+      {"per_key", "node.lookup_hits.per_key", "node.lookup_misses.per_key",
+       "node.lookup_retries.per_key"},
+      {"prefix", "node.lookup_hits.prefix", "node.lookup_misses.prefix",
+       "node.lookup_retries.prefix"},
+      {"window", "node.lookup_hits.window", "node.lookup_misses.window",
+       "node.lookup_retries.window"},
+  };
+  Samples samples;
+  for (const auto& kind : kCounters) {
+    samples.push_back({{{"kind", kind[0]}, {"result", "hit"}}, kind[1]});
+    samples.push_back({{{"kind", kind[0]}, {"result", "miss"}}, kind[2]});
+    samples.push_back({{{"kind", kind[0]}, {"result", "retry"}}, kind[3]});
+  }
+  return samples;
+}
 
 const std::vector<Export>& Exports() {
   static const std::vector<Export> exports = {
@@ -27,17 +76,20 @@ const std::vector<Export>& Exports() {
        MetricType::Gauge,
        "Blocks held, by tier",
        {{{{"tier", "cpu"}}, "cpu.resident_blocks"}, {{{"tier", "ssd"}}, "ssd.resident_blocks"}}},
+      {"kvstash_bytes",
+       MetricType::Gauge,
+       "Bytes of the blocks held (blocks x block size), by tier",
+       {{{{"tier", "cpu"}}, "cpu.resident_bytes"}, {{{"tier", "ssd"}}, "ssd.resident_bytes"}}},
       {"kvstash_capacity_blocks",
        MetricType::Gauge,
        "Block capacity, by tier",
        {{{{"tier", "cpu"}}, "cpu.capacity_blocks"}, {{{"tier", "ssd"}}, "ssd.capacity_blocks"}}},
       {"kvstash_block_bytes", MetricType::Gauge, "Bytes of every block", {{{}, "cpu.block_bytes"}}},
-      {"kvstash_lookup_keys_total",
-       MetricType::Counter,
-       "Keys looked up, by result",
-       {{{{"result", "hit"}}, "node.lookup_hits"},
-        {{{"result", "miss"}}, "node.lookup_misses"},
-        {{{"result", "retry"}}, "node.lookup_retries"}}},
+      {"kvstash_lookup_keys_total", MetricType::Counter,
+       "Lookup results, by lookup kind and result. per_key: each key's result. prefix and "
+       "window: a scan counts its hit_length keys as hits and its other keys as misses, or, "
+       "when it answers retry, one retry (and no keys)",
+       LookupSamples()},
       {"kvstash_blocks_stored_total",
        MetricType::Counter,
        "Blocks committed",
@@ -58,6 +110,15 @@ const std::vector<Export>& Exports() {
        MetricType::Counter,
        "Blocks whose bytes did not match the client's checksum",
        {{{}, "node.checksum_failures"}}},
+      {"kvstash_ssd_checksum_failures_total",
+       MetricType::Counter,
+       "SSD blocks whose bytes did not match their index record (read as misses and dropped)",
+       {{{}, "ssd.checksum_failures"}}},
+      {"kvstash_evictions_total",
+       MetricType::Counter,
+       "Blocks evicted to make room, by tier (cpu: for stores and promotions; ssd: for "
+       "cascades)",
+       {{{{"tier", "cpu"}}, "store.cpu_evictions"}, {{{"tier", "ssd"}}, "ssd.evictions"}}},
       {"kvstash_promotions_total",
        MetricType::Counter,
        "Blocks promoted from SSD to the CPU tier",
@@ -121,6 +182,7 @@ class NodeCollectable : public prometheus::Collectable {
       }
       families.push_back(std::move(family));
     }
+    families.push_back(RequestSeconds(node_.Latencies()));
     return families;
   }
 

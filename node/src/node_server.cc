@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -58,13 +59,103 @@ wire::LookupResult ToWire(store::LookupResult r) {
   return wire::LOOKUP_MISS;
 }
 
+// The latencies of one method in the buckets of kLatencyBuckets. Lock-free: Record (on the
+// progress thread, or wherever a reply completes) adds to relaxed atomics and a scrape reads
+// them, so neither the request path nor a scrape ever waits for the other.
+class LatencyHistogram {
+ public:
+  void Record(Clock::duration latency) {
+    const int64_t ns =
+        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(latency).count());
+    size_t bucket = 0;
+    while (bucket < kLatencyBuckets.size() &&
+           ns > std::chrono::nanoseconds(kLatencyBuckets[bucket]).count()) {
+      ++bucket;
+    }
+    buckets_[bucket].fetch_add(1, std::memory_order_relaxed);
+    sum_ns_.fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+  }
+
+  // The count is the sum of the buckets read, so a scrape's buckets always add up to it.
+  void Read(MethodLatency* out) const {
+    out->count = 0;
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      out->buckets[i] = buckets_[i].load(std::memory_order_relaxed);
+      out->count += out->buckets[i];
+    }
+    out->sum = std::chrono::nanoseconds(sum_ns_.load(std::memory_order_relaxed));
+  }
+
+ private:
+  std::array<std::atomic<uint64_t>, kLatencyBuckets.size() + 1> buckets_{};
+  std::atomic<uint64_t> sum_ns_{0};
+};
+
+// The time since a request's dispatch, recorded in its method's histogram when stopped. A
+// plain value, so that the `sent` callback of a reply (a copyable std::function) can carry it.
+struct Stopwatch {
+  LatencyHistogram* histogram = nullptr;  // none: records nothing
+  Clock::time_point start;
+
+  void Stop() const {
+    if (histogram != nullptr) histogram->Record(Clock::now() - start);
+  }
+};
+
+// A request being served: the transport's ServerCall with its method's clock running since
+// dispatch. Every reply goes through here, so every reply path of every handler is timed: Reply
+// and ReplyError stop the clock just before the reply is handed to the transport (before, so
+// that a client that has its answer sees it counted). A handler whose reply has a payload takes
+// the clock (TakeStopwatch) and stops it in the reply's `sent` callback. Move-only; like
+// ServerCall, used on the progress thread or from one completion at a time.
+class TimedCall {
+ public:
+  TimedCall(ServerCall call, LatencyHistogram* histogram)
+      : call_(std::move(call)), stopwatch_{histogram, Clock::now()} {}
+  TimedCall(TimedCall&& other) noexcept
+      : call_(std::move(other.call_)), stopwatch_(std::exchange(other.stopwatch_, {})) {}
+  TimedCall& operator=(TimedCall&&) = delete;
+  TimedCall(const TimedCall&) = delete;
+  TimedCall& operator=(const TimedCall&) = delete;
+
+  uint64_t connection_id() const { return call_.connection_id(); }
+  const std::string& key_namespace() const { return call_.key_namespace(); }
+  Bytes request() const { return call_.request(); }
+  size_t payload_bytes() const { return call_.payload_bytes(); }
+
+  void ReceivePayload(transport::MutableBytes dest, const transport::MemoryRegion* region,
+                      std::function<void(Status)> done) {
+    call_.ReceivePayload(dest, region, std::move(done));
+  }
+  void Reply(Bytes message, Bytes payload = {}, const transport::MemoryRegion* region = nullptr,
+             std::function<void(Status)> sent = {}) {
+    std::exchange(stopwatch_, {}).Stop();
+    call_.Reply(message, payload, region, std::move(sent));
+  }
+  void ReplyError(const Status& status) {
+    std::exchange(stopwatch_, {}).Stop();
+    call_.ReplyError(status);
+  }
+  // The running clock, for the caller to stop later; the call's own replies no longer stop it.
+  Stopwatch TakeStopwatch() { return std::exchange(stopwatch_, {}); }
+
+ private:
+  ServerCall call_;
+  Stopwatch stopwatch_;
+};
+
 template <typename Message>
-void ReplyWith(ServerCall& call, const Message& message, Bytes payload = {},
+void ReplyWith(TimedCall& call, const Message& message, Bytes payload = {},
                const transport::MemoryRegion* region = nullptr,
                std::function<void(Status)> sent = {}) {
   const std::string bytes = message.SerializeAsString();
   call.Reply(std::as_bytes(std::span(bytes)), payload, region, std::move(sent));
 }
+
+// The lookup kinds of wire.LookupMode and the results counted for each.
+enum LookupKind : size_t { kPerKey, kPrefix, kWindow, kLookupKinds };
+enum LookupCount : size_t { kHits, kMisses, kRetries, kLookupCounts };
+constexpr const char* kLookupKindNames[kLookupKinds] = {"per_key", "prefix", "window"};
 
 }  // namespace
 
@@ -117,9 +208,16 @@ class NodeServer::Impl {
   NodeStats stats() const {
     NodeStats s;
     s.lookups = lookups_.load();
-    s.lookup_hits = lookup_hits_.load();
-    s.lookup_misses = lookup_misses_.load();
-    s.lookup_retries = lookup_retries_.load();
+    LookupCounts* kinds[kLookupKinds] = {&s.per_key, &s.prefix, &s.window};
+    for (size_t kind = 0; kind < kLookupKinds; ++kind) {
+      const auto& counts = lookup_counts_[kind];
+      kinds[kind]->hits = counts[kHits].load(std::memory_order_relaxed);
+      kinds[kind]->misses = counts[kMisses].load(std::memory_order_relaxed);
+      kinds[kind]->retries = counts[kRetries].load(std::memory_order_relaxed);
+      s.lookup_hits += kinds[kind]->hits;
+      s.lookup_misses += kinds[kind]->misses;
+      s.lookup_retries += kinds[kind]->retries;
+    }
     s.blocks_stored = blocks_stored_.load();
     s.blocks_aborted = blocks_aborted_.load();
     s.blocks_loaded = blocks_loaded_.load();
@@ -138,7 +236,11 @@ class NodeServer::Impl {
     const NodeStats n = stats();
     const store::TieredStoreStats t = store_->stats();
     const transport::TransportStats x = server_->stats();
-    return {
+    const store::SsdTierStats d =
+        store_->ssd() != nullptr ? store_->ssd()->stats() : store::SsdTierStats();
+    const uint64_t cpu_blocks = store_->cpu().resident_blocks();
+    const uint64_t ssd_blocks = store_->ssd() != nullptr ? store_->ssd()->resident_blocks() : 0;
+    std::map<std::string, uint64_t> counters = {
         {"node.lookups", n.lookups},
         {"node.lookup_hits", n.lookup_hits},
         {"node.lookup_misses", n.lookup_misses},
@@ -155,10 +257,15 @@ class NodeServer::Impl {
         {"node.leases_expired", n.leases_expired},
         {"node.pins_released_on_expiry", n.pins_released_on_expiry},
         {"cpu.capacity_blocks", store_->cpu().capacity()},
-        {"cpu.resident_blocks", store_->cpu().resident_blocks()},
+        {"cpu.resident_blocks", cpu_blocks},
+        {"cpu.resident_bytes", cpu_blocks * store_->block_bytes()},
         {"cpu.block_bytes", store_->block_bytes()},
         {"ssd.capacity_blocks", store_->ssd() != nullptr ? store_->ssd()->capacity_blocks() : 0},
-        {"ssd.resident_blocks", store_->ssd() != nullptr ? store_->ssd()->resident_blocks() : 0},
+        {"ssd.resident_blocks", ssd_blocks},
+        {"ssd.resident_bytes", ssd_blocks * store_->block_bytes()},
+        {"ssd.evictions", d.evictions},
+        {"ssd.checksum_failures", d.checksum_failures},
+        {"store.cpu_evictions", t.cpu_evictions},
         {"store.promotions_done", t.promotions_done},
         {"store.promotion_failures", t.promotion_failures},
         {"store.cascades_done", t.cascades_done},
@@ -169,6 +276,26 @@ class NodeServer::Impl {
         {"transport.mapped_payloads", x.mapped_payloads},
         {"transport.refused", x.refused},
     };
+    // By lookup kind: node.lookup_hits.per_key, node.lookup_retries.window, ...
+    const LookupCounts* kinds[kLookupKinds] = {&n.per_key, &n.prefix, &n.window};
+    for (size_t kind = 0; kind < kLookupKinds; ++kind) {
+      const std::string suffix = std::string(".") + kLookupKindNames[kind];
+      counters["node.lookup_hits" + suffix] = kinds[kind]->hits;
+      counters["node.lookup_misses" + suffix] = kinds[kind]->misses;
+      counters["node.lookup_retries" + suffix] = kinds[kind]->retries;
+    }
+    return counters;
+  }
+
+  std::vector<MethodLatency> Latencies() const {
+    std::vector<MethodLatency> out;
+    for (const Timed& timed : latencies_) {
+      if (timed.name == nullptr) continue;  // no such method
+      MethodLatency& latency = out.emplace_back();
+      latency.method = timed.name;
+      timed.histogram.Read(&latency);
+    }
+    return out;
   }
 
  private:
@@ -195,8 +322,14 @@ class NodeServer::Impl {
     return cpu_region_.size() != 0 ? &cpu_region_ : nullptr;
   }
 
+  // A wire method's name in metrics and its latencies; set by Register, before serving.
+  struct Timed {
+    const char* name = nullptr;
+    LatencyHistogram histogram;
+  };
+
   // Every request renews its session's lease.
-  Session& SessionOf(const ServerCall& call) {
+  Session& SessionOf(const TimedCall& call) {
     auto [it, added] = sessions_.try_emplace(call.connection_id());
     if (added) it->second.ns = NamespaceIdOf(call.key_namespace());
     it->second.last_seen = Clock::now();
@@ -205,7 +338,7 @@ class NodeServer::Impl {
 
   // Parses the request into *message, or answers InvalidArgument.
   template <typename Message>
-  static bool Parse(ServerCall& call, Message* message, std::string_view what) {
+  static bool Parse(TimedCall& call, Message* message, std::string_view what) {
     const Bytes bytes = call.request();
     if (!message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
       call.ReplyError(InvalidArgumentError("unparseable {} of {} bytes", what, bytes.size()));
@@ -215,7 +348,7 @@ class NodeServer::Impl {
   }
 
   // The keys of a request in this session's namespace, or an InvalidArgument answer.
-  bool Keys(ServerCall& call, const Session& session,
+  bool Keys(TimedCall& call, const Session& session,
             const google::protobuf::RepeatedPtrField<wire::Key>& keys,
             std::vector<OffloadKey>* out) {
     if (static_cast<size_t>(keys.size()) > options_.server.max_keys_per_request) {
@@ -229,25 +362,29 @@ class NodeServer::Impl {
     return true;
   }
 
+  // Every handler gets its call with the clock of its method's latency histogram running.
   void Register() {
     using M = wire::Method;
-    auto handle = [this](M method, void (Impl::*fn)(ServerCall)) {
-      server_->Handle(static_cast<uint16_t>(method),
-                      [this, fn](ServerCall call) { (this->*fn)(std::move(call)); });
+    auto handle = [this](M method, const char* name, void (Impl::*fn)(TimedCall)) {
+      Timed& timed = latencies_.at(method);
+      timed.name = name;
+      server_->Handle(static_cast<uint16_t>(method), [this, fn, &timed](ServerCall call) {
+        (this->*fn)(TimedCall(std::move(call), &timed.histogram));
+      });
     };
-    handle(wire::METHOD_LOOKUP, &Impl::OnLookup);
-    handle(wire::METHOD_PREPARE_STORE, &Impl::OnPrepareStore);
-    handle(wire::METHOD_PUT_BLOCK, &Impl::OnPutBlock);
-    handle(wire::METHOD_COMMIT, &Impl::OnCommit);
-    handle(wire::METHOD_LOAD, &Impl::OnLoad);
-    handle(wire::METHOD_GET_BLOCK, &Impl::OnGetBlock);
-    handle(wire::METHOD_RELEASE, &Impl::OnRelease);
-    handle(wire::METHOD_TOUCH, &Impl::OnTouch);
-    handle(wire::METHOD_STATS, &Impl::OnStats);
-    handle(wire::METHOD_ECHO, &Impl::OnEcho);
+    handle(wire::METHOD_LOOKUP, "lookup", &Impl::OnLookup);
+    handle(wire::METHOD_PREPARE_STORE, "prepare_store", &Impl::OnPrepareStore);
+    handle(wire::METHOD_PUT_BLOCK, "put_block", &Impl::OnPutBlock);
+    handle(wire::METHOD_COMMIT, "commit", &Impl::OnCommit);
+    handle(wire::METHOD_LOAD, "load", &Impl::OnLoad);
+    handle(wire::METHOD_GET_BLOCK, "get_block", &Impl::OnGetBlock);
+    handle(wire::METHOD_RELEASE, "release", &Impl::OnRelease);
+    handle(wire::METHOD_TOUCH, "touch", &Impl::OnTouch);
+    handle(wire::METHOD_STATS, "stats", &Impl::OnStats);
+    handle(wire::METHOD_ECHO, "echo", &Impl::OnEcho);
   }
 
-  void OnLookup(ServerCall call) {
+  void OnLookup(TimedCall call) {
     wire::LookupRequest request;
     if (!Parse(call, &request, "lookup request")) return;
     Session& session = SessionOf(call);
@@ -261,25 +398,33 @@ class NodeServer::Impl {
         case wire::LOOKUP_MODE_PER_KEY: {
           std::vector<store::LookupResult> results(keys.size());
           store_->Lookup(keys, results);
+          uint64_t counts[kLookupCounts] = {};
           for (store::LookupResult r : results) {
             answer->add_results(ToWire(r));
-            Count(r);
+            ++counts[r == store::LookupResult::kHit    ? kHits
+                     : r == store::LookupResult::kMiss ? kMisses
+                                                       : kRetries];
           }
+          Count(kPerKey, counts);
           break;
         }
         case wire::LOOKUP_MODE_PREFIX:
         case wire::LOOKUP_MODE_WINDOW: {
-          const store::ScanResult scan = lookup.mode() == wire::LOOKUP_MODE_PREFIX
-                                             ? store_->LookupPrefix(keys)
-                                             : store_->LookupWindow(keys, lookup.window_size());
+          const bool prefix = lookup.mode() == wire::LOOKUP_MODE_PREFIX;
+          const store::ScanResult scan = prefix ? store_->LookupPrefix(keys)
+                                                : store_->LookupWindow(keys, lookup.window_size());
           answer->set_hit_length(static_cast<uint32_t>(scan.value_or(0)));
           answer->set_retry(!scan.has_value());
+          // A scan has no per-key results: its hit_length keys count as hits and the others as
+          // misses, or it counts one retry.
+          uint64_t counts[kLookupCounts] = {};
           if (!scan.has_value()) {
-            lookup_retries_.fetch_add(1, std::memory_order_relaxed);
+            counts[kRetries] = 1;
           } else {
-            lookup_hits_.fetch_add(*scan, std::memory_order_relaxed);
-            lookup_misses_.fetch_add(keys.size() - *scan, std::memory_order_relaxed);
+            counts[kHits] = *scan;
+            counts[kMisses] = keys.size() - *scan;
           }
+          Count(prefix ? kPrefix : kWindow, counts);
           break;
         }
         default:
@@ -291,21 +436,14 @@ class NodeServer::Impl {
     ReplyWith(call, reply);
   }
 
-  void Count(store::LookupResult r) {
-    switch (r) {
-      case store::LookupResult::kHit:
-        lookup_hits_.fetch_add(1, std::memory_order_relaxed);
-        break;
-      case store::LookupResult::kMiss:
-        lookup_misses_.fetch_add(1, std::memory_order_relaxed);
-        break;
-      case store::LookupResult::kRetry:
-        lookup_retries_.fetch_add(1, std::memory_order_relaxed);
-        break;
+  // One atomic add per counted result of a lookup, not one per key.
+  void Count(LookupKind kind, const uint64_t (&counts)[kLookupCounts]) {
+    for (size_t i = 0; i < kLookupCounts; ++i) {
+      if (counts[i] != 0) lookup_counts_[kind][i].fetch_add(counts[i], std::memory_order_relaxed);
     }
   }
 
-  void OnPrepareStore(ServerCall call) {
+  void OnPrepareStore(TimedCall call) {
     wire::PrepareStoreRequest request;
     if (!Parse(call, &request, "prepare-store request")) return;
     Session& session = SessionOf(call);
@@ -331,7 +469,7 @@ class NodeServer::Impl {
     ReplyWith(call, reply);
   }
 
-  void OnPutBlock(ServerCall call) {
+  void OnPutBlock(TimedCall call) {
     wire::PutBlockRequest request;
     if (!Parse(call, &request, "put-block request")) return;
     Session& session = SessionOf(call);
@@ -379,7 +517,7 @@ class NodeServer::Impl {
     const uint64_t connection = call.connection_id();
     const uint64_t checksum = request.checksum();
     const bool commit = request.commit();
-    auto shared = std::make_shared<ServerCall>(std::move(call));
+    auto shared = std::make_shared<TimedCall>(std::move(call));
     shared->ReceivePayload(dest, region(),
                            [this, shared, connection, key, dest, checksum, commit,
                             reply = std::move(reply)](Status status) {
@@ -420,7 +558,7 @@ class NodeServer::Impl {
     if (session.closed && session.writes_in_flight == 0) EndSession(connection);
   }
 
-  void OnCommit(ServerCall call) {
+  void OnCommit(TimedCall call) {
     wire::CommitRequest request;
     if (!Parse(call, &request, "commit request")) return;
     Session& session = SessionOf(call);
@@ -462,7 +600,7 @@ class NodeServer::Impl {
     ReplyWith(call, reply);
   }
 
-  void OnLoad(ServerCall call) {
+  void OnLoad(TimedCall call) {
     wire::LoadRequest request;
     if (!Parse(call, &request, "load request")) return;
     Session& session = SessionOf(call);
@@ -483,7 +621,7 @@ class NodeServer::Impl {
     ReplyWith(call, reply);
   }
 
-  void OnGetBlock(ServerCall call) {
+  void OnGetBlock(TimedCall call) {
     wire::GetBlockRequest request;
     if (!Parse(call, &request, "get-block request")) return;
     Session& session = SessionOf(call);
@@ -512,8 +650,11 @@ class NodeServer::Impl {
     }
     wire::GetBlockReply reply;
     reply.set_length(block.size());
+    // Timed until the block has left (or, over shared memory, the client copied it).
     ReplyWith(call, reply, block, region(),
-              [this, size = block.size(), key, pinned_here](Status status) {
+              [this, size = block.size(), key, pinned_here,
+               stopwatch = call.TakeStopwatch()](Status status) {
+                stopwatch.Stop();
                 if (pinned_here) (void)store_->CompleteLoad(std::span(&key, 1));
                 if (!status.ok()) return;
                 blocks_loaded_.fetch_add(1, std::memory_order_relaxed);
@@ -521,7 +662,7 @@ class NodeServer::Impl {
               });
   }
 
-  void OnRelease(ServerCall call) {
+  void OnRelease(TimedCall call) {
     wire::ReleaseRequest request;
     if (!Parse(call, &request, "release request")) return;
     Session& session = SessionOf(call);
@@ -536,7 +677,7 @@ class NodeServer::Impl {
     ReplyWith(call, wire::ReleaseReply());
   }
 
-  void OnTouch(ServerCall call) {
+  void OnTouch(TimedCall call) {
     wire::TouchRequest request;
     if (!Parse(call, &request, "touch request")) return;
     Session& session = SessionOf(call);
@@ -546,13 +687,13 @@ class NodeServer::Impl {
     ReplyWith(call, wire::TouchReply());
   }
 
-  void OnStats(ServerCall call) {
+  void OnStats(TimedCall call) {
     wire::StatsReply reply;
     for (const auto& [name, value] : Counters()) (*reply.mutable_counters())[name] = value;
     ReplyWith(call, reply);
   }
 
-  void OnEcho(ServerCall call) {
+  void OnEcho(TimedCall call) {
     auto request = std::make_shared<wire::EchoRequest>();
     if (!Parse(call, request.get(), "echo request")) return;
     if (request->payload_bytes() > options_.server.transport.max_payload_bytes) {
@@ -564,12 +705,14 @@ class NodeServer::Impl {
     // A request payload is received (and dropped); payload_bytes come back as the reply's.
     auto scratch = std::make_shared<std::vector<std::byte>>(
         std::max<size_t>(call.payload_bytes(), request->payload_bytes()));
-    auto shared = std::make_shared<ServerCall>(std::move(call));
+    auto shared = std::make_shared<TimedCall>(std::move(call));
     auto reply = [shared, request, scratch] {
       wire::EchoReply echo;
       echo.set_body(request->body());
+      // Timed until the reply and its payload have left, as GetBlock.
       ReplyWith(*shared, echo, std::span<const std::byte>(*scratch).first(request->payload_bytes()),
-                nullptr, [scratch](Status) {});
+                nullptr,
+                [scratch, stopwatch = shared->TakeStopwatch()](Status) { stopwatch.Stop(); });
     };
     if (shared->payload_bytes() == 0) {
       reply();
@@ -669,10 +812,12 @@ class NodeServer::Impl {
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;
   bool sweeper_stop_ = false;
-  std::atomic<uint64_t> lookups_{0}, lookup_hits_{0}, lookup_misses_{0}, lookup_retries_{0},
-      blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0}, bytes_in_{0}, bytes_out_{0},
-      checksum_failures_{0}, sessions_closed_{0}, pins_released_on_close_{0},
-      stores_aborted_on_close_{0}, leases_expired_{0}, pins_released_on_expiry_{0};
+  std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
+  std::array<std::array<std::atomic<uint64_t>, kLookupCounts>, kLookupKinds> lookup_counts_{};
+  std::atomic<uint64_t> lookups_{0}, blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0},
+      bytes_in_{0}, bytes_out_{0}, checksum_failures_{0}, sessions_closed_{0},
+      pins_released_on_close_{0}, stores_aborted_on_close_{0}, leases_expired_{0},
+      pins_released_on_expiry_{0};
 };
 
 Result<std::unique_ptr<NodeServer>> NodeServer::Start(NodeOptions options) {
@@ -688,6 +833,7 @@ Status NodeServer::Shutdown() { return impl_->Shutdown(); }
 uint16_t NodeServer::port() const { return impl_->port(); }
 NodeStats NodeServer::stats() const { return impl_->stats(); }
 std::map<std::string, uint64_t> NodeServer::Counters() const { return impl_->Counters(); }
+std::vector<MethodLatency> NodeServer::Latencies() const { return impl_->Latencies(); }
 store::TieredStore& NodeServer::store() { return impl_->store(); }
 bool NodeServer::shares_cpu_memory() const { return impl_->shares_cpu_memory(); }
 

@@ -88,7 +88,7 @@ class TieredStore::IoPool {
 struct TieredStore::Counters {
   std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
       cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
-      failed_cascade_calls{0};
+      failed_cascade_calls{0}, cpu_evictions{0};
 
   // One lock for tier decisions: a key moves between the tiers' indexes atomically with
   // respect to lookups (it is never absent from both while in transit).
@@ -183,6 +183,7 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   const OffloadKey keys[] = {key};
   StorePlan plan;
   if (!cpu_->PrepareStore(keys, &plan).ok()) return LookupResult::kMiss;  // no CPU room
+  counters_->cpu_evictions += plan.evicted.size();  // gone even if the promotion fails below
   std::vector<SlotId> ssd_slots;
   if (!ssd_->PrepareLoad(keys, &ssd_slots).ok()) {
     cpu_->CompleteStore(keys, false);
@@ -380,6 +381,7 @@ Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* pl
   {
     MutexLock lock(&counters_->mu);
     KVSTASH_RETURN_IF_ERROR(cpu_->PrepareStore(keys, plan));
+    counters_->cpu_evictions += plan->evicted.size();
     if (ssd_ && cascade_ == CascadeMode::kWriteBack) {
       deferred.evicted = plan->evicted;
       deferred.evicted_slots = plan->evicted_slots;
@@ -477,6 +479,7 @@ TieredStoreStats TieredStore::stats() const {
   s.cascade_failures = counters_->cascade_failures;
   s.writebacks_staged = counters_->writebacks_staged;
   s.writebacks_inline = counters_->writebacks_inline;
+  s.cpu_evictions = counters_->cpu_evictions;
   return s;
 }
 

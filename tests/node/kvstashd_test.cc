@@ -90,7 +90,34 @@ TEST(KvstashdTest, MetricsMoveUnderLoadAndHealthAnswers) {
   EXPECT_THAT(busy, HasSubstr("kvstash_blocks{tier=\"cpu\"} 3"));
   EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"in\"} 196608"));
   EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"out\"} 65536"));
-  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{result=\"miss\"} 1"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"per_key\",result=\"miss\"} 1"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"per_key\",result=\"hit\"} 1"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"prefix\",result=\"hit\"} 0"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_bytes{tier=\"cpu\"} 196608"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_evictions_total{tier=\"cpu\"} 0"));
+  // One latency histogram per method; the puts' replies are counted before the client has them
+  // (a get's only once its payload is sent, which may come after: not checked here).
+  EXPECT_THAT(busy, HasSubstr("# TYPE kvstash_request_seconds histogram"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_count{method=\"put_block\"} 3"));
+  EXPECT_THAT(busy,
+              HasSubstr("kvstash_request_seconds_bucket{method=\"put_block\",le=\"+Inf\"} 3"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_bucket{method=\"lookup\",le=\"1\"} 1"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_count{method=\"touch\"} 0"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_sum{method=\"commit\"} "));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
+// A daemon whose CPU tier overflows counts the blocks it evicted.
+TEST(KvstashdTest, MetricsCountEvictions) {
+  Daemon daemon({"--block-bytes", "64KiB", "--cpu-bytes", "256KiB"}, /*sizes=*/false);
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient client(daemon.port(), "tenant", "", "", kBlock);
+  client.Store({1, 2, 3, 4});
+  client.Store({5, 6});
+  const std::string metrics = HttpGet(daemon.metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("kvstash_evictions_total{tier=\"cpu\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_evictions_total{tier=\"ssd\"} 0"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_blocks{tier=\"cpu\"} 4"));
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }
 

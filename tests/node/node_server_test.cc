@@ -6,10 +6,15 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
 
+#include <algorithm>
+#include <sstream>
 #include <thread>
 
+#include "kvstash/common/logging.h"
 #include "node_test_client.h"
+#include "temp_dir.h"
 
 namespace kvstash::node {
 namespace {
@@ -18,6 +23,7 @@ using namespace std::chrono_literals;
 using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
 using ::kvstash::testing::NodeTestClient;
+using ::kvstash::testing::TempDir;
 using ::kvstash::testing::WireKey;
 using ::testing::HasSubstr;
 using transport::CallOptions;
@@ -29,7 +35,8 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override { StartNode(16); }
 
   void StartNode(size_t cpu_blocks,
-                 std::chrono::milliseconds lease = std::chrono::milliseconds(30000)) {
+                 std::chrono::milliseconds lease = std::chrono::milliseconds(30000),
+                 std::optional<store::SsdTierOptions> ssd = std::nullopt) {
     NodeOptions options;
     options.server.transport.tls = GetParam();
     options.server.auth_token = "token";
@@ -38,6 +45,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     options.store.cpu_capacity_blocks = cpu_blocks;
     options.store.prefault = false;
     options.lease_timeout = lease;
+    options.store.ssd = std::move(ssd);
     auto node = NodeServer::Start(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
@@ -313,6 +321,198 @@ TEST_P(NodeServerTest, SilentClientLosesItsPinsAndStoresAfterTheLease) {
   *get.mutable_key() = WireKey(1);
   EXPECT_EQ(silent->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr).code(),
             StatusCode::kFailedPrecondition);
+}
+
+// Each lookup kind counts under its own name; the totals are their sums. Scans count their
+// hit_length keys as hits (a window's may include misses before it), the rest as misses, and a
+// scan answered RETRY as one retry.
+TEST_P(NodeServerTest, LookupsAreCountedByKind) {
+  auto client = Client("tenant");
+  ASSERT_NE(client, nullptr);
+  client->Store({1, 2, 3});
+  wire::PrepareStoreRequest prepare;  // 50 is being written: lookups of it answer RETRY
+  *prepare.add_keys() = WireKey(50);
+  ASSERT_TRUE(
+      client->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
+
+  EXPECT_THAT(client->PerKey({1, 2, 99, 50}),
+              ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_MISS,
+                                     wire::LOOKUP_RETRY));
+  wire::LookupRequest scans;
+  auto scan = [&](wire::LookupMode mode, std::vector<uint64_t> keys, uint32_t window = 0) {
+    wire::Lookup* lookup = scans.add_lookups();
+    lookup->set_mode(mode);
+    lookup->set_window_size(window);
+    for (uint64_t k : keys) *lookup->add_keys() = WireKey(k);
+  };
+  scan(wire::LOOKUP_MODE_PREFIX, {1, 2, 99, 3});          // 2 hits, 2 misses
+  scan(wire::LOOKUP_MODE_PREFIX, {1, 50, 2});             // a retry
+  scan(wire::LOOKUP_MODE_WINDOW, {99, 98, 1, 2, 97}, 2);  // 4 hits (to the end of 1, 2), 1 miss
+  scan(wire::LOOKUP_MODE_WINDOW, {50, 99}, 2);            // a retry
+  scan(wire::LOOKUP_MODE_WINDOW, {50, 99}, 2);            // another
+  wire::LookupReply scanned;
+  ASSERT_TRUE(client->Call(wire::METHOD_LOOKUP, scans, &scanned).ok());
+  ASSERT_EQ(scanned.answers_size(), 5);
+  EXPECT_EQ(scanned.answers(0).hit_length(), 2u);
+  EXPECT_TRUE(scanned.answers(1).retry());
+  EXPECT_EQ(scanned.answers(2).hit_length(), 4u);
+  EXPECT_TRUE(scanned.answers(3).retry());
+
+  const NodeStats stats = node_->stats();
+  EXPECT_EQ(stats.per_key.hits, 2u);
+  EXPECT_EQ(stats.per_key.misses, 1u);
+  EXPECT_EQ(stats.per_key.retries, 1u);
+  EXPECT_EQ(stats.prefix.hits, 2u);
+  EXPECT_EQ(stats.prefix.misses, 2u);
+  EXPECT_EQ(stats.prefix.retries, 1u);
+  EXPECT_EQ(stats.window.hits, 4u);
+  EXPECT_EQ(stats.window.misses, 1u);
+  EXPECT_EQ(stats.window.retries, 2u);
+  EXPECT_EQ(stats.lookup_hits, 8u);
+  EXPECT_EQ(stats.lookup_misses, 4u);
+  EXPECT_EQ(stats.lookup_retries, 4u);
+  EXPECT_EQ(stats.lookups, 4u + 4 + 3 + 5 + 2 + 2);
+  // The same through the Stats method.
+  wire::StatsReply reply;
+  ASSERT_TRUE(client->Call(wire::METHOD_STATS, wire::StatsRequest(), &reply).ok());
+  EXPECT_EQ(reply.counters().at("node.lookup_hits.per_key"), 2u);
+  EXPECT_EQ(reply.counters().at("node.lookup_misses.prefix"), 2u);
+  EXPECT_EQ(reply.counters().at("node.lookup_retries.window"), 2u);
+  EXPECT_EQ(reply.counters().at("node.lookup_hits"), 8u);
+}
+
+TEST_P(NodeServerTest, CpuEvictionsAreCounted) {
+  node_.reset();
+  StartNode(4);
+  auto client = Client("tenant");
+  ASSERT_NE(client, nullptr);
+  client->Store({1, 2, 3, 4});
+  EXPECT_EQ(node_->Counters().at("store.cpu_evictions"), 0u);
+  EXPECT_EQ(node_->Counters().at("cpu.resident_bytes"), 4 * kBlock);
+  client->Store({5, 6});  // the tier is full: 1 and 2 make room
+  client->Store({7});
+  EXPECT_THAT(client->PerKey({1, 2, 3}),
+              ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_MISS));
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("store.cpu_evictions"), 3u);
+  EXPECT_EQ(counters.at("ssd.evictions"), 0u);
+  EXPECT_EQ(counters.at("cpu.resident_blocks"), 4u);
+  EXPECT_EQ(counters.at("cpu.resident_bytes"), 4 * kBlock);
+}
+
+TEST_P(NodeServerTest, SsdEvictionsAreCounted) {
+  TempDir dir;
+  store::SsdTierOptions ssd;
+  ssd.dir = dir / "ssd";
+  ssd.capacity_bytes = 2 * kBlock;  // two blocks
+  node_.reset();
+  StartNode(8, std::chrono::milliseconds(30000), ssd);
+  auto client = Client("tenant");
+  ASSERT_NE(client, nullptr);
+  // Write-through: each commit cascades its block to SSD; the third makes room there.
+  for (uint64_t k : {1, 2, 3}) {
+    client->Store({k});
+    node_->store().WaitIdle();
+  }
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("store.cascades_done"), 3u);
+  EXPECT_EQ(counters.at("ssd.evictions"), 1u);
+  EXPECT_EQ(counters.at("ssd.resident_blocks"), 2u);
+  EXPECT_EQ(counters.at("ssd.resident_bytes"), 2 * kBlock);
+  EXPECT_EQ(counters.at("store.cpu_evictions"), 0u);
+  node_.reset();  // before the directory goes
+}
+
+// The latency histogram of each method counts every reply of that method, errors included,
+// and its sum lies within the bounds of the buckets its requests fell in.
+TEST_P(NodeServerTest, RequestLatenciesAreCountedPerMethod) {
+  auto client = Client("tenant");
+  ASSERT_NE(client, nullptr);
+  client->Store({1, 2});  // prepare_store, put_block x2, commit
+  client->PerKey({1});
+  client->PerKey({2, 3});
+  client->PerKey({4});
+  EXPECT_TRUE(client->ReadBack(1));  // load, get_block, release
+  wire::GetBlockRequest unpinned;    // get_block answered FailedPrecondition
+  *unpinned.mutable_key() = WireKey(2);
+  EXPECT_EQ(client->Call(wire::METHOD_GET_BLOCK, unpinned, (wire::GetBlockReply*)nullptr).code(),
+            StatusCode::kFailedPrecondition);
+  const std::string garbage = "\xff\xff not a protobuf";  // commit answered InvalidArgument
+  EXPECT_EQ(client->rpc()
+                .CallSync(wire::METHOD_COMMIT, std::as_bytes(std::span(garbage)), {}, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  wire::EchoRequest echo;  // a reply with a payload, timed until it is sent
+  echo.set_payload_bytes(1000);
+  std::vector<std::byte> echoed(1000);
+  CallOptions receive;
+  receive.recv_payload = echoed;
+  ASSERT_TRUE(client->Call(wire::METHOD_ECHO, echo, (wire::EchoReply*)nullptr, receive).ok());
+
+  const std::map<std::string, uint64_t> expected = {
+      {"lookup", 3},    {"prepare_store", 1}, {"put_block", 2}, {"commit", 2}, {"load", 1},
+      {"get_block", 2}, {"release", 1},       {"touch", 0},     {"stats", 0},  {"echo", 1}};
+  auto counts = [&] {
+    std::map<std::string, uint64_t> out;
+    for (const MethodLatency& m : node_->Latencies()) out[m.method] = m.count;
+    return out;
+  };
+  // Replies with a payload are counted when the transport reports them sent, which may come
+  // just after the client has them.
+  for (int i = 0; i < 200 && counts() != expected; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(counts(), expected);
+
+  // A request in bucket i took more than bound i-1 and at most bound i.
+  for (const MethodLatency& m : node_->Latencies()) {
+    uint64_t in_buckets = 0;
+    std::chrono::nanoseconds low{0}, high{0};
+    for (size_t i = 0; i < m.buckets.size(); ++i) {
+      const auto n = static_cast<int64_t>(m.buckets[i]);
+      in_buckets += m.buckets[i];
+      if (i > 0) low += n * std::chrono::nanoseconds(kLatencyBuckets[i - 1]);
+      if (i < kLatencyBuckets.size()) high += n * std::chrono::nanoseconds(kLatencyBuckets[i]);
+    }
+    EXPECT_EQ(in_buckets, m.count) << m.method;
+    EXPECT_GE(m.sum, low) << m.method;
+    if (m.buckets.back() == 0) {  // else unbounded
+      EXPECT_LE(m.sum, high) << m.method;
+    }
+    if (m.count != 0) {
+      EXPECT_GT(m.sum.count(), 0) << m.method;
+    }
+  }
+}
+
+// A refused client is logged with the name and namespace it gave and its address, never with
+// the token it tried; the refusal is counted.
+TEST_P(NodeServerTest, RefusalLogNamesTheClientNotTheToken) {
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  // The logger's sinks change only while no thread of this test's node or clients runs.
+  node_.reset();
+  internal::Logger()->sinks().push_back(sink);
+  StartNode(4);
+  {
+    transport::ClientOptions options;
+    options.port = node_->port();
+    options.auth_token = "guess-7f3a";
+    options.key_namespace = "tenant-blue";
+    options.client_name = "engine \"7\"";
+    options.transport.tls = GetParam();
+    auto intruder = transport::RpcClient::Create(options);
+    ASSERT_TRUE(intruder.ok()) << intruder.status().ToString();
+    EXPECT_EQ((*intruder)->Connect().code(), StatusCode::kUnauthenticated);
+  }
+  EXPECT_EQ(node_->Counters().at("transport.refused"), 1u);
+  node_.reset();
+  auto& sinks = internal::Logger()->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), sink), sinks.end());
+  const std::string text = log.str();
+  EXPECT_THAT(text, HasSubstr("refused a client: UNAUTHENTICATED"));
+  EXPECT_THAT(text, HasSubstr("client \"engine \\\"7\\\"\""));  // escaped
+  EXPECT_THAT(text, HasSubstr("namespace \"tenant-blue\""));
+  EXPECT_THAT(text, HasSubstr("from 127.0.0.1:"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("guess-7f3a")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, NodeServerTest, ::testing::Values("shm", "tcp"),

@@ -111,6 +111,20 @@ bool ConstantTimeEqual(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
+// At most 64 bytes of a string a client sent, for a log line (formatted with {:?}, escaped).
+std::string_view Printable(std::string_view s) { return s.substr(0, 64); }
+
+// "ADDRESS:PORT" of the socket's peer, for logs.
+std::string PeerOf(const asio::ip::tcp::socket& socket) {
+  asio::error_code error;
+  const asio::ip::tcp::endpoint peer = socket.remote_endpoint(error);
+  if (error) return fmt::format("an unknown address ({})", error.message());
+  if (peer.address().is_v6()) {
+    return fmt::format("[{}]:{}", peer.address().to_string(), peer.port());
+  }
+  return fmt::format("{}:{}", peer.address().to_string(), peer.port());
+}
+
 }  // namespace
 
 class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
@@ -534,7 +548,12 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       refused = worker_->CreateEndpoint(&params, &ep, "opening a UCX endpoint to the client");
     }
     if (!refused.ok()) {
-      KVSTASH_LOG_WARN("refused a client: {}", refused.ToString());
+      // Who was refused, so an operator can find the misconfigured engine: the name and
+      // namespace the client gave (escaped and cut short: they are the client's bytes) and
+      // where it connected from. Never the token it sent.
+      KVSTASH_LOG_WARN("refused a client: {} (client {:?}, namespace {:?}, from {})",
+                       refused.ToString(), Printable(hello.client_name()),
+                       Printable(hello.namespace_()), PeerOf(connection->socket));
       reply.mutable_error()->set_code(ToWire(refused.code()));
       reply.mutable_error()->set_message(std::string(refused.message()));
       AsyncWriteMessage(connection->socket, reply, [connection](Status) {

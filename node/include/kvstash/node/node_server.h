@@ -12,11 +12,13 @@
 // directly (see transport/rpc.h); where that memory cannot be had, the store maps its own and
 // payloads go by UCX rendezvous.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvstash/common/status.h"
 #include "kvstash/store/tiered_store.h"
@@ -32,12 +34,25 @@ struct NodeOptions {
   std::chrono::milliseconds lease_timeout{30000};
 };
 
+// Lookup results of one lookup kind (wire.LookupMode). A per-key lookup counts each key's
+// result. A prefix or window scan counts its hit_length keys as hits and the rest of its keys
+// as misses, or, when it answers RETRY (a block of it is being written or promoted), one retry
+// and no keys: a scan has no per-key answer to count.
+struct LookupCounts {
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t retries = 0;
+};
+
 // Counters since start. Monotonic.
 struct NodeStats {
-  uint64_t lookups = 0;  // keys looked up (every mode)
-  uint64_t lookup_hits = 0;
+  uint64_t lookups = 0;      // keys looked up (every mode)
+  uint64_t lookup_hits = 0;  // the sums over the three kinds below
   uint64_t lookup_misses = 0;
   uint64_t lookup_retries = 0;
+  LookupCounts per_key;
+  LookupCounts prefix;
+  LookupCounts window;
   uint64_t blocks_stored = 0;  // committed
   uint64_t blocks_aborted = 0;
   uint64_t blocks_loaded = 0;  // GetBlock replies sent
@@ -49,6 +64,33 @@ struct NodeStats {
   uint64_t stores_aborted_on_close = 0;  // preparations a closed session never committed
   uint64_t leases_expired = 0;           // silent sessions whose pins and stores were undone
   uint64_t pins_released_on_expiry = 0;
+};
+
+// The upper bounds of the request latency buckets (inclusive, as Prometheus' `le`); latencies
+// above the last fall in an overflow bucket. Steps of x2 to x2.5 from 5 us to 1 s: a shared
+// memory round trip takes some microseconds, a rendezvous of a large block milliseconds.
+inline constexpr std::array<std::chrono::microseconds, 17> kLatencyBuckets = {
+    std::chrono::microseconds(5),      std::chrono::microseconds(10),
+    std::chrono::microseconds(25),     std::chrono::microseconds(50),
+    std::chrono::microseconds(100),    std::chrono::microseconds(250),
+    std::chrono::microseconds(500),    std::chrono::microseconds(1000),
+    std::chrono::microseconds(2500),   std::chrono::microseconds(5000),
+    std::chrono::microseconds(10000),  std::chrono::microseconds(25000),
+    std::chrono::microseconds(50000),  std::chrono::microseconds(100000),
+    std::chrono::microseconds(250000), std::chrono::microseconds(500000),
+    std::chrono::microseconds(1000000)};
+
+// The latencies of one wire method since start: from the handler's dispatch until its reply
+// was handed to the transport; for a reply with a payload (GetBlock's block) until the payload
+// was sent (or, over shared memory, copied by the client), and for PutBlock including the
+// arrival of its payload. A call dropped without a reply (the transport answers Internal) is
+// not counted.
+struct MethodLatency {
+  std::string method;  // "lookup", "prepare_store", "put_block", ... (wire.Method in lower case)
+  // Requests per bucket of kLatencyBuckets (not cumulative); the last is the overflow.
+  std::array<uint64_t, kLatencyBuckets.size() + 1> buckets{};
+  uint64_t count = 0;  // the sum of `buckets`
+  std::chrono::nanoseconds sum{0};
 };
 
 class NodeServer {
@@ -69,6 +111,10 @@ class NodeServer {
   NodeStats stats() const;
   // The counters of wire.StatsReply: the node's, the store's and the transport's.
   std::map<std::string, uint64_t> Counters() const;
+  // The request latencies of every wire method the node serves, in method order. Reads atomic
+  // counters while requests go on: a request being recorded may show in its bucket before it
+  // shows in `sum`. Thread-safe.
+  std::vector<MethodLatency> Latencies() const;
   store::TieredStore& store();
   // True when the CPU tier lives in memory shared through the transport.
   bool shares_cpu_memory() const;

@@ -64,6 +64,9 @@ struct TieredStoreStats {
   uint64_t cascade_failures = 0;    // blocks the SSD tier could not take (full, no space)
   uint64_t writebacks_staged = 0;   // write-back blocks copied to staging
   uint64_t writebacks_inline = 0;   // write-back blocks written by the evicting call
+  // Blocks the CPU tier evicted to make room for stores and promotions (under write-back they
+  // go to SSD; the SSD tier counts its own evictions in SsdTierStats).
+  uint64_t cpu_evictions = 0;
 };
 
 // The store of one offload node, with the tiering of reference §5 adapted to one node:
