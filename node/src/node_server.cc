@@ -635,10 +635,11 @@ class NodeServer::Impl {
       if (!store_->PrepareLoad(std::span(&key, 1), &blocks).ok()) {
         store::LookupResult found = store::LookupResult::kMiss;
         store_->Lookup(std::span(&key, 1), std::span(&found, 1));  // starts a promotion
+        // A hit here means a promotion landed between the two calls: ask again too.
         call.ReplyError(
-            found == store::LookupResult::kRetry
-                ? AbortedError("block {} is on SSD and being promoted; ask again", key.ToString())
-                : NotFoundError("block {} is not on this node", key.ToString()));
+            found == store::LookupResult::kMiss
+                ? NotFoundError("block {} is not on this node", key.ToString())
+                : AbortedError("block {} is on SSD and being promoted; ask again", key.ToString()));
         return;
       }
       block = blocks[0];
