@@ -258,27 +258,53 @@ class NodeClient::Impl {
     return first;
   }
 
-  // One GetBlock that pins the block for its transfer. A block the node is promoting from SSD
-  // is asked for again until the deadline.
-  Result<size_t> Get(const BlockKey& key, transport::MutableBytes out) {
-    const size_t n = NodeOf(key);
-    wire::GetBlockRequest get;
-    *get.mutable_key() = ToWire(key);
-    get.set_pin(true);
-    CallOptions options;
-    options.recv_payload = out;
+  // One GetBlock per key that pins the block for its transfer, all in flight at once. Blocks
+  // a node is promoting from SSD are asked for again until the timeout.
+  std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
+                                  std::span<const transport::MutableBytes> outs) {
+    std::vector<Result<size_t>> results(keys.size(), Result<size_t>(size_t{0}));
+    if (keys.size() != outs.size()) {
+      for (auto& r : results) {
+        r = InvalidArgumentError("{} keys for {} buffers", keys.size(), outs.size());
+      }
+      return results;
+    }
+    std::vector<size_t> pending(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) pending[i] = i;
     const auto give_up = transport::Clock::now() + options_.timeout;
     for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
-      size_t payload = 0;
-      const Status got = CallSync(n, wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr,
-                                  options, &payload);
-      if (got.ok()) return payload;
-      if (got.code() == StatusCode::kNotFound) {
-        return NotFoundError("node {} does not hold block {}", node_name(n), key.ToString());
+      std::vector<std::future<Outcome>> calls;
+      calls.reserve(pending.size());
+      for (size_t i : pending) {
+        wire::GetBlockRequest get;
+        *get.mutable_key() = ToWire(keys[i]);
+        get.set_pin(true);
+        CallOptions options;
+        options.recv_payload = outs[i];
+        calls.push_back(Start(NodeOf(keys[i]), wire::METHOD_GET_BLOCK, get, options));
       }
-      if (got.code() != StatusCode::kAborted || transport::Clock::now() + pause > give_up) {
-        return got;
+      std::vector<size_t> again;
+      for (size_t j = 0; j < pending.size(); ++j) {
+        const size_t i = pending[j];
+        const size_t n = NodeOf(keys[i]);
+        const Outcome outcome = calls[j].get();
+        const Status& got = outcome.status;
+        if (got.ok()) {
+          results[i] = outcome.payload_bytes;
+        } else if (got.code() == StatusCode::kNotFound) {
+          results[i] =
+              NotFoundError("node {} does not hold block {}", node_name(n), keys[i].ToString());
+        } else if (got.code() == StatusCode::kAborted &&
+                   transport::Clock::now() + pause <= give_up) {
+          again.push_back(i);
+        } else {
+          if (Unreachable(got)) unreachable_.fetch_add(1, std::memory_order_relaxed);
+          results[i] = Status(got.code(), fmt::format("node {}: block {}: {}", node_name(n),
+                                                      keys[i].ToString(), got.message()));
+        }
       }
+      if (again.empty()) return results;
+      pending = std::move(again);
       std::this_thread::sleep_for(pause);
     }
   }
@@ -332,7 +358,11 @@ Status NodeClient::Put(std::span<const BlockKey> keys, std::span<const transport
   return impl_->Put(keys, blocks);
 }
 Result<size_t> NodeClient::Get(const BlockKey& key, transport::MutableBytes out) {
-  return impl_->Get(key, out);
+  return std::move(impl_->Get(std::span(&key, 1), std::span(&out, 1))[0]);
+}
+std::vector<Result<size_t>> NodeClient::Get(std::span<const BlockKey> keys,
+                                            std::span<const transport::MutableBytes> outs) {
+  return impl_->Get(keys, outs);
 }
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(size_t node) {
   return impl_->Stats(node);

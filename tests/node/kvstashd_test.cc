@@ -314,6 +314,7 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
       {{"--log-level", "loud"}, "log-level"},
       {{"--max-payload-bytes", "1K"}, "max-payload-bytes"},
       {{"--lease-timeout-ms", "0"}, "lease-timeout-ms"},
+      {{"--spin-us", "-1"}, "spin-us"},
       {{"--metrics-address", "nowhere"}, "metrics-address"},
       {{"--config", unknown}, "cpu_policy"},
       {{"--no-such-flag"}, "--no-such-flag"},
@@ -337,8 +338,8 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
   for (const char* flag :
        {"--config", "--listen", "--port", "--tls", "--block-bytes", "--cpu-bytes", "--cpu-policy",
         "--ssd-dir", "--ssd-bytes", "--ssd-policy", "--cascade", "--auth-token",
-        "--auth-token-file", "--max-keys-per-request", "--lease-timeout-ms", "--metrics-address",
-        "--log-level", "SIGTERM"}) {
+        "--auth-token-file", "--max-keys-per-request", "--lease-timeout-ms", "--spin-us",
+        "--metrics-address", "--log-level", "SIGTERM"}) {
     EXPECT_THAT(r.out, HasSubstr(flag));
   }
 }

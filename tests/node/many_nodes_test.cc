@@ -96,6 +96,22 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
   }
   const std::vector<KeyState> before = client.Lookup(keys);
   EXPECT_EQ(std::count(before.begin(), before.end(), KeyState::kHit), kKeys);
+  {
+    // A batched read across the nodes: each block where it belongs, a never-stored key NotFound.
+    std::vector<BlockKey> batch = {keys[3], keys[40], keys[11], BlockKey{{999, 999}, 0}};
+    std::vector<std::vector<std::byte>> bufs(batch.size(), std::vector<std::byte>(kBlock));
+    std::vector<transport::MutableBytes> outs(bufs.begin(), bufs.end());
+    const auto got = client.Get(batch, outs);
+    ASSERT_EQ(got.size(), 4u);
+    for (int i : {0, 1, 2}) {
+      ASSERT_TRUE(got[i].ok()) << got[i].status().ToString();
+      EXPECT_EQ(*got[i], kBlock);
+    }
+    EXPECT_TRUE(MatchesPattern(3, bufs[0]));
+    EXPECT_TRUE(MatchesPattern(40, bufs[1]));
+    EXPECT_TRUE(MatchesPattern(11, bufs[2]));
+    EXPECT_EQ(got[3].status().code(), StatusCode::kNotFound) << got[3].status().ToString();
+  }
   std::vector<std::byte> out(kBlock);
   for (int k : {0, 17, 47}) {
     auto got = client.Get(keys[k], out);

@@ -91,6 +91,14 @@ TEST_F(NodeCliTest, BenchNodeStoresAndVerifiesUnderConcurrentClients) {
   EXPECT_EQ(doc["mismatches"], 0);
   EXPECT_GT(doc["gbps"].get<double>(), 0.0);
   EXPECT_THAT(r.err, HasSubstr("GB/s"));  // the progress line
+  // Batches of 4 blocks, each client on its own worker.
+  auto batched = Run({"bench", "node", "--node", node_, "--token", "tk", "--clients", "2",
+                      "--workers", "0", "--batch", "4", "--seconds", "1", "--json"});
+  ASSERT_EQ(batched.exit_code, 0) << batched.err;
+  const auto b = nlohmann::json::parse(batched.out);
+  EXPECT_EQ(b["puts"].get<uint64_t>() % 4, 0u);
+  EXPECT_GT(b["gets"].get<uint64_t>(), 0u);
+  EXPECT_EQ(b["mismatches"], 0);
   auto bad = Run({"bench", "node", "--node", node_, "--clients", "0"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.err, HasSubstr("--clients"));

@@ -34,6 +34,8 @@ struct BenchNodeFlags {
   double read_share = 0.5;
   int keys_per_client = 64;
   int workers = 1;
+  int spin_us = 200;
+  int batch = 1;
   bool json = false;
 };
 
@@ -92,53 +94,76 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
     return totals;
   }
   std::mt19937_64 random(static_cast<uint64_t>(id) * 7919 + 1);
-  // 8-byte aligned for the pattern's words.
-  std::vector<uint64_t> words((block_bytes + 7) / 8);
-  const std::span<std::byte> block = std::as_writable_bytes(std::span(words)).first(block_bytes);
+  const size_t batch = static_cast<size_t>(flags.batch);
+  // --batch blocks, each 8-byte aligned for the pattern's words.
+  const size_t words_per_block = (block_bytes + 7) / 8;
+  std::vector<uint64_t> words(words_per_block * batch);
+  std::vector<std::span<std::byte>> blocks;
+  std::vector<transport::MutableBytes> outs;
+  std::vector<transport::Bytes> ins;
+  for (size_t b = 0; b < batch; ++b) {
+    blocks.push_back(
+        std::as_writable_bytes(std::span(words).subspan(b * words_per_block)).first(block_bytes));
+    outs.push_back(blocks.back());
+    ins.push_back(blocks.back());
+  }
+  std::vector<BlockKey> keys(batch);
+  // The client's most recent --keys-per-client stored keys (a ring): reads pick among them.
   std::vector<uint64_t> stored;
+  size_t next_slot = 0;
+  uint64_t sequence = 0;
   while (!shared.stop.load(std::memory_order_relaxed)) {
     const bool read =
         !stored.empty() && std::uniform_real_distribution<double>(0, 1)(random) < flags.read_share;
     const auto start = Clock::now();
     if (read) {
-      const uint64_t k = stored[random() % stored.size()];
-      BlockKey key;
-      key.hash.lo = k;
-      auto got = (*client)->Get(key, block);
+      for (BlockKey& key : keys) key.hash.lo = stored[random() % stored.size()];
+      const std::vector<Result<size_t>> got = (*client)->Get(keys, outs);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-      if (!got.ok()) {
-        // An evicted block is a miss, not an error: the nodes are caches.
-        if (got.status().code() == StatusCode::kNotFound) {
-          ++totals.misses;
-        } else {
-          ++totals.errors;
-          shared.errors.fetch_add(1);
+      uint64_t read_ok = 0;
+      for (size_t b = 0; b < batch; ++b) {
+        if (!got[b].ok()) {
+          // An evicted block is a miss, not an error: the nodes are caches.
+          if (got[b].status().code() == StatusCode::kNotFound) {
+            ++totals.misses;
+          } else {
+            ++totals.errors;
+            shared.errors.fetch_add(1);
+          }
+          continue;
         }
-        continue;
+        if (*got[b] != block_bytes || !Matches(keys[b].hash.lo, blocks[b])) {
+          ++totals.mismatches;
+          shared.mismatches.fetch_add(1);
+        }
+        ++read_ok;
       }
-      if (*got != block_bytes || !Matches(k, block)) {
-        ++totals.mismatches;
-        shared.mismatches.fetch_add(1);
-      }
-      ++totals.gets;
-      shared.gets.fetch_add(1);
+      totals.gets += read_ok;
+      shared.gets.fetch_add(read_ok);
       totals.get_us.push_back(us);
     } else {
-      const uint64_t k = (static_cast<uint64_t>(id + 1) << 32) | (random() % flags.keys_per_client);
-      BlockKey key;
-      key.hash.lo = k;
-      Fill(k, block);
-      const transport::Bytes bytes = block;
-      const Status put = (*client)->Put(std::span(&key, 1), std::span(&bytes, 1));
+      // New keys every time, as an engine offloads new blocks: every put moves its bytes, and
+      // the nodes evict the oldest when full.
+      for (size_t b = 0; b < batch; ++b) {
+        keys[b].hash.lo = (static_cast<uint64_t>(id + 1) << 40) | sequence++;
+        Fill(keys[b].hash.lo, blocks[b]);
+      }
+      const Status put = (*client)->Put(keys, ins);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!put.ok()) {
         ++totals.errors;
         shared.errors.fetch_add(1);
         continue;
       }
-      if (std::find(stored.begin(), stored.end(), k) == stored.end()) stored.push_back(k);
-      ++totals.puts;
-      shared.puts.fetch_add(1);
+      for (const BlockKey& key : keys) {
+        if (stored.size() < static_cast<size_t>(flags.keys_per_client)) {
+          stored.push_back(key.hash.lo);
+        } else {
+          stored[next_slot++ % stored.size()] = key.hash.lo;
+        }
+      }
+      totals.puts += batch;
+      shared.puts.fetch_add(batch);
       totals.put_us.push_back(us);
     }
   }
@@ -186,6 +211,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   for (int i = 0; i < flags.workers; ++i) {
     transport::TransportOptions transport;
     transport.tls = flags.tls;
+    transport.spin_before_sleep = std::chrono::microseconds(flags.spin_us);
     auto worker = transport::ClientWorker::Create(transport);
     if (!worker.ok()) return fail(kExitFailure, worker.status().message());
     workers.push_back(std::move(*worker));
@@ -299,12 +325,23 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
                   "Share of operations that read a block the client stored (0..1)")
       ->capture_default_str();
   cmd->add_option("--keys-per-client", flags->keys_per_client,
-                  "Distinct keys each client writes (overwrites of a key the node holds are "
-                  "skipped by the node)")
+                  "Reads pick among each client's last this many stored blocks (every put stores "
+                  "a new key; the nodes evict the oldest when full, and reads of evicted blocks "
+                  "count as misses)")
       ->capture_default_str();
   cmd->add_option("--workers", flags->workers,
                   "UCX workers (each with its progress thread) the clients share, round-robin; "
                   "0: one per client. One per process is how engines run")
+      ->capture_default_str();
+  cmd->add_option("--batch", flags->batch,
+                  "Blocks per operation: a put stores this many new blocks, a read reads this "
+                  "many, all in flight at once (as an engine moves a step's blocks); latency is "
+                  "per operation")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  cmd->add_option("--spin-us", flags->spin_us,
+                  "How long each worker's progress thread polls before it sleeps (us)")
+      ->check(CLI::Range(0, 100000))
       ->capture_default_str();
   cmd->add_option("--namespace", flags->key_namespace, "Key namespace")->capture_default_str();
   cmd->add_option("--token", flags->token, "The nodes' auth token");

@@ -83,6 +83,9 @@ class NodeClient {
   // the node is promoting from SSD is asked for again until the timeout. NotFound when its node
   // does not hold it (or cannot be reached: then Unavailable).
   Result<size_t> Get(const BlockKey& key, transport::MutableBytes out);
+  // Reads blocks[i] of keys[i] into outs[i], all in flight at once; per key, as Get.
+  std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
+                                  std::span<const transport::MutableBytes> outs);
 
   // The node's counters (wire.StatsReply).
   Result<std::map<std::string, uint64_t>> Stats(size_t node);

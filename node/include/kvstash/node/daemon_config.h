@@ -36,6 +36,7 @@ struct DaemonFlags {
   std::string log_level = "info";
   std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
   int lease_timeout_ms = 30000;
+  int spin_us = 200;
 };
 
 // Adds every flag (and --config) to `app`, bound to `flags`.
