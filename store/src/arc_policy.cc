@@ -83,28 +83,15 @@ class ArcPolicy final : public ReplacementPolicy {
       if (entries_[id].list == kT1) --virtual_t1;
       victims->push_back(id);
     }
-    // Evicted keys become ghosts, in choice order; each ghost list keeps its newest `capacity`
-    // keys, trimmed before the manager inserts the new keys (as vLLM does). No call evicts more
-    // than `capacity` blocks, so the keys trimmed are all old ghosts and can go first, together.
-    size_t pushes[2] = {0, 0};
-    hashes_.clear();
-    for (size_t i = first; i < victims->size(); ++i) {
-      const Entry& e = entries_[(*victims)[i]];
-      ++pushes[e.list == kT1 ? kB1 : kB2];
-      hashes_.push_back(KeyHash(e.key));
-      ghosts_.Prefetch(hashes_.back());
-    }
-    for (uint32_t list : {kB1, kB2}) {
-      const size_t size = ghosts_.size(list);
-      if (size + pushes[list] > capacity_) ghosts_.PopLru(list, size + pushes[list] - capacity_);
-    }
-    for (size_t i = first; i < victims->size(); ++i) {
-      const Entry& e = entries_[(*victims)[i]];
-      ghosts_.PushMru(e.list == kT1 ? kB1 : kB2, e.key, hashes_[i - first], 0);
-    }
+    MakeGhosts(std::span<const uint32_t>(*victims).subspan(first));
     t1_.EndScan(true);
     t2_.EndScan(true);
     return true;
+  }
+
+  void EvictChosen(std::span<const uint32_t> ids) override {
+    MakeGhosts(ids);
+    for (uint32_t id : ids) List(id).Remove(id);
   }
 
   void Clear() override {
@@ -141,6 +128,28 @@ class ArcPolicy final : public ReplacementPolicy {
 
  private:
   RecencyList& List(uint32_t id) { return entries_[id].list == kT1 ? t1_ : t2_; }
+
+  // Evicted keys become ghosts, in choice order; each ghost list keeps its newest `capacity`
+  // keys, trimmed before the manager inserts the new keys (as vLLM does). No call evicts more
+  // than `capacity` blocks, so the keys trimmed are all old ghosts and can go first, together.
+  void MakeGhosts(std::span<const uint32_t> victims) {
+    size_t pushes[2] = {0, 0};
+    hashes_.clear();
+    for (uint32_t id : victims) {
+      const Entry& e = entries_[id];
+      ++pushes[e.list == kT1 ? kB1 : kB2];
+      hashes_.push_back(KeyHash(e.key));
+      ghosts_.Prefetch(hashes_.back());
+    }
+    for (uint32_t list : {kB1, kB2}) {
+      const size_t size = ghosts_.size(list);
+      if (size + pushes[list] > capacity_) ghosts_.PopLru(list, size + pushes[list] - capacity_);
+    }
+    for (size_t i = 0; i < victims.size(); ++i) {
+      const Entry& e = entries_[victims[i]];
+      ghosts_.PushMru(e.list == kT1 ? kB1 : kB2, e.key, hashes_[i], 0);
+    }
+  }
 
   Entry* const entries_;
   const size_t capacity_;

@@ -10,6 +10,7 @@
 #include "huge_array.h"
 #include "key_lists.h"
 #include "kvstash/common/mutex.h"
+#include "namespace_book.h"
 #include "policy.h"
 
 namespace kvstash::store {
@@ -115,6 +116,9 @@ class BlockManagerImpl final : public BlockManager {
                                     options.first_recency_stamp)
                     : MakeLruPolicy(entries_.data(), options.capacity_blocks,
                                     options.first_recency_stamp)) {
+    if (options.count_namespaces || !options.quotas.empty()) {
+      book_ = std::make_unique<NamespaceBook>(options.quotas, options.capacity_blocks);
+    }
     if (options.store_threshold >= 2) {
       tracker_ = std::make_unique<KeyLists>(options.max_tracker_size, 1);
     }
@@ -201,9 +205,12 @@ class BlockManagerImpl final : public BlockManager {
   void Touch(std::span<const OffloadKey> keys) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = WalkForTouch(keys);
+    const bool quotas = book_ && book_->has_quotas();
     for (size_t i = keys.size(); i-- > 0;) {
       const uint64_t hash = walk.Next();
-      policy_->Touch(keys[i], hash, FindHashed(keys[i], hash));
+      const uint32_t id = FindHashed(keys[i], hash);
+      policy_->Touch(keys[i], hash, id);
+      if (quotas && id != kNoId) book_->Touch(id, keys[i].namespace_id);
     }
   }
 
@@ -213,6 +220,8 @@ class BlockManagerImpl final : public BlockManager {
     plan->slots.clear();
     plan->evicted.clear();
     plan->evicted_slots.clear();
+    plan->quota_namespace = 0;
+    plan->quota_refused = 0;
 
     // Keys to store (absent, once each) and keys to protect (every key of the call that passes
     // the reuse filter, stored or not).
@@ -232,10 +241,22 @@ class BlockManagerImpl final : public BlockManager {
         plan->keys_to_store.push_back(keys[i]);
       }
     }
-    const size_t free_slots = free_count_ + (capacity_ - fresh_used_);
+    // A namespace at its quota makes room among its own blocks first (marked, so that the
+    // policy does not choose them too); they free slots for the call like any victim.
+    own_victims_.clear();
+    if (book_ && book_->has_quotas() && !plan->keys_to_store.empty()) {
+      Status within = ChooseOwnVictims(plan);
+      if (!within.ok()) {
+        Unmark();
+        plan->keys_to_store.clear();
+        call_keys_.Trim();
+        return within;
+      }
+    }
+    const size_t free_slots = free_count_ + (capacity_ - fresh_used_) + own_victims_.size();
     const size_t to_store = plan->keys_to_store.size();
+    victims_.clear();
     if (to_store > free_slots) {
-      victims_.clear();
       const bool ok = policy_->Evict(to_store - free_slots, &victims_);
       Unmark();
       if (!ok) {
@@ -245,6 +266,14 @@ class BlockManagerImpl final : public BlockManager {
             "(the others are pinned, being written, or keys of this call)",
             to_store, free_slots, to_store - free_slots);
       }
+    } else {
+      Unmark();
+    }
+    if (!own_victims_.empty()) {
+      policy_->EvictChosen(own_victims_);
+      victims_.insert(victims_.end(), own_victims_.begin(), own_victims_.end());
+    }
+    if (!victims_.empty()) {
       hashes_.clear();
       for (uint32_t id : victims_) {
         hashes_.push_back(KeyHash(entries_[id].key));
@@ -260,8 +289,6 @@ class BlockManagerImpl final : public BlockManager {
       if (options_.enable_events) {
         events_.push_back({OffloadEvent::Kind::kRemoved, plan->evicted});
       }
-    } else {
-      Unmark();
     }
     call_keys_.Trim();
     for (const OffloadKey& key : plan->keys_to_store) {
@@ -273,6 +300,7 @@ class BlockManagerImpl final : public BlockManager {
       const uint64_t hash = KeyHash(key);
       index_.Insert(id, hash);
       policy_->Insert(id, hash);
+      if (book_) book_->Add(id, key.namespace_id);
       plan->slots.push_back(id);
     }
     return Status::OK();
@@ -347,6 +375,7 @@ class BlockManagerImpl final : public BlockManager {
           entries_[id].set_where(Place::kFree);
         }
         resident_ = 0;
+        if (book_) book_->Clear();
         return InvalidArgumentError("cannot restore key {}: it is given twice",
                                     block.key.ToString());
       }
@@ -358,6 +387,7 @@ class BlockManagerImpl final : public BlockManager {
       policy_->Insert(block.slot, hash);
       e.ref = 0;
       policy_->OnEvictable(block.slot);
+      if (book_) book_->Add(block.slot, block.key.namespace_id);
       ++resident_;
       ++inserted;
     }
@@ -388,6 +418,7 @@ class BlockManagerImpl final : public BlockManager {
     free_head_ = kNoId;
     free_count_ = 0;
     resident_ = 0;
+    if (book_) book_->Clear();
   }
 
   size_t capacity() const override { return capacity_; }
@@ -397,6 +428,11 @@ class BlockManagerImpl final : public BlockManager {
     return resident_;
   }
 
+  std::vector<NamespaceUsage> NamespaceUsages() const override {
+    MutexLock lock(&mu_);
+    return book_ ? book_->Usages() : std::vector<NamespaceUsage>();
+  }
+
   size_t MetadataBytes() const override {
     MutexLock lock(&mu_);
     size_t bytes = sizeof(*this) + entries_.MemoryBytes() + index_.MemoryBytes() +
@@ -404,6 +440,7 @@ class BlockManagerImpl final : public BlockManager {
                    (victims_.capacity() + scratch_ids_.capacity()) * sizeof(uint32_t) +
                    hashes_.capacity() * sizeof(uint64_t);
     if (tracker_) bytes += tracker_->MemoryBytes();
+    if (book_) bytes += book_->MemoryBytes() + own_victims_.capacity() * sizeof(uint32_t);
     return bytes;
   }
 
@@ -468,6 +505,69 @@ class BlockManagerImpl final : public BlockManager {
     return node != kNoId && tracker_->value(node) >= options_.store_threshold;
   }
 
+  // For each namespace with a ceiling that the call's new keys would take past it, chooses (and
+  // marks) its least recently used idle blocks, unmarked by this call, to evict into
+  // own_victims_. ResourceExhausted, naming the namespace, when too few are idle.
+  Status ChooseOwnVictims(StorePlan* plan) REQUIRES(mu_) {
+    // New keys per namespace: one namespace per call is the rule (a node's session), so check
+    // for that in one pass before sorting.
+    const std::vector<OffloadKey>& keys = plan->keys_to_store;
+    new_per_ns_.clear();
+    const NamespaceId first = keys[0].namespace_id;
+    if (std::all_of(keys.begin(), keys.end(),
+                    [first](const OffloadKey& k) { return k.namespace_id == first; })) {
+      new_per_ns_.emplace_back(first, keys.size());
+    } else {
+      for (const OffloadKey& k : keys) new_per_ns_.emplace_back(k.namespace_id, 1);
+      std::sort(new_per_ns_.begin(), new_per_ns_.end());
+      size_t out = 0;
+      for (size_t i = 0; i < new_per_ns_.size(); ++i) {
+        if (out > 0 && new_per_ns_[out - 1].first == new_per_ns_[i].first) {
+          ++new_per_ns_[out - 1].second;
+        } else {
+          new_per_ns_[out++] = new_per_ns_[i];
+        }
+      }
+      new_per_ns_.resize(out);
+    }
+    for (const auto& [ns, fresh] : new_per_ns_) {
+      const std::optional<size_t> quota = book_->quota(ns);
+      if (!quota) continue;
+      const size_t held = book_->blocks(ns);
+      if (held + fresh <= *quota) continue;
+      plan->quota_namespace = ns;
+      plan->quota_refused = fresh;
+      if (fresh > *quota) {
+        return ResourceExhaustedError("{} new blocks of namespace {} exceed its quota of {}", fresh,
+                                      ns, *quota);
+      }
+      // A namespace restored past its quota is brought back down to it.
+      const size_t need = held + fresh - *quota;
+      size_t found = 0;
+      book_->ForOldest(ns, [&](uint32_t id) {
+        mu_.AssertHeld();
+        Entry& e = entries_[id];
+        if (e.ref == 0 && !e.marked) {
+          e.marked = 1;
+          scratch_ids_.push_back(id);
+          own_victims_.push_back(id);
+          ++found;
+        }
+        return found < need;
+      });
+      if (found < need) {
+        return ResourceExhaustedError(
+            "namespace {} is at its quota: {} new blocks on top of the {} it holds exceed its {} "
+            "and only {} of them are idle to evict (the others are pinned, being written, or "
+            "keys of this call)",
+            ns, fresh, held, *quota, found);
+      }
+      plan->quota_namespace = 0;
+      plan->quota_refused = 0;
+    }
+    return Status::OK();
+  }
+
   void Unmark() REQUIRES(mu_) {
     for (uint32_t id : scratch_ids_) entries_[id].marked = 0;
     scratch_ids_.clear();
@@ -492,6 +592,7 @@ class BlockManagerImpl final : public BlockManager {
 
   void FreeSlot(uint32_t id) REQUIRES(mu_) {
     --resident_;
+    if (book_) book_->Drop(id, entries_[id].key.namespace_id);
     entries_[id].set_where(Place::kFree);
     entries_[id].aux = free_head_;
     free_head_ = id;
@@ -505,6 +606,8 @@ class BlockManagerImpl final : public BlockManager {
   FlatIndex index_ GUARDED_BY(mu_);
   const std::unique_ptr<ReplacementPolicy> policy_ PT_GUARDED_BY(mu_);
   std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);  // reuse filter, when on
+  // Per-namespace counts and quotas, when asked for; none: no per-namespace work at all.
+  std::unique_ptr<NamespaceBook> book_ PT_GUARDED_BY(mu_);
   uint32_t fresh_used_ GUARDED_BY(mu_) = 0;
   uint32_t free_head_ GUARDED_BY(mu_) = kNoId;  // stack of freed slots through Entry::aux
   size_t free_count_ GUARDED_BY(mu_) = 0;
@@ -513,6 +616,8 @@ class BlockManagerImpl final : public BlockManager {
   // Scratch space reused across calls.
   CallKeySet call_keys_ GUARDED_BY(mu_);
   std::vector<uint32_t> victims_ GUARDED_BY(mu_);
+  std::vector<uint32_t> own_victims_ GUARDED_BY(mu_);  // chosen within namespaces at quota
+  std::vector<std::pair<NamespaceId, size_t>> new_per_ns_ GUARDED_BY(mu_);
   std::vector<uint32_t> scratch_ids_ GUARDED_BY(mu_);
   std::vector<uint64_t> hashes_ GUARDED_BY(mu_);
 };
@@ -528,6 +633,17 @@ Result<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOpt
       (options.max_tracker_size == 0 || options.max_tracker_size > kMaxCapacity)) {
     return InvalidArgumentError("reuse tracker size {} is outside [1, {}]",
                                 options.max_tracker_size, kMaxCapacity);
+  }
+  for (const auto& [ns, blocks] : options.quotas.blocks) {
+    if (blocks == 0 || blocks > options.capacity_blocks) {
+      return InvalidArgumentError("quota of {} blocks for namespace {} is outside [1, {}]", blocks,
+                                  ns, options.capacity_blocks);
+    }
+  }
+  if (options.quotas.default_blocks && (*options.quotas.default_blocks == 0 ||
+                                        *options.quotas.default_blocks > options.capacity_blocks)) {
+    return InvalidArgumentError("default namespace quota of {} blocks is outside [1, {}]",
+                                *options.quotas.default_blocks, options.capacity_blocks);
   }
   try {
     return std::unique_ptr<BlockManager>(std::make_unique<BlockManagerImpl>(options));

@@ -34,6 +34,10 @@ class LruPolicy final : public ReplacementPolicy {
     return true;
   }
 
+  void EvictChosen(std::span<const uint32_t> ids) override {
+    for (uint32_t id : ids) list_.Remove(id);
+  }
+
   void Clear() override { list_.Clear(); }
 
   void Describe(BlockManagerState* state) const override {

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "entry.h"
@@ -34,6 +35,9 @@ class ReplacementPolicy {
   // Chooses `n` victims among evictable, unmarked entries, removes them from the order and
   // appends them to `victims` in choice order. Returns false, changing nothing, when it cannot.
   virtual bool Evict(size_t n, std::vector<uint32_t>* victims) = 0;
+  // Evicts entries the manager chose (evictable, in the order; a namespace at its quota evicts
+  // its own blocks): removes them from the order as Evict would (ARC: they become ghosts).
+  virtual void EvictChosen(std::span<const uint32_t> ids) = 0;
   virtual void Clear() = 0;
   virtual void Describe(BlockManagerState* state) const = 0;
   virtual size_t MemoryBytes() const = 0;

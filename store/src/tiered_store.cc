@@ -88,7 +88,7 @@ class TieredStore::IoPool {
 struct TieredStore::Counters {
   std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
       cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
-      failed_cascade_calls{0}, cpu_evictions{0};
+      failed_cascade_calls{0}, cpu_evictions{0}, quota_refusals{0};
 
   // One lock for tier decisions: a key moves between the tiers' indexes atomically with
   // respect to lookups (it is never absent from both while in transit).
@@ -137,6 +137,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions&
   BlockManagerOptions cpu_options;
   cpu_options.capacity_blocks = options.cpu_capacity_blocks;
   cpu_options.policy = options.cpu_policy;
+  cpu_options.quotas = options.cpu_quotas;
+  cpu_options.count_namespaces = options.count_namespaces;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockManager> cpu, BlockManager::Create(cpu_options));
   BlockSlabOptions slab_options;
   slab_options.slot_bytes = options.block_bytes;
@@ -182,7 +184,10 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   // once however often it is looked up) and pin the SSD copy.
   const OffloadKey keys[] = {key};
   StorePlan plan;
-  if (!cpu_->PrepareStore(keys, &plan).ok()) return LookupResult::kMiss;  // no CPU room
+  if (!cpu_->PrepareStore(keys, &plan).ok()) {  // no CPU room
+    counters_->quota_refusals += plan.quota_refused;
+    return LookupResult::kMiss;
+  }
   counters_->cpu_evictions += plan.evicted.size();  // gone even if the promotion fails below
   std::vector<SlotId> ssd_slots;
   if (!ssd_->PrepareLoad(keys, &ssd_slots).ok()) {
@@ -380,7 +385,10 @@ Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* pl
   Deferred deferred;
   {
     MutexLock lock(&counters_->mu);
-    KVSTASH_RETURN_IF_ERROR(cpu_->PrepareStore(keys, plan));
+    if (Status s = cpu_->PrepareStore(keys, plan); !s.ok()) {
+      counters_->quota_refusals += plan->quota_refused;
+      return s;
+    }
     counters_->cpu_evictions += plan->evicted.size();
     if (ssd_ && cascade_ == CascadeMode::kWriteBack) {
       deferred.evicted = plan->evicted;
@@ -480,6 +488,7 @@ TieredStoreStats TieredStore::stats() const {
   s.writebacks_staged = counters_->writebacks_staged;
   s.writebacks_inline = counters_->writebacks_inline;
   s.cpu_evictions = counters_->cpu_evictions;
+  s.quota_refusals = counters_->quota_refusals;
   return s;
 }
 

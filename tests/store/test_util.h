@@ -25,12 +25,23 @@ inline std::vector<OffloadKey> Keys(std::initializer_list<uint64_t> ids) {
   return keys;
 }
 
+// Key i of namespace `ns` (group 0).
+inline OffloadKey NsKey(NamespaceId ns, uint64_t i) { return OffloadKey{BlockHash{i, 0}, 0, ns}; }
+
+inline std::vector<OffloadKey> NsKeys(NamespaceId ns, std::initializer_list<uint64_t> ids) {
+  std::vector<OffloadKey> keys;
+  for (uint64_t i : ids) keys.push_back(NsKey(ns, i));
+  return keys;
+}
+
 struct ManagerSpec {
   size_t capacity = 4;
   EvictionPolicy policy = EvictionPolicy::kLru;
   uint32_t store_threshold = 0;
   size_t max_tracker_size = 64000;
   bool events = true;
+  NamespaceQuotas quotas = {};
+  bool count_namespaces = false;
 };
 
 inline std::unique_ptr<BlockManager> MakeManager(const ManagerSpec& spec) {
@@ -40,6 +51,8 @@ inline std::unique_ptr<BlockManager> MakeManager(const ManagerSpec& spec) {
   options.store_threshold = spec.store_threshold;
   options.max_tracker_size = spec.max_tracker_size;
   options.enable_events = spec.events;
+  options.quotas = spec.quotas;
+  options.count_namespaces = spec.count_namespaces;
   auto manager = BlockManager::Create(options);
   EXPECT_TRUE(manager.ok()) << manager.status().ToString();
   return std::move(manager).value();
@@ -83,6 +96,10 @@ namespace kvstash::store {
 inline void PrintTo(const OffloadKey& key, std::ostream* os) { *os << key.ToString(); }
 inline void PrintTo(const BlockInfo& b, std::ostream* os) {
   *os << "(" << b.key.ToString() << " slot " << b.slot << " ref " << b.ref_count << ")";
+}
+inline void PrintTo(const NamespaceUsage& u, std::ostream* os) {
+  *os << "(ns " << u.id << ": " << u.blocks << " blocks, quota "
+      << (u.quota_blocks ? std::to_string(*u.quota_blocks) : "none") << ")";
 }
 inline void PrintTo(const OffloadEvent& e, std::ostream* os) {
   *os << (e.kind == OffloadEvent::Kind::kStored ? "stored{" : "removed{");

@@ -256,6 +256,40 @@ TEST_F(TieredStoreTest, CascadingBlockIsPinnedAgainstEviction) {
   store->WaitIdle();
 }
 
+// A CPU quota bounds a namespace's stores and promotions alike: a promotion into a namespace at
+// its quota evicts that namespace's own CPU block (still on SSD), and one that cannot is a miss.
+TEST_F(TieredStoreTest, CpuQuotaBoundsStoresAndPromotions) {
+  constexpr NamespaceId kA = 1, kB = 2;
+  TieredStoreOptions options = Options(8, 32);
+  options.cpu_quotas.blocks[kA] = 2;
+  auto store = Open(options);
+  using testing::NsKey;
+  using testing::NsKeys;
+  Store(*store, NsKeys(kA, {1, 2}));
+  Store(*store, NsKeys(kB, {1, 2, 3}));
+  store->WaitIdle();
+  Store(*store, NsKeys(kA, {3}));  // A's block 1 leaves the CPU tier; its SSD copy stays
+  store->WaitIdle();
+  EXPECT_EQ(store->stats().cpu_evictions, 1u);
+  EXPECT_EQ(store->Lookup(NsKey(kA, 1)), LookupResult::kRetry);  // promoted, evicting A's 2
+  store->WaitIdle();
+  EXPECT_EQ(store->Lookup(NsKey(kA, 1)), LookupResult::kHit);
+  EXPECT_EQ(store->Lookup(NsKey(kA, 3)), LookupResult::kHit);
+  for (uint64_t k : {1, 2, 3}) EXPECT_EQ(store->Lookup(NsKey(kB, k)), LookupResult::kHit);
+  EXPECT_THAT(store->cpu().NamespaceUsages(),
+              ::testing::ElementsAre(NamespaceUsage{kA, 2, 2}, NamespaceUsage{kB, 3, {}}));
+  // With both of A's CPU blocks pinned, neither a promotion nor a store of A finds room.
+  std::vector<std::span<const std::byte>> blocks;
+  ASSERT_TRUE(store->PrepareLoad(NsKeys(kA, {1, 3}), &blocks).ok());
+  EXPECT_EQ(store->Lookup(NsKey(kA, 2)), LookupResult::kMiss);
+  StorePlan plan;
+  EXPECT_EQ(store->PrepareStore(NsKeys(kA, {4}), &plan).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->stats().quota_refusals, 2u);
+  ASSERT_TRUE(store->CompleteLoad(NsKeys(kA, {1, 3})).ok());
+  EXPECT_EQ(store->Lookup(NsKey(kA, 2)), LookupResult::kRetry);
+  store->WaitIdle();
+}
+
 TEST_F(TieredStoreTest, PromotedBlockIsPinnedOnSsdAgainstEviction) {
   auto store = Open(Options(2, 2));
   for (uint64_t k : {1, 2}) {

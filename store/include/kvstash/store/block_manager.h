@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -25,6 +26,16 @@ enum class EvictionPolicy : uint8_t { kLru, kArc };
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 std::string_view EvictionPolicyName(EvictionPolicy policy);
 
+// Ceilings on the blocks each namespace may hold in one tier, counting blocks being written.
+// A ceiling reserves nothing: namespaces under theirs, and those without one, compete for the
+// rest of the tier through the policy as usual.
+struct NamespaceQuotas {
+  std::map<NamespaceId, size_t> blocks = {};  // the named namespaces' ceilings
+  std::optional<size_t> default_blocks = {};  // every other namespace's ceiling; none: no ceiling
+
+  bool empty() const { return blocks.empty() && !default_blocks; }
+};
+
 struct BlockManagerOptions {
   // Number of block slots; 1 to 2^31.
   size_t capacity_blocks = 0;
@@ -37,6 +48,20 @@ struct BlockManagerOptions {
   bool enable_events = false;
   // Tests only: the first recency stamp, set near 2^32 to exercise stamp renumbering.
   uint32_t first_recency_stamp = 0;
+  // Per-namespace ceilings (see PrepareStore). Each ceiling is 1 to capacity_blocks.
+  NamespaceQuotas quotas;
+  // Count the blocks of every namespace (NamespaceUsages) even without quotas: a hash-map
+  // update per block stored or dropped. Always on with quotas.
+  bool count_namespaces = false;
+};
+
+// The blocks one namespace holds in a tier.
+struct NamespaceUsage {
+  NamespaceId id = 0;
+  size_t blocks = 0;                   // readable or being written
+  std::optional<size_t> quota_blocks;  // its ceiling, if any
+
+  friend bool operator==(const NamespaceUsage&, const NamespaceUsage&) = default;
 };
 
 // What PrepareStore decided.
@@ -46,6 +71,10 @@ struct StorePlan {
   std::vector<OffloadKey> evicted;        // keys evicted to make room, in eviction order
   std::vector<SlotId> evicted_slots;      // the slot each evicted key held (its bytes are still
                                           // there until the new key is written)
+  // Set when PrepareStore refused the call for a namespace quota: that namespace, and the new
+  // blocks of it the call asked for. 0 otherwise.
+  NamespaceId quota_namespace = 0;
+  size_t quota_refused = 0;
 };
 
 struct OffloadEvent {
@@ -85,6 +114,13 @@ struct BlockManagerState {
 // the call) (plus O(log n) per block that was pinned while it reached the old end); nothing
 // scans the cache.
 //
+// Namespace quotas: a namespace with a ceiling of q blocks never holds more than q. A store
+// that would take it past q first evicts that namespace's own least recently used idle blocks
+// (its own recency order: stores and touches of its keys, whatever the policy), and is refused
+// when too few of them are idle; the tier's policy chooses every other eviction, among all
+// namespaces. Finding a namespace's own victims costs O(victims + its pinned or in-flight
+// blocks older than them). Without quotas none of this runs.
+//
 // Thread-safe: every method takes one internal lock.
 class BlockManager {
  public:
@@ -117,7 +153,10 @@ class BlockManager {
   // evicting idle blocks if needed; never evicts a key of this call (that passed the reuse
   // filter), a pinned block or one being written. ResourceExhausted, with no change at all, if it
   // cannot make room. With the reuse filter on, keys seen fewer than `store_threshold` times are
-  // dropped first.
+  // dropped first. With quotas, a namespace the new keys would take past its ceiling makes room
+  // by evicting its own least recently used idle blocks first (listed in `evicted` after the
+  // policy's victims); when too few are idle the whole call is refused, like a full tier
+  // (ResourceExhausted, no change, plan->quota_namespace and quota_refused set).
   virtual Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) = 0;
   // success: keys being written become readable (one stored event for them). Failure: keys
   // being written are dropped and their slots freed. Keys already readable, or absent, are
@@ -133,7 +172,8 @@ class BlockManager {
   // Rebuilds the index of a persistent tier after a restart: on a manager that has not stored
   // anything since it was created or Reset, inserts each block as readable and idle at the
   // given slot, the first least recent. InvalidArgument, and no change, for a slot outside the
-  // capacity, a slot or key given twice, or a manager already in use. No events.
+  // capacity, a slot or key given twice, or a manager already in use. No events. A namespace
+  // restored past its quota keeps its blocks; its next store evicts it down to the quota.
   virtual Status Restore(std::span<const BlockInfo> blocks) = 0;
 
   // Drains the events recorded since the last call (empty when events are disabled).
@@ -144,6 +184,9 @@ class BlockManager {
 
   virtual size_t capacity() const = 0;
   virtual size_t resident_blocks() const = 0;
+  // With quotas or count_namespaces: every namespace that holds blocks or has a named quota, by
+  // id. Empty otherwise. O(namespaces).
+  virtual std::vector<NamespaceUsage> NamespaceUsages() const = 0;
   // Bytes of memory held by the manager's own structures.
   virtual size_t MetadataBytes() const = 0;
   virtual BlockManagerState DebugState() const = 0;

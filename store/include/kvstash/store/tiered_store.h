@@ -38,6 +38,11 @@ struct TieredStoreOptions {
   size_t block_bytes = 0;
   size_t cpu_capacity_blocks = 0;
   EvictionPolicy cpu_policy = EvictionPolicy::kLru;
+  // Per-namespace ceilings in the CPU tier (BlockManagerOptions::quotas), which every store and
+  // promotion goes through. The SSD tier has none: it holds what the CPU tier cascades to it.
+  NamespaceQuotas cpu_quotas;
+  // Count the CPU tier's blocks per namespace even without quotas (cpu().NamespaceUsages()).
+  bool count_namespaces = false;
   bool prefault = true;
   // The CPU tier's memory, when the caller provides it (a node: memory its transport shares
   // with clients); at least CpuMemoryBytes(options), page-aligned, outliving the store.
@@ -67,6 +72,9 @@ struct TieredStoreStats {
   // Blocks the CPU tier evicted to make room for stores and promotions (under write-back they
   // go to SSD; the SSD tier counts its own evictions in SsdTierStats).
   uint64_t cpu_evictions = 0;
+  // New blocks refused because their namespace was at its CPU quota with too few of its own
+  // blocks idle to evict (stores, and promotions, which then answer MISS).
+  uint64_t quota_refusals = 0;
 };
 
 // The store of one offload node, with the tiering of reference §5 adapted to one node:
