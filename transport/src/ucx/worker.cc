@@ -1,6 +1,7 @@
 #include "worker.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -220,7 +221,12 @@ void Worker::Loop() {
       idle_since = now;
       continue;
     }
-    if (now - idle_since < spin) continue;
+    if (now - idle_since < spin) {
+      // Spinning with nothing to do: let a thread that has work (an engine thread, a client
+      // on a small box) have this core first; with none runnable this returns at once.
+      if (options_.yield_while_spinning) sched_yield();
+      continue;
+    }
     // Idle long enough: arm the event fd and sleep in Asio until UCX, a socket, a timer or a
     // posted handler has something.
     if (!wait_pending) {

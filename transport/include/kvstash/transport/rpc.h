@@ -50,6 +50,8 @@ struct TransportOptions {
   size_t max_payload_bytes = size_t{64} << 20;
   // How long the progress thread spins without events before it sleeps on the event fd.
   std::chrono::microseconds spin_before_sleep{200};
+  // While spinning, yield the core to any other runnable thread (sched_yield) between polls.
+  bool yield_while_spinning = true;
   // Copy payloads straight from and into the server's shared memory when both ends are on
   // one host (see above). Off: payloads always go by UCX rendezvous.
   bool mapped_payloads = true;
