@@ -71,6 +71,21 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "us). Polling answers in microseconds but keeps a core busy while clients are "
                  "active; on a box whose cores the engines need, lower it")
       ->capture_default_str();
+  app.add_option("--namespace-quota", flags.namespace_quota,
+                 "NAME=BYTES (repeatable; in the config file a list, namespace-quota = "
+                 "[\"tenant-a=256MiB\"]): the most CPU-tier memory the namespace NAME (the one "
+                 "its clients name at hello) may hold, in whole blocks (rounded down), from one "
+                 "block to cpu-bytes. A namespace at its quota makes room by evicting its own "
+                 "least recently used idle blocks, never another namespace's; when all of its "
+                 "blocks are pinned or being written its stores are refused (ResourceExhausted) "
+                 "and counted (kvstash_quota_refusals_total). A quota is a ceiling, not a "
+                 "reservation: namespaces under theirs, and those without one, share the rest of "
+                 "the tier as usual. Quotas bound the CPU tier only; the SSD tier holds what the "
+                 "CPU tier cascades to it")
+      ->take_all();
+  app.add_option("--default-namespace-quota", flags.default_namespace_quota,
+                 "BYTES: the quota (as --namespace-quota) of every namespace not named there. "
+                 "Default: none, every namespace shares the whole tier");
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
 }
@@ -97,6 +112,54 @@ Result<std::string> ReadTokenFile(const std::string& path) {
   while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
   if (token.empty()) return InvalidArgumentError("auth-token-file: '{}' holds no token", path);
   return token;
+}
+
+// A quota of `text` bytes in whole blocks: at least one block, at most the CPU tier. `what`
+// names the setting in errors.
+Result<size_t> QuotaBlocks(std::string_view what, std::string_view text, uint64_t block,
+                           size_t cpu_blocks) {
+  KVSTASH_ASSIGN_OR_RETURN(const uint64_t bytes, ParseBytes(what, text));
+  if (bytes < block) {
+    return InvalidArgumentError("{}: {} is below one block of {}", what, FormatBytes(bytes),
+                                FormatBytes(block));
+  }
+  if (bytes > block * cpu_blocks) {
+    return InvalidArgumentError("{}: {} is above the CPU tier's {}", what, FormatBytes(bytes),
+                                FormatBytes(block * cpu_blocks));
+  }
+  return static_cast<size_t>(bytes / block);
+}
+
+// --namespace-quota NAME=BYTES entries and --default-namespace-quota into `options`.
+Status NamespaceQuotas(const DaemonFlags& flags, uint64_t block, NodeOptions* options) {
+  const size_t cpu_blocks = options->store.cpu_capacity_blocks;
+  for (const std::string& entry : flags.namespace_quota) {
+    // The size has no '=', the name may.
+    const size_t eq = entry.rfind('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == entry.size()) {
+      return InvalidArgumentError("namespace-quota: '{}' is not NAME=BYTES", entry);
+    }
+    const std::string name = entry.substr(0, eq);
+    if (name == kOtherNamespaces) {
+      return InvalidArgumentError(
+          "namespace-quota: '{}': the name '{}' is reserved (the metrics sum namespaces past "
+          "the first {} under it)",
+          entry, name, kMaxNamedNamespaces);
+    }
+    KVSTASH_ASSIGN_OR_RETURN(
+        const size_t blocks,
+        QuotaBlocks(fmt::format("namespace-quota: '{}'", name),
+                    std::string_view(entry).substr(eq + 1), block, cpu_blocks));
+    if (!options->namespace_quota_blocks.emplace(name, blocks).second) {
+      return InvalidArgumentError("namespace-quota: namespace '{}' is given twice", name);
+    }
+  }
+  if (!flags.default_namespace_quota.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(
+        options->default_namespace_quota_blocks,
+        QuotaBlocks("default-namespace-quota", flags.default_namespace_quota, block, cpu_blocks));
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -137,6 +200,7 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   options.store.block_bytes = block;
   options.store.cpu_capacity_blocks = cpu / block;
   KVSTASH_ASSIGN_OR_RETURN(options.store.cpu_policy, Policy("cpu-policy", flags.cpu_policy));
+  KVSTASH_RETURN_IF_ERROR(NamespaceQuotas(flags, block, &options));
   auto cascade = store::ParseCascadeMode(flags.cascade);
   if (!cascade.ok()) {
     return InvalidArgumentError("cascade: '{}' is not write-through or write-back", flags.cascade);

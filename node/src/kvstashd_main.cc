@@ -73,14 +73,20 @@ int main(int argc, char** argv) {
   const auto& store = options->store;
   KVSTASH_LOG_INFO(
       "kvstashd listening on {}:{}: blocks of {}, CPU tier {} blocks ({}, {}{}), SSD tier {}, "
-      "auth {}",
+      "auth {}, namespace quotas {}",
       options->server.bind_address, server->port(), FormatBytes(store.block_bytes),
       store.cpu_capacity_blocks, FormatBytes(store.block_bytes * store.cpu_capacity_blocks),
       flags.cpu_policy, server->shares_cpu_memory() ? ", shared with local clients" : "",
       store.ssd ? fmt::format("{} in {} ({}, {})", FormatBytes(store.ssd->capacity_bytes),
                               store.ssd->dir, flags.ssd_policy, flags.cascade)
                 : std::string("off"),
-      options->server.auth_token.empty() ? "off" : "token");
+      options->server.auth_token.empty() ? "off" : "token",
+      options->namespace_quota_blocks.empty() && !options->default_namespace_quota_blocks
+          ? std::string("off (shared capacity)")
+          : fmt::format("{} named, default {}", options->namespace_quota_blocks.size(),
+                        options->default_namespace_quota_blocks
+                            ? fmt::format("{} blocks", *options->default_namespace_quota_blocks)
+                            : std::string("none")));
   std::cout << "kvstashd listening on " << options->server.bind_address << ":" << server->port()
             << std::endl;
   std::unique_ptr<node::MetricsEndpoint> metrics;

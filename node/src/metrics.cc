@@ -51,6 +51,42 @@ MetricFamily RequestSeconds(const std::vector<MethodLatency>& latencies) {
   return family;
 }
 
+// Per-namespace families, from the node's namespace table (names bounded by
+// kMaxNamedNamespaces, the rest under "other").
+std::vector<MetricFamily> NamespaceFamilies(const std::vector<NamespaceStats>& namespaces) {
+  MetricFamily blocks{"kvstash_namespace_blocks",
+                      "Blocks a namespace holds (readable or being written), by tier; namespaces "
+                      "with a quota or seen at hello, the first 256, the rest summed as \"other\"",
+                      MetricType::Gauge,
+                      {}};
+  MetricFamily quotas{"kvstash_namespace_quota_blocks",
+                      "A namespace's quota (the most blocks it may hold), by tier",
+                      MetricType::Gauge,
+                      {}};
+  MetricFamily refusals{"kvstash_quota_refusals_total",
+                        "Blocks a namespace's clients asked to store and were refused because "
+                        "the namespace was at its quota with none of its own blocks idle to evict",
+                        MetricType::Counter,
+                        {}};
+  for (const NamespaceStats& ns : namespaces) {
+    ClientMetric held;
+    held.label = {{"namespace", ns.name}, {"tier", "cpu"}};
+    held.gauge.value = static_cast<double>(ns.cpu_blocks);
+    blocks.metric.push_back(std::move(held));
+    if (ns.cpu_quota_blocks) {
+      ClientMetric quota;
+      quota.label = {{"namespace", ns.name}, {"tier", "cpu"}};
+      quota.gauge.value = static_cast<double>(*ns.cpu_quota_blocks);
+      quotas.metric.push_back(std::move(quota));
+    }
+    ClientMetric refused;
+    refused.label = {{"namespace", ns.name}};
+    refused.counter.value = static_cast<double>(ns.quota_refusals);
+    refusals.metric.push_back(std::move(refused));
+  }
+  return {std::move(blocks), std::move(quotas), std::move(refusals)};
+}
+
 // kvstash_lookup_keys_total's samples: {kind, result} -> node.lookup_<result>s.<kind>.
 Samples LookupSamples() {
   static const char* const kCounters[][4] = {
@@ -183,6 +219,9 @@ class NodeCollectable : public prometheus::Collectable {
       families.push_back(std::move(family));
     }
     families.push_back(RequestSeconds(node_.Latencies()));
+    for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) {
+      families.push_back(std::move(family));
+    }
     return families;
   }
 

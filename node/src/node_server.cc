@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <condition_variable>
 #include <mutex>
 #include <string_view>
@@ -16,6 +17,7 @@
 
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
+#include "kvstash/common/mutex.h"
 #include "kvstash/proto/wire.pb.h"
 
 namespace kvstash::node {
@@ -174,6 +176,7 @@ class NodeServer::Impl {
   }
 
   Status Start() {
+    KVSTASH_RETURN_IF_ERROR(SetUpQuotas());
     options_.server.block_bytes = options_.store.block_bytes;
     KVSTASH_ASSIGN_OR_RETURN(server_, transport::RpcServer::Create(options_.server));
     KVSTASH_ASSIGN_OR_RETURN(const size_t cpu_bytes, store::CpuMemoryBytes(options_.store));
@@ -270,6 +273,7 @@ class NodeServer::Impl {
         {"store.promotion_failures", t.promotion_failures},
         {"store.cascades_done", t.cascades_done},
         {"store.cascade_failures", t.cascade_failures},
+        {"store.quota_refusals", t.quota_refusals},
         {"transport.connections", server_->connection_count()},
         {"transport.calls", x.calls},
         {"transport.malformed_frames", x.malformed_frames},
@@ -285,6 +289,40 @@ class NodeServer::Impl {
       counters["node.lookup_retries" + suffix] = kinds[kind]->retries;
     }
     return counters;
+  }
+
+  std::vector<NamespaceStats> Namespaces() const {
+    std::vector<NamespaceStats> out;
+    std::unordered_map<store::NamespaceId, size_t> row;  // by id: its index in `out`
+    {
+      MutexLock lock(&names_mu_);
+      for (const auto& [ns, known] : names_) {
+        NamespaceStats& stats = out.emplace_back();
+        stats.name = known.name;
+        stats.quota_refusals = known.refusals;
+        stats.cpu_quota_blocks = QuotaOf(known.name);
+      }
+      std::sort(out.begin(), out.end(),
+                [](const NamespaceStats& a, const NamespaceStats& b) { return a.name < b.name; });
+      for (size_t i = 0; i < out.size(); ++i) row[NamespaceIdOf(out[i].name)] = i;
+      if (other_used_) {
+        NamespaceStats& other = out.emplace_back();
+        other.name = kOtherNamespaces;
+        other.quota_refusals = other_refusals_;
+      }
+    }
+    for (const store::NamespaceUsage& usage : store_->cpu().NamespaceUsages()) {
+      auto it = row.find(usage.id);
+      if (it != row.end()) {
+        out[it->second].cpu_blocks = usage.blocks;
+      } else if (usage.blocks != 0) {
+        if (out.empty() || out.back().name != kOtherNamespaces) {
+          out.emplace_back().name = kOtherNamespaces;
+        }
+        out.back().cpu_blocks += usage.blocks;
+      }
+    }
+    return out;
   }
 
   std::vector<MethodLatency> Latencies() const {
@@ -331,9 +369,96 @@ class NodeServer::Impl {
   // Every request renews its session's lease.
   Session& SessionOf(const TimedCall& call) {
     auto [it, added] = sessions_.try_emplace(call.connection_id());
-    if (added) it->second.ns = NamespaceIdOf(call.key_namespace());
+    if (added) {
+      it->second.ns = NamespaceIdOf(call.key_namespace());
+      NoteNamespace(it->second.ns, call.key_namespace());
+    }
     it->second.last_seen = Clock::now();
     return it->second;
+  }
+
+  // Turns the quotas by name into the CPU tier's quotas by namespace id, and names them.
+  Status SetUpQuotas() {
+    const size_t capacity = options_.store.cpu_capacity_blocks;
+    auto check = [capacity](std::string_view what, size_t blocks) -> Status {
+      if (blocks == 0 || blocks > capacity) {
+        return InvalidArgumentError("{}: {} blocks is outside 1..{} (the CPU tier)", what, blocks,
+                                    capacity);
+      }
+      return Status::OK();
+    };
+    store::NamespaceQuotas& quotas = options_.store.cpu_quotas;
+    quotas = {};
+    MutexLock lock(&names_mu_);
+    for (const auto& [name, blocks] : options_.namespace_quota_blocks) {
+      KVSTASH_RETURN_IF_ERROR(check(fmt::format("quota of namespace '{}'", name), blocks));
+      if (name == kOtherNamespaces) {
+        return InvalidArgumentError(
+            "namespace name '{}' is reserved: the metrics sum unnamed namespaces under it", name);
+      }
+      const store::NamespaceId ns = NamespaceIdOf(name);
+      if (auto it = names_.find(ns); it != names_.end()) {
+        // They would share blocks too: a client's keys are (namespace id, block hash).
+        return InvalidArgumentError("namespaces '{}' and '{}' have the same id {}; rename one",
+                                    it->second.name, name, ns);
+      }
+      quotas.blocks[ns] = blocks;
+      names_[ns].name = name;
+    }
+    if (options_.default_namespace_quota_blocks) {
+      KVSTASH_RETURN_IF_ERROR(
+          check("default namespace quota", *options_.default_namespace_quota_blocks));
+      quotas.default_blocks = options_.default_namespace_quota_blocks;
+    }
+    options_.store.count_namespaces = true;
+    return Status::OK();
+  }
+
+  std::optional<uint64_t> QuotaOf(const std::string& name) const {
+    if (auto it = options_.namespace_quota_blocks.find(name);
+        it != options_.namespace_quota_blocks.end()) {
+      return it->second;
+    }
+    return options_.default_namespace_quota_blocks;
+  }
+
+  // Remembers the name of a namespace seen at hello, while there is room for it.
+  void NoteNamespace(store::NamespaceId ns, const std::string& name) {
+    MutexLock lock(&names_mu_);
+    if (names_.count(ns) != 0) return;
+    if (seen_names_ >= kMaxNamedNamespaces || name == kOtherNamespaces) {
+      other_used_ = true;
+      return;
+    }
+    names_[ns].name = name;
+    ++seen_names_;
+  }
+
+  // A store of `blocks` new blocks of the call's namespace was refused for its quota (`why`:
+  // the store's answer). Counts it and returns the answer for the client, with the namespace
+  // by name.
+  Status QuotaRefusal(const TimedCall& call, const Session& session, size_t blocks,
+                      const Status& why) {
+    const std::string& name = call.key_namespace();
+    uint64_t total = 0;
+    {
+      MutexLock lock(&names_mu_);
+      if (auto it = names_.find(session.ns); it != names_.end()) {
+        it->second.refusals += blocks;
+      } else {
+        other_used_ = true;
+        other_refusals_ += blocks;
+      }
+      total = quota_refusals_ += blocks;
+    }
+    // A tenant at its quota is refused on every store: log the 1st, 2nd, 4th, 8th ... time.
+    if (std::has_single_bit(++quota_refused_calls_)) {
+      KVSTASH_LOG_WARN(
+          "namespace '{}': {} block(s) refused for its CPU quota ({} so far, all "
+          "namespaces): {}",
+          name, blocks, total, why.message());
+    }
+    return Status(why.code(), fmt::format("namespace '{}': {}", name, why.message()));
   }
 
   // Parses the request into *message, or answers InvalidArgument.
@@ -452,7 +577,9 @@ class NodeServer::Impl {
     store::StorePlan plan;
     const Status prepared = store_->PrepareStore(keys, &plan);
     if (!prepared.ok()) {
-      call.ReplyError(prepared);
+      call.ReplyError(plan.quota_refused != 0
+                          ? QuotaRefusal(call, session, plan.quota_refused, prepared)
+                          : prepared);
       return;
     }
     std::map<OffloadKey, store::SlotId> to_store;
@@ -487,7 +614,9 @@ class NodeServer::Impl {
       store::StorePlan plan;
       const Status prepared = store_->PrepareStore(std::span(&key, 1), &plan);
       if (!prepared.ok()) {
-        call.ReplyError(prepared);
+        call.ReplyError(plan.quota_refused != 0
+                            ? QuotaRefusal(call, session, plan.quota_refused, prepared)
+                            : prepared);
         return;
       }
       for (const OffloadKey& evicted : plan.evicted) {
@@ -814,6 +943,18 @@ class NodeServer::Impl {
   std::condition_variable sweeper_cv_;
   bool sweeper_stop_ = false;
   std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
+  // Namespace names for the metrics: those with a named quota, then those seen at hello.
+  struct KnownNamespace {
+    std::string name;
+    uint64_t refusals = 0;  // blocks refused for its quota
+  };
+  mutable Mutex names_mu_;
+  std::unordered_map<store::NamespaceId, KnownNamespace> names_ GUARDED_BY(names_mu_);
+  size_t seen_names_ GUARDED_BY(names_mu_) = 0;
+  bool other_used_ GUARDED_BY(names_mu_) = false;  // a namespace went unnamed
+  uint64_t other_refusals_ GUARDED_BY(names_mu_) = 0;
+  uint64_t quota_refusals_ GUARDED_BY(names_mu_) = 0;
+  uint64_t quota_refused_calls_ = 0;  // progress thread only
   std::array<std::array<std::atomic<uint64_t>, kLookupCounts>, kLookupKinds> lookup_counts_{};
   std::atomic<uint64_t> lookups_{0}, blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0},
       bytes_in_{0}, bytes_out_{0}, checksum_failures_{0}, sessions_closed_{0},
@@ -835,6 +976,7 @@ uint16_t NodeServer::port() const { return impl_->port(); }
 NodeStats NodeServer::stats() const { return impl_->stats(); }
 std::map<std::string, uint64_t> NodeServer::Counters() const { return impl_->Counters(); }
 std::vector<MethodLatency> NodeServer::Latencies() const { return impl_->Latencies(); }
+std::vector<NamespaceStats> NodeServer::Namespaces() const { return impl_->Namespaces(); }
 store::TieredStore& NodeServer::store() { return impl_->store(); }
 bool NodeServer::shares_cpu_memory() const { return impl_->shares_cpu_memory(); }
 

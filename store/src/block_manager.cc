@@ -557,10 +557,10 @@ class BlockManagerImpl final : public BlockManager {
       });
       if (found < need) {
         return ResourceExhaustedError(
-            "namespace {} is at its quota: {} new blocks on top of the {} it holds exceed its {} "
-            "and only {} of them are idle to evict (the others are pinned, being written, or "
-            "keys of this call)",
-            ns, fresh, held, *quota, found);
+            "namespace {} is at its quota of {} blocks: it holds {}, of which only {} are idle "
+            "to make room for {} new ones (the others are pinned, being written, or keys of "
+            "this call)",
+            ns, *quota, held, found, fresh);
       }
       plan->quota_namespace = 0;
       plan->quota_refused = 0;

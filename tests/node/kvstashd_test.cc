@@ -294,10 +294,57 @@ TEST(KvstashdTest, ReadsSettingsFromATomlFileWithFlagsWinning) {
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }
 
+// Namespace quotas from a TOML file: each namespace keeps at most its quota of blocks (its own
+// newest), the metrics show every namespace's blocks and quota, and a store beyond the quota is
+// refused and counted.
+TEST(KvstashdTest, NamespaceQuotasFromATomlFile) {
+  TempDir dir;
+  const std::string config = dir.path() + "/kvstashd.toml";
+  std::ofstream(config) << "namespace-quota = [\"tenant-a=128KiB\", \"tenant-b=192KiB\"]\n"
+                        << "default-namespace-quota = \"256KiB\"\n";
+  Daemon daemon({"--config", config});  // 64 KiB blocks: quotas of 2, 3 and 4 blocks
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient a(daemon.port(), "tenant-a", "", "", kBlock);
+  NodeTestClient c(daemon.port(), "tenant-c", "", "", kBlock);
+  for (uint64_t k = 1; k <= 6; ++k) {
+    a.Store({k});
+    c.Store({k});
+  }
+  EXPECT_THAT(a.PerKey({1, 2, 3, 4, 5, 6}),
+              ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_MISS,
+                                     wire::LOOKUP_MISS, wire::LOOKUP_HIT, wire::LOOKUP_HIT));
+  EXPECT_THAT(c.PerKey({1, 2, 3, 4, 5, 6}),
+              ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_HIT,
+                                     wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT));
+  wire::PrepareStoreRequest too_many;
+  for (uint64_t k : {7, 8, 9}) *too_many.add_keys() = testing::WireKey(k);
+  const Status refused =
+      a.Call(wire::METHOD_PREPARE_STORE, too_many, (wire::PrepareStoreReply*)nullptr);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("namespace 'tenant-a'"));
+  const std::string metrics = HttpGet(daemon.metrics_port(), "/metrics");
+  EXPECT_THAT(metrics,
+              HasSubstr("kvstash_namespace_blocks{namespace=\"tenant-a\",tier=\"cpu\"} 2"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvstash_namespace_blocks{namespace=\"tenant-b\",tier=\"cpu\"} 0"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvstash_namespace_blocks{namespace=\"tenant-c\",tier=\"cpu\"} 4"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvstash_namespace_quota_blocks{namespace=\"tenant-b\",tier=\"cpu\"} 3"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvstash_namespace_quota_blocks{namespace=\"tenant-c\",tier=\"cpu\"} 4"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_quota_refusals_total{namespace=\"tenant-a\"} 3"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_quota_refusals_total{namespace=\"tenant-c\"} 0"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_blocks{tier=\"cpu\"} 6"));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
 TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
   TempDir dir;
   const std::string unknown = dir.path() + "/unknown.toml";
   std::ofstream(unknown) << "cpu_policy = \"lru\"\n";
+  const std::string bad_quota = dir.path() + "/bad_quota.toml";
+  std::ofstream(bad_quota) << "namespace-quota = [\"tenant-a\"]\n";
   struct Case {
     std::vector<std::string> args;
     std::string named;
@@ -317,6 +364,16 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
       {{"--spin-us", "-1"}, "spin-us"},
       {{"--metrics-address", "nowhere"}, "metrics-address"},
       {{"--config", unknown}, "cpu_policy"},
+      {{"--namespace-quota", "tenant-a"}, "namespace-quota: 'tenant-a' is not NAME=BYTES"},
+      {{"--namespace-quota", "=1GiB"}, "namespace-quota"},
+      {{"--namespace-quota", "a=12Q"}, "namespace-quota: 'a'"},
+      {{"--namespace-quota", "a=1MiB", "--namespace-quota", "a=2MiB"}, "'a' is given twice"},
+      {{"--namespace-quota", "a=1KiB"}, "below one block"},
+      {{"--namespace-quota", "a=2GiB"}, "above the CPU tier"},
+      {{"--namespace-quota", "other=1MiB"}, "reserved"},
+      {{"--default-namespace-quota", "12Q"}, "default-namespace-quota"},
+      {{"--default-namespace-quota", "4GiB"}, "default-namespace-quota"},
+      {{"--config", bad_quota}, "namespace-quota"},
       {{"--no-such-flag"}, "--no-such-flag"},
   };
   for (const Case& c : cases) {
@@ -335,11 +392,27 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
 TEST(KvstashdTest, HelpExplainsEverySetting) {
   const auto r = RunProcess({kKvstashd, "--help"});
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* flag :
-       {"--config", "--listen", "--port", "--tls", "--block-bytes", "--cpu-bytes", "--cpu-policy",
-        "--ssd-dir", "--ssd-bytes", "--ssd-policy", "--cascade", "--auth-token",
-        "--auth-token-file", "--max-keys-per-request", "--lease-timeout-ms", "--spin-us",
-        "--metrics-address", "--log-level", "SIGTERM"}) {
+  for (const char* flag : {"--config",
+                           "--listen",
+                           "--port",
+                           "--tls",
+                           "--block-bytes",
+                           "--cpu-bytes",
+                           "--cpu-policy",
+                           "--ssd-dir",
+                           "--ssd-bytes",
+                           "--ssd-policy",
+                           "--cascade",
+                           "--auth-token",
+                           "--auth-token-file",
+                           "--max-keys-per-request",
+                           "--lease-timeout-ms",
+                           "--spin-us",
+                           "--metrics-address",
+                           "--namespace-quota",
+                           "--default-namespace-quota",
+                           "--log-level",
+                           "SIGTERM"}) {
     EXPECT_THAT(r.out, HasSubstr(flag));
   }
 }

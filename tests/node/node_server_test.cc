@@ -9,6 +9,7 @@
 #include <spdlog/sinks/ostream_sink.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -36,7 +37,8 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
 
   void StartNode(size_t cpu_blocks,
                  std::chrono::milliseconds lease = std::chrono::milliseconds(30000),
-                 std::optional<store::SsdTierOptions> ssd = std::nullopt) {
+                 std::optional<store::SsdTierOptions> ssd = std::nullopt,
+                 std::map<std::string, size_t> quotas = {}) {
     NodeOptions options;
     options.server.transport.tls = GetParam();
     options.server.auth_token = "token";
@@ -46,6 +48,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     options.store.prefault = false;
     options.lease_timeout = lease;
     options.store.ssd = std::move(ssd);
+    options.namespace_quota_blocks = std::move(quotas);
     auto node = NodeServer::Start(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
@@ -513,6 +516,97 @@ TEST_P(NodeServerTest, RefusalLogNamesTheClientNotTheToken) {
   EXPECT_THAT(text, HasSubstr("namespace \"tenant-blue\""));
   EXPECT_THAT(text, HasSubstr("from 127.0.0.1:"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("guess-7f3a")));
+}
+
+// A one-call store (PutBlock with prepare and commit) of block k by `client`.
+Status PutOne(NodeTestClient& client, uint64_t k) {
+  std::vector<std::byte> block(kBlock);
+  FillPattern(k, block);
+  wire::PutBlockRequest request;
+  *request.mutable_key() = WireKey(k);
+  request.set_length(kBlock);
+  request.set_checksum(Xxh3Hash64(block));
+  request.set_prepare(true);
+  request.set_commit(true);
+  CallOptions options;
+  options.send_payload = block;
+  return client.Call(wire::METHOD_PUT_BLOCK, request, (wire::PutBlockReply*)nullptr, options);
+}
+
+const NamespaceStats* FindNamespace(const std::vector<NamespaceStats>& all,
+                                    const std::string& name) {
+  for (const NamespaceStats& ns : all) {
+    if (ns.name == name) return &ns;
+  }
+  return nullptr;
+}
+
+TEST_P(NodeServerTest, NamespaceQuotaKeepsItsNewestBlocksAndNeverEvictsAnother) {
+  constexpr size_t kQuota = 4;
+  node_.reset();
+  StartNode(16, 30000ms, std::nullopt, {{"tenant-a", kQuota}});
+  auto a = Client("tenant-a");
+  auto b = Client("tenant-b");
+  ASSERT_TRUE(a && b);
+  b->Store({1, 2, 3, 4, 5, 6});  // the tier's least recent blocks
+  // A stores kQuota + 5 blocks, one call each and in two-phase batches: it ends with exactly
+  // its kQuota newest, by evicting its own, though the tier has room and B's blocks are older.
+  for (uint64_t k = 1; k <= 5; ++k) ASSERT_TRUE(PutOne(*a, k).ok()) << k;
+  a->Store({6, 7});
+  a->Store({8, 9});
+  EXPECT_THAT(a->PerKey({1, 2, 3, 4, 5, 6, 7, 8, 9}),
+              ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_MISS,
+                                     wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_HIT,
+                                     wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT));
+  for (uint64_t k : {6, 7, 8, 9}) EXPECT_TRUE(a->ReadBack(k)) << k;
+  for (uint64_t k = 1; k <= 6; ++k) EXPECT_TRUE(b->ReadBack(k)) << k;
+  EXPECT_EQ(node_->store().cpu().resident_blocks(), 10u);
+
+  // One call of more new blocks than the quota can never fit: refused, like a full tier.
+  wire::PrepareStoreRequest too_many;
+  for (uint64_t k = 20; k < 20 + kQuota + 1; ++k) *too_many.add_keys() = WireKey(k);
+  const Status refused =
+      a->Call(wire::METHOD_PREPARE_STORE, too_many, (wire::PrepareStoreReply*)nullptr);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  // With all of A's blocks pinned, A's store is refused; B still stores (under no quota).
+  wire::LoadRequest load;
+  for (uint64_t k : {6, 7, 8, 9}) *load.add_keys() = WireKey(k);
+  ASSERT_TRUE(a->Call(wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
+  const Status pinned = PutOne(*a, 10);
+  EXPECT_EQ(pinned.code(), StatusCode::kResourceExhausted) << pinned.ToString();
+  EXPECT_THAT(std::string(pinned.message()), HasSubstr("quota"));
+  b->Store({7, 8});
+
+  const std::vector<NamespaceStats> namespaces = node_->Namespaces();
+  ASSERT_EQ(namespaces.size(), 2u);
+  const NamespaceStats* na = FindNamespace(namespaces, "tenant-a");
+  const NamespaceStats* nb = FindNamespace(namespaces, "tenant-b");
+  ASSERT_TRUE(na && nb);
+  EXPECT_EQ(na->cpu_blocks, kQuota);
+  EXPECT_EQ(na->cpu_quota_blocks, std::optional<uint64_t>(kQuota));
+  EXPECT_EQ(na->quota_refusals, kQuota + 2);  // the five of the batch and the pinned one
+  EXPECT_EQ(nb->cpu_blocks, 8u);
+  EXPECT_EQ(nb->cpu_quota_blocks, std::nullopt);
+  EXPECT_EQ(nb->quota_refusals, 0u);
+  EXPECT_EQ(node_->Counters().at("store.quota_refusals"), kQuota + 2);
+}
+
+TEST_P(NodeServerTest, QuotasAreCheckedAtStart) {
+  NodeOptions options;
+  options.server.transport.tls = GetParam();
+  options.store.block_bytes = kBlock;
+  options.store.cpu_capacity_blocks = 8;
+  options.store.prefault = false;
+  options.namespace_quota_blocks = {{"a", 9}};
+  auto above = NodeServer::Start(options);
+  ASSERT_FALSE(above.ok());
+  EXPECT_EQ(above.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(above.status().message()), HasSubstr("'a'"));
+  options.namespace_quota_blocks = {{"other", 2}};
+  EXPECT_EQ(NodeServer::Start(options).status().code(), StatusCode::kInvalidArgument);
+  options.namespace_quota_blocks = {};
+  options.default_namespace_quota_blocks = 0;
+  EXPECT_EQ(NodeServer::Start(options).status().code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, NodeServerTest, ::testing::Values("shm", "tcp"),

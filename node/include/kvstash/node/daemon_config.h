@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kvstash/common/status.h"
 #include "kvstash/node/node_server.h"
@@ -37,6 +38,8 @@ struct DaemonFlags {
   std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
   int lease_timeout_ms = 30000;
   int spin_us = 200;
+  std::vector<std::string> namespace_quota;  // NAME=BYTES, one per namespace
+  std::string default_namespace_quota;       // BYTES; empty: none (shared capacity)
 };
 
 // Adds every flag (and --config) to `app`, bound to `flags`.

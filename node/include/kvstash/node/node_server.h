@@ -17,7 +17,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -32,6 +34,29 @@ struct NodeOptions {
   // A client silent for this long (no request at all) loses its pins and unfinished stores,
   // so an engine that hangs without disconnecting does not hold capacity forever.
   std::chrono::milliseconds lease_timeout{30000};
+  // Ceilings on the blocks a namespace (the one a client names at hello) holds in the CPU tier:
+  // by name, and for every namespace not named; none: shared capacity. A namespace at its
+  // ceiling makes room by evicting its own least recently used idle blocks, and its stores are
+  // refused (ResourceExhausted) when none can go; a ceiling reserves nothing. Each is 1 block to
+  // the CPU tier's capacity. They bound the CPU tier only: the SSD tier holds what it cascades.
+  std::map<std::string, size_t> namespace_quota_blocks;
+  std::optional<size_t> default_namespace_quota_blocks;
+};
+
+// Namespaces are reported by name up to this many (those with a named quota always, then those
+// seen at hello, first come); the rest are summed under "other", so that clients choosing names
+// cannot grow the metrics without bound.
+inline constexpr size_t kMaxNamedNamespaces = 256;
+// The name they are summed under; a namespace of that name is counted there too, and no quota
+// may name it.
+inline constexpr std::string_view kOtherNamespaces = "other";
+
+// One namespace as the node's metrics show it.
+struct NamespaceStats {
+  std::string name;         // kOtherNamespaces: namespaces past kMaxNamedNamespaces
+  uint64_t cpu_blocks = 0;  // held in the CPU tier, readable or being written
+  std::optional<uint64_t> cpu_quota_blocks;
+  uint64_t quota_refusals = 0;  // blocks its clients were refused for its quota, since start
 };
 
 // Lookup results of one lookup kind (wire.LookupMode). A per-key lookup counts each key's
@@ -115,6 +140,11 @@ class NodeServer {
   // counters while requests go on: a request being recorded may show in its bucket before it
   // shows in `sum`. Thread-safe.
   std::vector<MethodLatency> Latencies() const;
+  // Every namespace with a named quota or seen at hello (up to kMaxNamedNamespaces, then
+  // "other", listed last when any namespace fell into it), by name. Only for the operator's
+  // metrics: other namespaces' names are not a client's business, so Counters (which clients
+  // read) has totals only. Thread-safe.
+  std::vector<NamespaceStats> Namespaces() const;
   store::TieredStore& store();
   // True when the CPU tier lives in memory shared through the transport.
   bool shares_cpu_memory() const;
