@@ -39,45 +39,66 @@ struct BenchNodeFlags {
   bool json = false;
 };
 
-// The bytes of block `key`: 64-bit words start + i * step, with start drawn from the key, so a
-// block read back under the wrong key, shifted or torn anywhere does not match. Cheap to make
-// and check (the loops vectorise), so the generator does not bound the figures.
+// Block content. Each client keeps --batch send buffers; buffer j holds a pattern (64-bit
+// words start + i * step, start drawn from the client and j), and a put of key k goes from
+// buffer k % batch after the key is stamped into the first word of every 4 KiB page. So a put
+// writes only the stamps, while a block read back under the wrong key, shifted, or torn or
+// corrupted anywhere does not match: every word is checked on read.
 constexpr uint64_t kStep = 0x9e3779b97f4a7c15ULL;
+constexpr size_t kPageWords = 512;
 
 // Four words at a time in GCC/Clang vector types: -O2's cost model does not vectorise these
-// loops by itself, and at 1 word per step the generator costs as much as the transfer.
+// loops by itself, and at 1 word per step the generator would cost as much as the transfer.
 using Words4 = uint64_t __attribute__((vector_size(32)));
 constexpr Words4 kStep4 = {4 * kStep, 4 * kStep, 4 * kStep, 4 * kStep};
 
-void Fill(uint64_t key, std::span<std::byte> out) {
-  const uint64_t start = Mix64(key);
-  const size_t words = out.size() / 8;
-  Words4 v = {start, start + kStep, start + 2 * kStep, start + 3 * kStep};
-  size_t i = 0;
-  for (; i + 4 <= words; i += 4, v += kStep4) std::memcpy(out.data() + i * 8, &v, sizeof v);
-  for (uint64_t w = start + i * kStep; i < words; ++i, w += kStep) {
-    std::memcpy(out.data() + i * 8, &w, 8);
-  }
+uint64_t PatternStart(uint64_t key, size_t batch) {
+  return Mix64(((key >> 40) << 20) ^ (key % batch) ^ 0x6b76737461736800ULL);
+}
+uint64_t Stamp(uint64_t key, size_t page) { return Mix64(key + page * kStep); }
+
+// Words [from, to) of the pattern that starts at `start`.
+void FillPattern(uint64_t start, uint64_t* words, size_t from, size_t to) {
+  size_t i = from;
+  Words4 v = {start + i * kStep, start + (i + 1) * kStep, start + (i + 2) * kStep,
+              start + (i + 3) * kStep};
+  for (; i + 4 <= to; i += 4, v += kStep4) std::memcpy(words + i, &v, sizeof v);
+  for (; i < to; ++i) words[i] = start + i * kStep;
 }
 
-bool Matches(uint64_t key, std::span<const std::byte> block) {
-  const uint64_t start = Mix64(key);
-  const size_t words = block.size() / 8;
-  Words4 v = {start, start + kStep, start + 2 * kStep, start + 3 * kStep};
+// OR of the differences between words [from, to) and the pattern.
+uint64_t PatternDiff(uint64_t start, const uint64_t* words, size_t from, size_t to) {
+  size_t i = from;
+  Words4 v = {start + i * kStep, start + (i + 1) * kStep, start + (i + 2) * kStep,
+              start + (i + 3) * kStep};
   Words4 diff = {0, 0, 0, 0};
-  size_t i = 0;
-  for (; i + 4 <= words; i += 4, v += kStep4) {
+  for (; i + 4 <= to; i += 4, v += kStep4) {
     Words4 got;
-    std::memcpy(&got, block.data() + i * 8, sizeof got);
+    std::memcpy(&got, words + i, sizeof got);
     diff |= got ^ v;
   }
   uint64_t rest = diff[0] | diff[1] | diff[2] | diff[3];
-  for (uint64_t w = start + i * kStep; i < words; ++i, w += kStep) {
-    uint64_t got;
-    std::memcpy(&got, block.data() + i * 8, 8);
-    rest |= got ^ w;
+  for (; i < to; ++i) rest |= words[i] ^ (start + i * kStep);
+  return rest;
+}
+
+// A send buffer's pattern (once per buffer), then per put: the key's stamps.
+void FillBuffer(uint64_t any_key_of_buffer, size_t batch, std::span<uint64_t> words) {
+  FillPattern(PatternStart(any_key_of_buffer, batch), words.data(), 0, words.size());
+}
+void StampKey(uint64_t key, std::span<uint64_t> words) {
+  for (size_t p = 0; p * kPageWords < words.size(); ++p) words[p * kPageWords] = Stamp(key, p);
+}
+
+bool Matches(uint64_t key, size_t batch, std::span<const uint64_t> words) {
+  const uint64_t start = PatternStart(key, batch);
+  uint64_t diff = 0;
+  for (size_t p = 0; p * kPageWords < words.size(); ++p) {
+    const size_t first = p * kPageWords;
+    diff |= words[first] ^ Stamp(key, p);
+    diff |= PatternDiff(start, words.data(), first + 1, std::min(words.size(), first + kPageWords));
   }
-  return rest == 0;
+  return diff == 0;
 }
 
 struct ClientTotals {
@@ -115,17 +136,23 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
   }
   std::mt19937_64 random(static_cast<uint64_t>(id) * 7919 + 1);
   const size_t batch = static_cast<size_t>(flags.batch);
-  // --batch blocks, each 8-byte aligned for the pattern's words.
-  const size_t words_per_block = (block_bytes + 7) / 8;
-  std::vector<uint64_t> words(words_per_block * batch);
-  std::vector<std::span<std::byte>> blocks;
+  // --batch send buffers (patterns made once, stamped per put) and --batch receive buffers,
+  // in whole words (block sizes are multiples of 4 KiB).
+  const size_t words_per_block = block_bytes / 8;
+  std::vector<uint64_t> send_words(words_per_block * batch), recv_words(words_per_block * batch);
+  std::vector<std::span<uint64_t>> sends, recvs;
   std::vector<transport::MutableBytes> outs;
   std::vector<transport::Bytes> ins;
+  const uint64_t first_key = static_cast<uint64_t>(id + 1) << 40;
   for (size_t b = 0; b < batch; ++b) {
-    blocks.push_back(
-        std::as_writable_bytes(std::span(words).subspan(b * words_per_block)).first(block_bytes));
-    outs.push_back(blocks.back());
-    ins.push_back(blocks.back());
+    sends.push_back(std::span(send_words).subspan(b * words_per_block, words_per_block));
+    recvs.push_back(std::span(recv_words).subspan(b * words_per_block, words_per_block));
+    ins.push_back(std::as_bytes(sends.back()));
+    outs.push_back(std::as_writable_bytes(recvs.back()));
+  }
+  // Buffer j holds the pattern of the keys k with k % batch == j.
+  for (size_t b = 0; b < batch; ++b) {
+    FillBuffer(first_key + b, batch, sends[(first_key + b) % batch]);
   }
   std::vector<BlockKey> keys(batch);
   // The client's most recent --keys-per-client stored keys (a ring): reads pick among them.
@@ -152,7 +179,7 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
           }
           continue;
         }
-        if (*got[b] != block_bytes || !Matches(keys[b].hash.lo, blocks[b])) {
+        if (*got[b] != block_bytes || !Matches(keys[b].hash.lo, batch, recvs[b])) {
           ++totals.mismatches;
           shared.mismatches.fetch_add(1);
         }
@@ -164,11 +191,15 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
     } else {
       // New keys every time, as an engine offloads new blocks: every put moves its bytes, and
       // the nodes evict the oldest when full.
+      // Keys first_key + sequence, batch at a time: key k goes from buffer k % batch.
+      std::vector<transport::Bytes> order(batch);
       for (size_t b = 0; b < batch; ++b) {
-        keys[b].hash.lo = (static_cast<uint64_t>(id + 1) << 40) | sequence++;
-        Fill(keys[b].hash.lo, blocks[b]);
+        keys[b].hash.lo = first_key | sequence++;
+        const size_t buffer = keys[b].hash.lo % batch;
+        StampKey(keys[b].hash.lo, sends[buffer]);
+        order[b] = ins[buffer];
       }
-      const Status put = (*client)->Put(keys, ins);
+      const Status put = (*client)->Put(keys, order);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!put.ok()) {
         ++totals.errors;
@@ -226,15 +257,16 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   }
 
   {
-    // The content check itself must catch a wrong key and a flipped byte (tail words included).
-    std::vector<uint64_t> words((block_bytes + 7) / 8);
-    const auto block = std::as_writable_bytes(std::span(words)).first(block_bytes);
-    Fill(41, block);
-    bool sound = Matches(41, block) && !Matches(42, block);
-    for (size_t at : {size_t{0}, block_bytes / 2, block_bytes - 1}) {
-      block[at] ^= std::byte{1};
-      sound = sound && !Matches(41, block);
-      block[at] ^= std::byte{1};
+    // The content check itself must catch a wrong key and a flipped byte anywhere.
+    std::vector<uint64_t> words(block_bytes / 8);
+    FillBuffer(41, 1, words);
+    StampKey(41, words);
+    bool sound = Matches(41, 1, words) && !Matches(42, 1, words);
+    const auto bytes = std::as_writable_bytes(std::span(words));
+    for (size_t at : {size_t{0}, size_t{9}, block_bytes / 2, block_bytes - 1}) {
+      bytes[at] ^= std::byte{1};
+      sound = sound && !Matches(41, 1, words);
+      bytes[at] ^= std::byte{1};
     }
     if (!sound) return fail(kExitFailure, "internal error: the block content check is broken");
   }
