@@ -610,7 +610,7 @@ TEST_P(NodeServerTest, QuotasAreCheckedAtStart) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, NodeServerTest, ::testing::Values("shm", "tcp"),
-                         [](const auto& info) { return info.param; });
+                         [](const auto& param_info) { return param_info.param; });
 
 }  // namespace
 }  // namespace kvstash::node
