@@ -1017,15 +1017,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
 // ---- ClientWorker ----------------------------------------------------------------------------
 
 Status ClientWorker::Impl::Start() {
-  ucp_am_handler_param_t param{};
-  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-  param.id = kRpcAmId;
-  param.cb = &Impl::OnFrame;
-  param.arg = this;
-  param.flags = UCP_AM_FLAG_WHOLE_MSG;
-  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
-                                  "ucp_worker_set_am_recv_handler"));
+  KVSTASH_RETURN_IF_ERROR(worker_->SetFrameHandler(&Impl::OnFrame, this, UCP_AM_FLAG_WHOLE_MSG));
   // Every client detaches (shuts down) before the hub goes, so nothing is left to close.
   worker_->Start([this] { sweep_.cancel(); });
   return Status::OK();

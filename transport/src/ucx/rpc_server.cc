@@ -165,15 +165,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
         std::memcpy(probe_.data(), &cookie_, sizeof(cookie_));
       }
     }
-    ucp_am_handler_param_t param{};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-    param.id = kRpcAmId;
-    param.cb = &Impl::OnFrame;
-    param.arg = this;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_->ucp(), &param),
-                                    "ucp_worker_set_am_recv_handler"));
+    KVSTASH_RETURN_IF_ERROR(worker_->SetFrameHandler(
+        &Impl::OnFrame, this, UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA));
     worker_->Start([this] { Shutdown(); });
     worker_->Run([this] { Accept(); });
     return Status::OK();

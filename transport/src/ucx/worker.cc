@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kvstash/common/logging.h"
+#include "kvstash/transport/frame.h"
 
 namespace kvstash::transport {
 
@@ -252,6 +253,18 @@ void Worker::Loop() {
   guard.reset();
   io_.poll();
   exited_ = true;
+}
+
+Status Worker::SetFrameHandler(ucp_am_recv_callback_t cb, void* arg, uint32_t flags) {
+  ucp_am_handler_param_t param{};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  param.id = kRpcAmId;
+  param.cb = cb;
+  param.arg = arg;
+  param.flags = flags;
+  return FromUcs(ucp_worker_set_am_recv_handler(worker_.get(), &param),
+                 "ucp_worker_set_am_recv_handler");
 }
 
 bool Worker::DiscardRendezvous(void* descriptor, size_t length) {

@@ -170,6 +170,9 @@ class Worker : public std::enable_shared_from_this<Worker> {
   // beyond max_payload_bytes: the caller then closes the endpoint, which releases it.
   bool DiscardRendezvous(void* descriptor, size_t length);
 
+  // Sets the handler of every RPC frame (active-message id kRpcAmId) on this worker.
+  Status SetFrameHandler(ucp_am_recv_callback_t cb, void* arg, uint32_t flags);
+
   Result<MemoryRegion> Register(MutableBytes memory);
   Result<MemoryRegion> Allocate(size_t bytes);
 
