@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <charconv>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "kvstash/common/byte_units.h"
@@ -50,6 +51,11 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "--auth-token-file: command lines are visible to other users");
   app.add_option("--auth-token-file", flags.auth_token_file,
                  "File whose first line is the auth token");
+  app.add_option("--namespace-token-file", flags.namespace_token_file,
+                 "File of per-namespace tokens, one `NAMESPACE TOKEN` per line (# comments). A "
+                 "client of a listed namespace must present that namespace's token; a client of "
+                 "any other namespace is refused unless --auth-token(-file) is set, and then "
+                 "needs that token");
   app.add_option("--max-keys-per-request", flags.max_keys_per_request,
                  "Most keys one request may carry (1..1048576)")
       ->capture_default_str();
@@ -112,6 +118,41 @@ Result<std::string> ReadTokenFile(const std::string& path) {
   while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
   if (token.empty()) return InvalidArgumentError("auth-token-file: '{}' holds no token", path);
   return token;
+}
+
+// `NAMESPACE TOKEN` lines; blank lines and # comments skipped. Errors name the file and line,
+// never a token.
+Result<std::map<std::string, std::string>> ReadNamespaceTokens(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    const int e = errno;
+    return Status(
+        e == EACCES ? StatusCode::kPermissionDenied : StatusCode::kNotFound,
+        fmt::format("namespace-token-file: cannot read '{}': {}", path, std::strerror(e)));
+  }
+  std::map<std::string, std::string> tokens;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) {
+      line.pop_back();
+    }
+    const size_t start = line.find_first_not_of(" \t");
+    if (start == std::string::npos || line[start] == '#') continue;
+    std::istringstream fields(line.substr(start));
+    std::string ns, token, extra;
+    if (!(fields >> ns >> token) || (fields >> extra)) {
+      return InvalidArgumentError("namespace-token-file: '{}' line {} is not `NAMESPACE TOKEN`",
+                                  path, number);
+    }
+    if (!tokens.emplace(ns, token).second) {
+      return InvalidArgumentError("namespace-token-file: '{}' line {} names namespace '{}' again",
+                                  path, number, ns);
+    }
+  }
+  if (tokens.empty()) {
+    return InvalidArgumentError("namespace-token-file: '{}' lists no namespace", path);
+  }
+  return tokens;
 }
 
 // A quota of `text` bytes in whole blocks: at least one block, at most the CPU tier. `what`
@@ -227,6 +268,10 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   options.server.auth_token = flags.auth_token;
   if (!flags.auth_token_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(options.server.auth_token, ReadTokenFile(flags.auth_token_file));
+  }
+  if (!flags.namespace_token_file.empty()) {
+    KVSTASH_ASSIGN_OR_RETURN(options.server.namespace_tokens,
+                             ReadNamespaceTokens(flags.namespace_token_file));
   }
   if (flags.max_keys_per_request < 1 || flags.max_keys_per_request > (1 << 20)) {
     return InvalidArgumentError("max-keys-per-request: {} is outside 1..1048576",

@@ -80,7 +80,11 @@ int main(int argc, char** argv) {
       store.ssd ? fmt::format("{} in {} ({}, {})", FormatBytes(store.ssd->capacity_bytes),
                               store.ssd->dir, flags.ssd_policy, flags.cascade)
                 : std::string("off"),
-      options->server.auth_token.empty() ? "off" : "token",
+      options->server.namespace_tokens.empty()
+          ? (options->server.auth_token.empty() ? std::string("off") : std::string("token"))
+          : fmt::format("{} namespace token(s){}", options->server.namespace_tokens.size(),
+                        options->server.auth_token.empty() ? ", other namespaces refused"
+                                                           : ", others by token"),
       options->namespace_quota_blocks.empty() && !options->default_namespace_quota_blocks
           ? std::string("off (shared capacity)")
           : fmt::format("{} named, default {}", options->namespace_quota_blocks.size(),

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -215,6 +216,39 @@ TEST(KvstashdTest, WrongTokenIsRefused) {
   ASSERT_TRUE(client.Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
   EXPECT_EQ(stats.counters().at("transport.refused"), 1u);
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
+// Tokens per namespace from a file: each tenant gets in with its own token only, and a
+// namespace the file does not list is refused.
+TEST(KvstashdTest, WrongNamespaceIsRefused) {
+  const std::string path =
+      std::filesystem::temp_directory_path() / ("kvstash-ns-tokens-" + std::to_string(getpid()));
+  std::ofstream(path) << "# tenant tokens\ntenant-a  alpha\n\ntenant-b beta\n";
+  Daemon daemon({"--namespace-token-file", path});
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient a(daemon.port(), "tenant-a", "alpha", "", kBlock);
+  a.Store({1, 2});
+  EXPECT_TRUE(a.ReadBack(1));
+  NodeTestClient swapped(daemon.port(), "tenant-b", "alpha", "", kBlock);
+  EXPECT_EQ(swapped.rpc().Connect().code(), StatusCode::kUnauthenticated);
+  NodeTestClient stranger(daemon.port(), "tenant-c", "alpha", "", kBlock);
+  const Status refused = stranger.rpc().Connect();
+  EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused.ToString();
+  NodeTestClient b(daemon.port(), "tenant-b", "beta", "", kBlock);
+  // tenant-b sees none of tenant-a's blocks.
+  EXPECT_THAT(b.PerKey({1, 2}), ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS));
+  wire::StatsReply stats;
+  ASSERT_TRUE(b.Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.counters().at("transport.refused"), 2u);
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+
+  // A malformed file is a bad setting.
+  std::ofstream(path) << "tenant-a\n";
+  auto bad = RunProcess({kKvstashd, "--namespace-token-file", path});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("line 1 is not `NAMESPACE TOKEN`"));
+  EXPECT_THAT(bad.err, ::testing::Not(HasSubstr("alpha")));
+  std::filesystem::remove(path);
 }
 
 // The blocks come back after a restart over the same SSD directory: looked up (RETRY while

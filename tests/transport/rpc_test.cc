@@ -6,6 +6,7 @@
 #include "kvstash/transport/rpc.h"
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -380,6 +381,46 @@ TEST_P(RpcTest, ClientDestroyedWithCallsOutstandingCompletesThem) {
   std::this_thread::sleep_for(50ms);
   client_.reset();
   EXPECT_EQ(cancelled.load(), 10);
+}
+
+// Per-namespace tokens: a listed namespace needs its own token, an unlisted one is refused
+// when the server has no node-wide token, and served with it when it has.
+TEST_P(RpcTest, NamespaceTokensRefuseTheWrongNamespace) {
+  for (const bool node_token : {false, true}) {
+    ServerOptions options;
+    options.transport = TransportFor(GetParam());
+    options.namespace_tokens = {{"tenant-a", "token-a"}, {"tenant-b", "token-b"}};
+    if (node_token) options.auth_token = "node";
+    auto server = RpcServer::Create(options);
+    ASSERT_TRUE(server.ok());
+    (*server)->Handle(kEcho, [](ServerCall call) { call.Reply(call.request()); });
+    ASSERT_TRUE((*server)->Start().ok());
+    auto connect = [&](const std::string& ns, const std::string& token) {
+      ClientOptions client_options;
+      client_options.port = (*server)->port();
+      client_options.key_namespace = ns;
+      client_options.auth_token = token;
+      client_options.transport = TransportFor(GetParam());
+      auto client = RpcClient::Create(client_options);
+      return client.ok() ? (*client)->Connect() : client.status();
+    };
+    EXPECT_TRUE(connect("tenant-a", "token-a").ok());
+    EXPECT_TRUE(connect("tenant-b", "token-b").ok());
+    // Another namespace's token does not open this one.
+    EXPECT_EQ(connect("tenant-a", "token-b").code(), StatusCode::kUnauthenticated);
+    EXPECT_EQ(connect("tenant-b", "node").code(), StatusCode::kUnauthenticated);
+    const Status other = connect("tenant-c", "token-a");
+    if (node_token) {
+      EXPECT_EQ(other.code(), StatusCode::kUnauthenticated) << other.ToString();
+      EXPECT_TRUE(connect("tenant-c", "node").ok());
+      EXPECT_EQ((*server)->stats().refused, 3u);
+    } else {
+      EXPECT_EQ(other.code(), StatusCode::kPermissionDenied) << other.ToString();
+      EXPECT_THAT(std::string(other.message()), ::testing::HasSubstr("not served"));
+      EXPECT_EQ(connect("tenant-c", "").code(), StatusCode::kPermissionDenied);
+      EXPECT_EQ((*server)->stats().refused, 4u);
+    }
+  }
 }
 
 // Clients on one ClientWorker share its thread; each reply reaches the client that called,

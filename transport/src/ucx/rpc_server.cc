@@ -506,6 +506,26 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     });
   }
 
+  // The hello's token against the namespace's own token, else the node's.
+  Status CheckToken(const wire::Hello& hello) const {
+    const std::string& ns = hello.namespace_();
+    if (auto it = options_.namespace_tokens.find(ns); it != options_.namespace_tokens.end()) {
+      if (!ConstantTimeEqual(hello.auth_token(), it->second)) {
+        // The namespace is the client's bytes: the log line names it, escaped.
+        return UnauthenticatedError("wrong auth token for the namespace");
+      }
+      return Status::OK();
+    }
+    if (!options_.namespace_tokens.empty() && options_.auth_token.empty()) {
+      return PermissionDeniedError("the namespace is not served by this node");
+    }
+    if (!options_.auth_token.empty() &&
+        !ConstantTimeEqual(hello.auth_token(), options_.auth_token)) {
+      return UnauthenticatedError("wrong auth token");
+    }
+    return Status::OK();
+  }
+
   void OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
                const std::string& body) {
     if (!status.ok()) {
@@ -525,10 +545,9 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       refused = FailedPreconditionError("protocol version {} is not the node's {}",
                                         hello.protocol_version(),
                                         static_cast<int>(wire::PROTOCOL_VERSION_CURRENT));
-    } else if (!options_.auth_token.empty() &&
-               !ConstantTimeEqual(hello.auth_token(), options_.auth_token)) {
-      refusals_.fetch_add(1, std::memory_order_relaxed);
-      refused = UnauthenticatedError("wrong auth token");
+    } else {
+      refused = CheckToken(hello);
+      if (!refused.ok()) refusals_.fetch_add(1, std::memory_order_relaxed);
     }
     ucp_ep_h ep = nullptr;
     if (refused.ok()) {

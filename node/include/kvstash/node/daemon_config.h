@@ -31,6 +31,7 @@ struct DaemonFlags {
   bool ssd_sync = false;
   std::string auth_token;
   std::string auth_token_file;
+  std::string namespace_token_file;
   int max_keys_per_request = 4096;
   std::string max_message_bytes = "4MiB";
   std::string max_payload_bytes = "64MiB";

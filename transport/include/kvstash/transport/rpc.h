@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -264,6 +265,10 @@ struct ServerOptions {
   uint16_t port = 0;  // 0: an ephemeral port (see RpcServer::port)
   // When not empty, a client's Hello must carry this token (else Unauthenticated).
   std::string auth_token;
+  // Namespaces with their own token: a client naming one of them must carry its token (else
+  // Unauthenticated). When any is set, a namespace not listed here is served only if
+  // auth_token is set (and then with it); else it is refused (PermissionDenied).
+  std::map<std::string, std::string> namespace_tokens;
   TransportOptions transport;
   // Sent to clients in HelloReply (the node's block size; 0 for a bare transport).
   uint64_t block_bytes = 0;
