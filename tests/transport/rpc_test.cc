@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -28,11 +29,12 @@ using ::kvstash::testing::MatchesPattern;
 using ::kvstash::testing::TransportFor;
 
 constexpr uint16_t kEcho = 1;
-constexpr uint16_t kPut = 2;       // receives the payload into server memory, replies its size
-constexpr uint16_t kGet = 3;       // replies with the block stored by the last put
-constexpr uint16_t kSilent = 4;    // never replies (keeps the call) until released
-constexpr uint16_t kDrop = 5;      // drops the call without a reply
-constexpr uint16_t kPutPlain = 6;  // receives the payload into heap memory (kept in plain_)
+constexpr uint16_t kPut = 2;          // receives the payload into server memory, replies its size
+constexpr uint16_t kGet = 3;          // replies with the block stored by the last put
+constexpr uint16_t kSilent = 4;       // never replies (keeps the call) until released
+constexpr uint16_t kDrop = 5;         // drops the call without a reply
+constexpr uint16_t kPutPlain = 6;     // receives the payload into heap memory (kept in plain_)
+constexpr uint16_t kGetScribble = 7;  // kGet, then overwrites the block once the reply is sent
 
 Bytes AsBytes(const std::string& s) { return std::as_bytes(std::span(s)); }
 std::string AsString(Bytes b) {
@@ -72,6 +74,11 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
     });
     server_->Handle(kGet, [this](ServerCall call) {
       call.Reply({}, server_block_.bytes().first(stored_bytes_), &server_block_);
+    });
+    server_->Handle(kGetScribble, [this](ServerCall call) {
+      // As a store does when a block's pin ends: its memory goes to another block at once.
+      call.Reply({}, server_block_.bytes().first(stored_bytes_), &server_block_,
+                 [this](Status) { std::memset(server_block_.data(), 0xee, stored_bytes_); });
     });
     server_->Handle(kPutPlain, [this](ServerCall call) {
       // Into plain heap memory: no shared region, so the payload comes as data on every path.
@@ -186,6 +193,26 @@ TEST_P(RpcTest, PutThenGetBlocksFrom4KiBTo8MiB) {
   const uint64_t transfers = 2 * 2 * 12;  // 4 KiB .. 8 MiB: 12 sizes, 2 lengths, put + get
   EXPECT_EQ(client_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
   EXPECT_EQ(server_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
+}
+
+// The server may reuse a reply payload's memory as soon as its `sent` callback runs: the
+// client must have its copy by then (over mapped shared memory, the ack follows the copy).
+TEST_P(RpcTest, ReplyMemoryReusedAfterSentNeverTearsTheCopy) {
+  constexpr size_t kBlock = size_t{8} << 20;
+  std::vector<std::byte> block(kBlock), back(kBlock);
+  for (int round = 0; round < 10; ++round) {
+    FillPattern(round, block);
+    CallOptions put = Within(5s);
+    put.send_payload = block;
+    std::vector<std::byte> reply;
+    ASSERT_TRUE(client_->CallSync(kPut, {}, put, &reply).ok());
+    CallOptions get = Within(5s);
+    get.recv_payload = back;
+    size_t got = 0;
+    ASSERT_TRUE(client_->CallSync(kGetScribble, {}, get, &reply, &got).ok());
+    ASSERT_EQ(got, kBlock);
+    ASSERT_TRUE(MatchesPattern(round, back)) << "round " << round << ": torn by the reuse";
+  }
 }
 
 TEST_P(RpcTest, PutIntoServerHeapMemoryComesAsData) {

@@ -690,7 +690,13 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // (always, so the server may reuse the memory).
   void OnMappedReply(const FrameView& frame) {
     const uint64_t id = frame.header.request_id;
-    SendControl(FrameKind::kAck, id);
+    // The ack goes after the copy, on every path: once the server has it, the memory may hold
+    // another block (an ack sent first let a concurrent store overwrite a block mid-copy).
+    struct AckWhenDone {
+      Impl* self;
+      uint64_t id;
+      ~AckWhenDone() { self->SendControl(FrameKind::kAck, id); }
+    } ack{this, id};
     auto it = calls_.find(id);
     if (it == calls_.end() || it->second->resolved) {
       late_replies_.fetch_add(1, std::memory_order_relaxed);
