@@ -929,7 +929,15 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     // calls resolve first so those completions only finish them.
     std::vector<PendingCall*> all;
     all.reserve(calls_.size());
-    for (auto& [id, call] : calls_) all.push_back(call.get());
+    bool in_flight = false;
+    for (auto& [id, call] : calls_) {
+      all.push_back(call.get());
+      in_flight = in_flight || InFlight(*call);
+    }
+    // An orderly close (this client going away) with nothing on the wire flushes: UCX 1.13
+    // asserts when a worker is destroyed after a force close of a TCP endpoint whose wireup
+    // was still pending (a client that connected and went away without a call).
+    const bool force = status.code() != StatusCode::kCancelled || in_flight;
     for (PendingCall* call : all) {
       if (!call->resolved) {
         call->resolved = true;
@@ -945,8 +953,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
     if (ep_) {
       auto ep = std::make_shared<UcpEndpoint>(std::move(ep_));
-      auto close = [this, ep] {
-        worker_->WaitRequest(ep->Close(/*force=*/true));
+      auto close = [this, ep, force] {
+        worker_->WaitRequest(ep->Close(force));
         FinishResolved();
       };
       if (in_shutdown_) {

@@ -184,6 +184,7 @@ void Worker::Stop() {
   asio::post(io_, [this] {
     stopping_ = true;
     if (on_stop_) on_stop_();
+    FinishClosing();
     exit_ = true;
   });
   thread_.join();
@@ -191,13 +192,29 @@ void Worker::Stop() {
 
 void Worker::WaitRequest(void* request) {
   if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
+  if (!stopping_) {
+    // Finishes in the background; the worker keeps it so that it is progressed (and done, or
+    // given up on) before the worker is destroyed: UCX 1.13 asserts when a worker is destroyed
+    // with a TCP endpoint still closing mid-wireup.
+    std::erase_if(closing_, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+      ucp_request_free(r);
+      return true;
+    });
+    closing_.push_back(request);
+    return;
+  }
   // Bounded: a force close whose transfers the dead peer never finishes must not hold the
   // progress thread. ucp_request_free of an unfinished request releases it when it finishes.
-  const auto give_up = Clock::now() + std::chrono::milliseconds(stopping_ ? 200 : 0);
+  const auto give_up = Clock::now() + std::chrono::milliseconds(200);
   while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < give_up) {
     ucp_worker_progress(worker_.get());
   }
   ucp_request_free(request);
+}
+
+void Worker::FinishClosing() {
+  for (void* request : std::exchange(closing_, {})) WaitRequest(request);
 }
 
 void Worker::Loop() {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kvstash/common/status.h"
 #include "kvstash/transport/rpc.h"
@@ -157,7 +158,8 @@ class Worker : public std::enable_shared_from_this<Worker> {
   }
 
   // Hands `request` (an endpoint close) back to UCX; while stopping, first progresses the
-  // worker until it completes or 200 ms pass. Never blocks otherwise. On the thread.
+  // worker until it completes or 200 ms pass. Never blocks otherwise: the request is kept and
+  // finished (as while stopping) when the worker stops. On the thread.
   void WaitRequest(void* request);
 
   // ucp_ep_create with UCX peer-failure mode (errors, not aborts, when a peer dies), except
@@ -195,6 +197,9 @@ class Worker : public std::enable_shared_from_this<Worker> {
   std::atomic<bool> exit_{false};
   std::atomic<bool> exited_{false};
   std::function<void()> on_stop_;
+  std::vector<void*> closing_;  // endpoint closes still in flight (progress thread only)
+
+  void FinishClosing();
 };
 
 }  // namespace kvstash::transport
