@@ -1,0 +1,119 @@
+#pragma once
+
+// The hybrid KV-cache manager: one block pool shared by every KV-cache group, per-group block
+// tables of each request, prefix caching with chained block hashes, and the per-type freeing of
+// blocks a layer no longer needs, as vLLM's KVCacheManager, HybridKVCacheCoordinator and
+// single-type managers (../shared/reference/vllm_kv_offload.md §9; vectors §12.K, §12.L).
+//
+// Owned by the scheduler; not thread-safe (the scheduler calls it from one thread).
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvstash/common/hash.h"
+#include "kvstash/engine/block_pool.h"
+#include "kvstash/engine/cache_hit.h"
+
+namespace kvstash::engine {
+
+// The chained block hashes of a request's full blocks of `block_size` tokens (§9.1, xxh3-128
+// over parent hash, token ids and extra keys). Incremental: Update hashes only the blocks that
+// became full since the last call. `cache_salt` goes into the first block's extra keys only.
+class RequestHasher {
+ public:
+  RequestHasher(uint32_t block_size, std::string cache_salt = {});
+  // Appends the hashes of the full blocks of `tokens` not hashed yet.
+  void Update(std::span<const uint32_t> tokens);
+  const std::vector<BlockHash>& hashes() const { return hashes_; }
+  uint32_t block_size() const { return block_size_; }
+
+ private:
+  uint32_t block_size_;
+  std::string cache_salt_;
+  std::vector<BlockHash> hashes_;
+};
+
+struct KvCacheManagerOptions {
+  std::vector<AttentionSpec> groups;  // KV-cache groups; the index is the group id
+  size_t num_blocks = 0;              // blocks in the pool, the null block 0 included
+  bool prefix_caching = true;
+  // Block size the request hashes are computed at; 0 means the gcd of the groups' block
+  // sizes. Every group's block size must be a multiple of it.
+  uint32_t hash_block_size = 0;
+  // Hits drop their last block per group (the KV a draft model recomputes), as vLLM's eagle.
+  bool eagle = false;
+};
+
+using RequestId = uint64_t;
+
+// A prefix-cache hit: per group, the blocks for the first `tokens` tokens (null blocks where the
+// group needs no KV).
+struct ComputedBlocks {
+  std::vector<std::vector<BlockId>> blocks;
+  size_t tokens = 0;
+};
+
+class KvCacheManager {
+ public:
+  explicit KvCacheManager(KvCacheManagerOptions options);
+
+  size_t num_groups() const;
+  const AttentionSpec& group_spec(size_t group) const;
+  uint32_t hash_block_size() const;
+  // lcm of the groups' block sizes: hits and cached lengths are multiples of it.
+  uint32_t lcm_block_size() const;
+  size_t num_free_blocks() const;
+  BlockPool& pool();
+
+  // The longest prefix-cache hit of a request that has `num_tokens` tokens and these hashes (at
+  // hash_block_size), at most num_tokens - 1 tokens (the last token is always computed).
+  // Nothing is allocated or touched. Empty (0 tokens) when prefix caching is off.
+  ComputedBlocks GetComputedBlocks(std::span<const BlockHash> hashes, size_t num_tokens) const;
+
+  // Blocks that allocating for these arguments would take from the free queue (new blocks plus
+  // hit blocks that sit unreferenced in the free queue), per group summed; what AllocateSlots
+  // checks against num_free_blocks.
+  size_t NumBlocksToAllocate(RequestId id, size_t num_computed_tokens, size_t num_new_tokens,
+                             const ComputedBlocks* new_computed) const;
+
+  // Makes the request's block tables cover num_computed_tokens (+ new_computed->tokens, a hit
+  // from GetComputedBlocks given on the request's first allocation) + num_new_tokens tokens:
+  // first frees the blocks its groups no longer need at num_computed_tokens (+ the hit), then
+  // takes the hit blocks (Touch) and new blocks. Then caches the hashes of the blocks that will
+  // be full once these tokens are computed (clamped to a multiple of the lcm block size;
+  // sliding-window groups cache only their needed tail of each lcm segment).
+  // Returns false, with nothing changed, when the pool has too few free blocks.
+  // `hashes` are the request's block hashes at hash_block_size, `num_tokens` its token count.
+  bool AllocateSlots(RequestId id, std::span<const BlockHash> hashes, size_t num_tokens,
+                     size_t num_computed_tokens, size_t num_new_tokens,
+                     const ComputedBlocks* new_computed = nullptr);
+
+  // The request's block table per group (empty if it holds none).
+  const std::vector<std::vector<BlockId>>& BlockTables(RequestId id) const;
+
+  // Frees every block of the request: per group in reverse table order (its tail evicted
+  // first), null blocks skipped. No-op for an unknown id.
+  void Free(RequestId id);
+
+  // Hashes evicted from the pool since the last call (for the connector's removed events).
+  std::vector<CachedKey> TakeRemovedEvents();
+
+ private:
+  struct RequestState {
+    std::vector<std::vector<BlockId>> tables;
+    std::vector<size_t> num_cached;  // per group: blocks already cached
+  };
+  KvCacheManagerOptions options_;
+  uint32_t hash_block_size_ = 0;
+  uint32_t lcm_block_size_ = 1;
+  BlockPool pool_;
+  std::unordered_map<RequestId, RequestState> requests_;
+  std::vector<std::vector<BlockId>> empty_tables_;
+};
+
+}  // namespace kvstash::engine
