@@ -119,6 +119,15 @@ void BlockPool::FreeBlocks(std::span<const BlockId> ordered) {
   }
 }
 
+bool BlockPool::EvictCachedHash(const CachedKey& key) {
+  auto it = cached_.find(key);
+  if (it == cached_.end()) return false;
+  keys_[it->second].reset();
+  cached_.erase(it);
+  removed_.push_back(key);
+  return true;
+}
+
 std::vector<CachedKey> BlockPool::TakeRemoved() { return std::exchange(removed_, {}); }
 
 }  // namespace kvstash::engine

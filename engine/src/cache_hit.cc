@@ -128,7 +128,8 @@ std::vector<BlockId> RemoveSkippedBlocks(const AttentionSpec& spec, std::vector<
   return freed;
 }
 
-HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, size_t max_length) {
+HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, size_t max_length,
+                                         bool eagle) {
   HybridCacheHit result;
   result.blocks.resize(groups.size());
   if (groups.empty()) return result;
@@ -147,8 +148,13 @@ HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, siz
                         [&](const auto& m) { return groups[m[0]].spec.kind == Kind::kFull; });
   size_t lcm = 1;
   for (const CacheGroup& g : groups) lcm = std::lcm(lcm, size_t{g.spec.block_size});
+  // One full-attention group and one other: the other's answer is final (a second round could
+  // only repeat it, or, with eagle, drop another block).
+  const bool simple_hybrid = members.size() == 2 && groups[members[0][0]].spec.kind == Kind::kFull;
 
   std::vector<std::optional<std::vector<int64_t>>> found(members.size());
+  // Attention groups whose eagle drop was applied at the current candidate length.
+  std::vector<bool> eagle_done(members.size(), false);
   size_t hit = max_length;
   while (true) {
     size_t cur = hit;
@@ -158,6 +164,10 @@ HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, siz
         cur = cur / spec.block_size * spec.block_size;  // downward-closed: trim, no re-lookup
         continue;
       }
+      const bool drop = eagle && !eagle_done[a] &&
+                        (spec.kind == Kind::kFull || spec.kind == Kind::kSlidingWindow);
+      // With the drop, match one block past the candidate so that the hit lands back on it.
+      const size_t length = drop ? std::min(cur + spec.block_size, max_length) : cur;
       size_t count = SIZE_MAX;
       for (size_t g : members[a]) count = std::min(count, groups[g].cached.count);
       found[a] = Find(
@@ -166,16 +176,25 @@ HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, siz
             return std::all_of(members[a].begin(), members[a].end(),
                                [&](size_t g) { return groups[g].cached.at(i).has_value(); });
           },
-          cur, lcm, /*eagle=*/false);
-      cur = found[a]->size() * spec.block_size;
+          length, lcm, drop);
+      const size_t group_hit = found[a]->size() * spec.block_size;
+      if (drop) {
+        eagle_done[a] = true;
+      } else if (group_hit < cur) {
+        // A shorter candidate: every eagle group must drop again relative to it.
+        std::fill(eagle_done.begin(), eagle_done.end(), false);
+      }
+      cur = group_hit;
     }
     if (cur >= hit) break;
     hit = cur;
+    if (simple_hybrid) break;
   }
   for (size_t a = 0; a < members.size(); ++a) {
     const AttentionSpec& spec = groups[members[a][0]].spec;
-    if (spec.kind == Kind::kFull)
+    if (spec.kind == Kind::kFull) {
       found[a]->resize(std::min(found[a]->size(), hit / spec.block_size));
+    }
     for (size_t g : members[a]) result.blocks[g] = Materialize(*found[a], groups[g].cached);
   }
   result.tokens = hit;

@@ -133,5 +133,24 @@ TEST(BlockPoolTest, GroupsMustAllHitAndPrefixCachingOffCachesNothing) {
   EXPECT_FALSE(off.GetCachedBlock(Key(1).hash, g0).has_value());
 }
 
+TEST(BlockPoolTest, EvictCachedHashForgetsTheKeyButKeepsTheBlock) {
+  BlockPool pool(8, true);
+  const auto blocks = *pool.GetNewBlocks(2);
+  pool.CacheBlock(blocks[0], Key(7, 1));
+  pool.FreeBlocks(Ids({blocks[0]}));
+  const std::vector<uint32_t> g1 = {1};
+  ASSERT_TRUE(pool.GetCachedBlock(Key(7).hash, g1).has_value());
+  EXPECT_FALSE(pool.EvictCachedHash(Key(7, 0)));  // another group's key
+  EXPECT_TRUE(pool.EvictCachedHash(Key(7, 1)));
+  EXPECT_FALSE(pool.GetCachedBlock(Key(7).hash, g1).has_value());
+  EXPECT_FALSE(pool.key_of(blocks[0]).has_value());
+  EXPECT_THAT(pool.TakeRemoved(), ElementsAre(Key(7, 1)));
+  EXPECT_FALSE(pool.EvictCachedHash(Key(7, 1)));
+  // The block stays free, at its place in the queue, and can be cached again.
+  EXPECT_THAT(pool.free_queue().All(), ElementsAre(3, 4, 5, 6, 7, blocks[0]));
+  pool.CacheBlock(blocks[0], Key(7, 1));
+  EXPECT_EQ((*pool.GetCachedBlock(Key(7).hash, g1))[0], blocks[0]);
+}
+
 }  // namespace
 }  // namespace kvstash::engine

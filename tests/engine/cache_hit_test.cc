@@ -245,5 +245,48 @@ TEST(CacheHitTest, HybridHitShrinksToWhatEveryGroupAccepts) {
   EXPECT_EQ(run({T, T, F, T}, {F, T, T, T}, {F, T, T, T}).tokens, 0u);
 }
 
+// §9.4 with eagle (vectors of §12.L3): an eagle group is looked up one block past the
+// candidate and drops one block, once per candidate length.
+TEST(CacheHitTest, HybridEagleDropsOnceForOneFullAndOneOther) {
+  const std::vector<bool> all(6, true);
+  const std::vector<CacheGroup> groups = {{Spec(Kind::kFull, 16), Cached(all, 1)},
+                                          {Spec(Kind::kSlidingWindow, 16, 48), Cached(all, 8)}};
+  const HybridCacheHit hit = FindLongestHybridCacheHit(groups, 6 * 16 + 5 - 1, /*eagle=*/true);
+  EXPECT_EQ(hit.tokens, 80u);
+  EXPECT_THAT(hit.blocks[0], ElementsAre(1, 2, 3, 4, 5));
+  EXPECT_THAT(hit.blocks[1], ElementsAre(kNullBlock, kNullBlock, 10, 11, 12));
+  EXPECT_EQ(FindLongestHybridCacheHit(groups, 6 * 16 + 5 - 1).tokens, 96u);
+}
+
+// Three attention groups take a second round; a group that already dropped for the candidate
+// length does not drop again (vLLM issue 32802: the drops compounded down to no hit).
+TEST(CacheHitTest, HybridEagleDoesNotCompoundOverRounds) {
+  const std::vector<bool> all(6, true);
+  const std::vector<CacheGroup> groups = {{Spec(Kind::kFull, 16), Cached(all, 1)},
+                                          {Spec(Kind::kSlidingWindow, 16, 32), Cached(all, 10)},
+                                          {Spec(Kind::kSlidingWindow, 16, 64), Cached(all, 20)}};
+  const HybridCacheHit hit = FindLongestHybridCacheHit(groups, 100, /*eagle=*/true);
+  EXPECT_EQ(hit.tokens, 80u);
+  EXPECT_THAT(hit.blocks[0], ElementsAre(1, 2, 3, 4, 5));
+  EXPECT_THAT(hit.blocks[1], ElementsAre(kNullBlock, kNullBlock, kNullBlock, 13, 14));
+  EXPECT_THAT(hit.blocks[2], ElementsAre(kNullBlock, 21, 22, 23, 24));
+  EXPECT_EQ(FindLongestHybridCacheHit(groups, 100).tokens, 96u);
+}
+
+// Chunked-local and state groups get no eagle treatment: no drop and no look-ahead block (which
+// would let them hit past the candidate length).
+TEST(CacheHitTest, HybridEagleLeavesChunkedLocalAndStateAlone) {
+  const std::vector<bool> all(6, true);
+  for (const AttentionSpec& other :
+       {Spec(Kind::kChunkedLocal, 16, 0, 64), Spec(Kind::kState, 16)}) {
+    const std::vector<CacheGroup> groups = {{Spec(Kind::kFull, 16), Cached(all, 1)},
+                                            {other, Cached(all, 10)}};
+    const HybridCacheHit hit = FindLongestHybridCacheHit(groups, 100, /*eagle=*/true);
+    EXPECT_EQ(hit.tokens, 80u);
+    ASSERT_EQ(hit.blocks[1].size(), 5u);
+    EXPECT_EQ(hit.blocks[1].back(), 14u);
+  }
+}
+
 }  // namespace
 }  // namespace kvstash::engine

@@ -62,6 +62,8 @@ class BlockPool {
   size_t num_blocks() const { return ref_.size(); }
   size_t num_free() const { return free_.size(); }
   uint32_t ref_count(BlockId block) const { return ref_[block]; }
+  // The free blocks in eviction order (for tests and diagnostics).
+  const FreeBlockQueue& free_queue() const { return free_; }
   std::optional<CachedKey> key_of(BlockId block) const;
 
   // The cached blocks of `hash`, one per group of `groups`; nullopt if any group misses.
@@ -79,7 +81,12 @@ class BlockPool {
   // Ref count - 1 each; blocks that reach 0 join the free queue in the given order (callers
   // pass eviction priority: a request's blocks in reverse, so its tail goes first).
   void FreeBlocks(std::span<const BlockId> ordered);
-  // Hashes dropped by GetNewBlocks since the last call (for the connector's removed events).
+  // Drops `key` from the prefix cache as an eviction would, recording a removed event; its
+  // block stays where it is (referenced or free) without a hash. False when `key` is not cached.
+  // For callers that learn a block's content is stale, and for tests of partial hits.
+  bool EvictCachedHash(const CachedKey& key);
+  // Hashes dropped by GetNewBlocks or EvictCachedHash since the last call (for the connector's
+  // removed events).
   std::vector<CachedKey> TakeRemoved();
 
  private:

@@ -65,7 +65,15 @@ struct HybridCacheHit {
 
 // The longest hit all groups agree on, at most `max_length` tokens (the request's tokens - 1):
 // groups of identical spec are looked up together (a hash hits only when it hits in each), full
-// attention first; the candidate length shrinks until every attention type accepts it.
-HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, size_t max_length);
+// attention first; the candidate length shrinks until every attention type accepts it. With
+// exactly one full-attention and one other attention group, one round decides it.
+//
+// `eagle`: full-attention and sliding-window groups drop their last matched block (vLLM's
+// eagle): such a group is looked up with one block more than the candidate length (capped at
+// `max_length`) and drops one, at most once per candidate length, so that the drop does not
+// compound over the rounds. Chunked-local and state groups get no eagle treatment (a draft
+// model has no such layers).
+HybridCacheHit FindLongestHybridCacheHit(std::span<const CacheGroup> groups, size_t max_length,
+                                         bool eagle = false);
 
 }  // namespace kvstash::engine

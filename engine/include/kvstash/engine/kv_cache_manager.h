@@ -43,7 +43,9 @@ struct KvCacheManagerOptions {
   size_t num_blocks = 0;              // blocks in the pool, the null block 0 included
   bool prefix_caching = true;
   // Block size the request hashes are computed at; 0 means the gcd of the groups' block
-  // sizes. Every group's block size must be a multiple of it.
+  // sizes. Every group's block size must be a multiple of it. A group whose blocks are k hash
+  // blocks long keys its i-th block by hash k*i + k - 1, the last of the k: the hashes are
+  // chained, so the last one already commits to the whole prefix (vLLM concatenates the k).
   uint32_t hash_block_size = 0;
   // Hits drop their last block per group (the KV a draft model recomputes), as vLLM's eagle.
   bool eagle = false;
@@ -77,23 +79,29 @@ class KvCacheManager {
 
   // Blocks that allocating for these arguments would take from the free queue (new blocks plus
   // hit blocks that sit unreferenced in the free queue), per group summed; what AllocateSlots
-  // checks against num_free_blocks.
+  // checks against the free blocks (after freeing what the request no longer needs). Positions
+  // a group skips at the computed length (outside a window, before a chunk or a snapshot) take
+  // the null block, not a new one, and their hit blocks are not counted.
   size_t NumBlocksToAllocate(RequestId id, size_t num_computed_tokens, size_t num_new_tokens,
                              const ComputedBlocks* new_computed) const;
 
   // Makes the request's block tables cover num_computed_tokens (+ new_computed->tokens, a hit
-  // from GetComputedBlocks given on the request's first allocation) + num_new_tokens tokens:
-  // first frees the blocks its groups no longer need at num_computed_tokens (+ the hit), then
-  // takes the hit blocks (Touch) and new blocks. Then caches the hashes of the blocks that will
-  // be full once these tokens are computed (clamped to a multiple of the lcm block size;
-  // sliding-window groups cache only their needed tail of each lcm segment).
-  // Returns false, with nothing changed, when the pool has too few free blocks.
+  // from GetComputedBlocks given on the request's first allocation; ignored once the request
+  // holds blocks) + num_new_tokens tokens: first frees the blocks its groups no longer need at
+  // num_computed_tokens (+ the hit), then takes the hit blocks (Touch) and new blocks, group
+  // by group. Then caches the hashes of the blocks that will be full once these tokens are
+  // computed (at most num_tokens tokens and as many blocks as `hashes` cover; with more than
+  // one group clamped to a multiple of the lcm block size; sliding-window groups cache only
+  // their needed tail of each lcm segment; null blocks never).
+  // Returns false, with nothing changed, when the pool has too few free blocks (counting those
+  // the freeing would return); the scheduler may preempt and call again.
   // `hashes` are the request's block hashes at hash_block_size, `num_tokens` its token count.
   bool AllocateSlots(RequestId id, std::span<const BlockHash> hashes, size_t num_tokens,
                      size_t num_computed_tokens, size_t num_new_tokens,
                      const ComputedBlocks* new_computed = nullptr);
 
-  // The request's block table per group (empty if it holds none).
+  // The request's block table per group (num_groups() empty tables if it holds none). Valid
+  // until the next AllocateSlots or Free of this request.
   const std::vector<std::vector<BlockId>>& BlockTables(RequestId id) const;
 
   // Frees every block of the request: per group in reverse table order (its tail evicted
@@ -108,6 +116,14 @@ class KvCacheManager {
     std::vector<std::vector<BlockId>> tables;
     std::vector<size_t> num_cached;  // per group: blocks already cached
   };
+  // Group `g`'s view of hashes at hash_block_size: its block count and its i-th block's hash.
+  size_t NumGroupHashes(size_t g, std::span<const BlockHash> hashes) const;
+  const BlockHash& GroupHash(size_t g, std::span<const BlockHash> hashes, size_t i) const;
+  // Whether group `g` caches its i-th block (sliding windows keep only each lcm segment's tail).
+  bool CachesBlock(size_t g, size_t i) const;
+  // What NumBlocksToAllocate counts for one group; `state` is null for a new request.
+  size_t GroupBlocksToAllocate(size_t g, const RequestState* state, size_t total_computed,
+                               size_t total_tokens, std::span<const BlockId> hit) const;
   KvCacheManagerOptions options_;
   uint32_t hash_block_size_ = 0;
   uint32_t lcm_block_size_ = 1;
