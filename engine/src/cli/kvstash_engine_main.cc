@@ -1,0 +1,314 @@
+// `kvstash-engine`: runs kvstash's inference engine on a hybrid-attention model.
+//   generate  one prompt to completion; the generated token ids on the last line
+//   chat      a multi-turn conversation; per turn how much of the prompt the prefix cache held
+//   bench     prefill and decode tokens/s, against the machine's own matrix-multiply rate
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "kvstash/common/hash.h"
+#include "kvstash/engine/engine.h"
+#include "kvstash/kernels/cpu_ops.h"
+
+namespace {
+
+using namespace kvstash;
+using namespace kvstash::engine;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+struct ModelFlags {
+  std::string model = "builtin:tiny-hybrid";
+  std::string weights;
+  uint64_t seed = 0;
+  bool seed_set = false;
+  uint32_t block_size = 0;
+  uint32_t attn_pack = 1;
+  size_t num_blocks = 4096;
+  size_t max_batched_tokens = 256;
+  size_t max_num_seqs = 16;
+  bool no_prefix_cache = false;
+};
+
+void AddModelFlags(CLI::App* app, ModelFlags& f) {
+  app->add_option("--model", f.model,
+                  "builtin:NAME (tiny-full, tiny-swa, tiny-hybrid, tiny-state-hybrid) or a JSON "
+                  "model config file")
+      ->capture_default_str();
+  app->add_option("--weights", f.weights,
+                  "safetensors file with the weights (default: deterministic from the seed)");
+  app->add_option("--seed", f.seed, "weights seed (default: the config's)")
+      ->each([&f](const std::string&) { f.seed_set = true; });
+  app->add_option("--block-size", f.block_size,
+                  "tokens per page of one attention layer (default: a state's page for state "
+                  "models, else 16)");
+  app->add_option("--attn-pack", f.attn_pack,
+                  "full-attention layers sharing one page; divides their block size (and the "
+                  "prefix-cache granularity) by N")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 64u));
+  app->add_option("--num-blocks", f.num_blocks, "pages in the KV-cache pool (block 0 is null)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{2}, size_t{1} << 24));
+  app->add_option("--max-batched-tokens", f.max_batched_tokens,
+                  "token budget of one step: longer prompts prefill in chunks of this size")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+  app->add_option("--max-num-seqs", f.max_num_seqs, "requests running at once at most")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{4096}));
+  app->add_flag("--no-prefix-cache", f.no_prefix_cache, "turn prefix caching off");
+}
+
+Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
+  KVSTASH_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::Load(f.model));
+  EngineOptions o;
+  o.block_size = f.block_size;
+  o.attn_pack = f.attn_pack;
+  o.num_blocks = f.num_blocks;
+  o.prefix_caching = !f.no_prefix_cache;
+  o.scheduler.max_num_batched_tokens = f.max_batched_tokens;
+  o.scheduler.max_num_seqs = f.max_num_seqs;
+  if (f.seed_set) o.seed = f.seed;
+  o.weights_path = f.weights;
+  return Engine::Create(std::move(config), o);
+}
+
+Result<std::vector<uint32_t>> ParseTokens(const std::string& text) {
+  std::vector<uint32_t> tokens;
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long v = std::strtoull(word.c_str(), &end, 10);
+    if (word[0] == '-' || *end != '\0' || errno != 0 || v > UINT32_MAX)
+      return InvalidArgumentError("prompt: '{}' is not a token id", word);
+    tokens.push_back(static_cast<uint32_t>(v));
+  }
+  if (tokens.empty()) return InvalidArgumentError("prompt: no token ids");
+  return tokens;
+}
+
+std::string Join(std::span<const uint32_t> tokens) {
+  std::string s;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (i) s += ' ';
+    s += std::to_string(tokens[i]);
+  }
+  return s;
+}
+
+int Fail(const Status& s) {
+  std::cerr << "kvstash-engine: " << s.ToString() << "\n";
+  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound
+             ? kExitUsage
+             : kExitFailure;
+}
+
+// Pseudo-random token ids, the same for the same seed.
+std::vector<uint32_t> RandomTokens(size_t n, uint32_t vocab, uint64_t seed) {
+  std::vector<uint32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(Mix64(seed * 1000003 + i) % vocab);
+  return t;
+}
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats) {
+  auto prompt = ParseTokens(prompt_text);
+  if (!prompt.ok()) return Fail(prompt.status());
+  auto engine = MakeEngine(f);
+  if (!engine.ok()) return Fail(engine.status());
+  auto results = (*engine)->Generate({*prompt}, max_new);
+  if (!results.ok()) return Fail(results.status());
+  const Request& r = *(*results)[0];
+  if (stats) {
+    std::printf("prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu\n", r.num_prompt_tokens,
+                r.num_cached_tokens, r.num_computed_prompt_tokens);
+  }
+  std::printf("%s\n", Join(r.output()).c_str());
+  return kExitOk;
+}
+
+int RunChat(const ModelFlags& f, size_t turns, size_t user_tokens, size_t max_new, uint64_t seed) {
+  auto engine = MakeEngine(f);
+  if (!engine.ok()) return Fail(engine.status());
+  Engine& e = **engine;
+  std::printf("model=%s block_size=%u attn_pack=%u groups=%zu page_bytes=%zu\n",
+              e.config().name.c_str(), e.layout().block_size, e.layout().attn_pack,
+              e.layout().groups.size(), e.layout().page_bytes());
+  std::vector<uint32_t> history;
+  size_t total_prompt = 0, total_cached = 0;
+  for (size_t turn = 1; turn <= turns; ++turn) {
+    std::vector<uint32_t> user = RandomTokens(user_tokens, e.config().vocab_size, seed + turn);
+    history.insert(history.end(), user.begin(), user.end());
+    auto results = e.Generate({history}, max_new);
+    if (!results.ok()) return Fail(results.status());
+    const Request& r = *(*results)[0];
+    std::printf("turn=%zu prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu\n", turn,
+                r.num_prompt_tokens, r.num_cached_tokens, r.num_computed_prompt_tokens);
+    total_prompt += r.num_prompt_tokens;
+    total_cached += r.num_cached_tokens;
+    history.insert(history.end(), r.output().begin(), r.output().end());
+  }
+  std::printf("total prompt_tokens=%zu cached_tokens=%zu (%.1f%%)\n", total_prompt, total_cached,
+              total_prompt ? 100.0 * static_cast<double>(total_cached) / total_prompt : 0.0);
+  return kExitOk;
+}
+
+// Floating-point operations of one token through the model's projections (2 per weight;
+// attention scores and the state are small next to them at these lengths).
+double FlopsPerToken(const ModelConfig& c) {
+  const double embed = static_cast<double>(c.vocab_size) * c.hidden;
+  return 2.0 * (static_cast<double>(c.NumParameters()) - embed);
+}
+
+// The machine's own rate for the kernel the engine spends its time in: one thread, a
+// cache-friendly 64 x 256 x 768 MatMul, best of several runs.
+double MatMulGflops() {
+  const size_t n = 64, in = 256, out = 768;
+  std::vector<float> x(n * in, 0.5f), w(in * out, 0.25f), y(n * out);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < 20; ++i) kvstash::kernels::MatMul(x.data(), w.data(), y.data(), n, in, out);
+    const double s = Seconds(t0, Clock::now());
+    best = std::max(best, 20 * 2.0 * n * in * out / s / 1e9);
+  }
+  return best;
+}
+
+int RunBench(const ModelFlags& f, size_t batch, size_t prompt_len, size_t decode_tokens) {
+  auto engine = MakeEngine(f);
+  if (!engine.ok()) return Fail(engine.status());
+  Engine& e = **engine;
+  const ModelConfig& c = e.config();
+  const double params = static_cast<double>(c.NumParameters());
+  std::printf(
+      "model=%s layers=%zu hidden=%u params=%.3fM (%.1f MiB float32) block_size=%u "
+      "attn_pack=%u\n",
+      c.name.c_str(), c.layers.size(), c.hidden, params / 1e6, params * 4 / 1048576.0,
+      e.layout().block_size, e.layout().attn_pack);
+  // Prefill: distinct prompts (no prefix hits), one generated token each.
+  std::vector<std::vector<uint32_t>> prompts;
+  for (size_t i = 0; i < batch; ++i)
+    prompts.push_back(RandomTokens(prompt_len, c.vocab_size, i + 7));
+  auto t0 = Clock::now();
+  auto pre = e.Generate(prompts, 1);
+  const double prefill_s = Seconds(t0, Clock::now());
+  if (!pre.ok()) return Fail(pre.status());
+  const double prefill_tps = static_cast<double>(batch * prompt_len) / prefill_s;
+  // Decode: short prompts, then time only the steps that run no prompt tokens.
+  for (size_t i = 0; i < batch; ++i) {
+    auto id = e.AddRequest(RandomTokens(16, c.vocab_size, 1000 + i), decode_tokens + 1);
+    if (!id.ok()) return Fail(id.status());
+  }
+  double decode_s = 0;
+  uint64_t decode_tokens_run = 0;
+  while (e.HasUnfinished()) {
+    const uint64_t prefill_before = e.counters().prefill_tokens;
+    const uint64_t decode_before = e.counters().decode_tokens;
+    const auto s0 = Clock::now();
+    for (RequestId id : e.Step()) e.TakeResult(id);
+    if (e.counters().prefill_tokens == prefill_before) {
+      decode_s += Seconds(s0, Clock::now());
+      decode_tokens_run += e.counters().decode_tokens - decode_before;
+    }
+  }
+  const double decode_tps = decode_s > 0 ? static_cast<double>(decode_tokens_run) / decode_s : 0;
+  const double peak = MatMulGflops();
+  const double fpt = FlopsPerToken(c);
+  std::printf("prefill: %zu x %zu tokens in %.3f s = %.0f tokens/s (%.2f GFLOP/s in projections)\n",
+              batch, prompt_len, prefill_s, prefill_tps, prefill_tps * fpt / 1e9);
+  std::printf(
+      "decode:  %zu streams x %zu tokens in %.3f s = %.0f tokens/s (%.2f GFLOP/s in projections)\n",
+      batch, decode_tokens, decode_s, decode_tps, decode_tps * fpt / 1e9);
+  std::printf(
+      "machine: MatMul 64x256x768 one thread %.2f GFLOP/s; prefill at %.2fx, decode at "
+      "%.2fx of it\n",
+      peak, prefill_tps * fpt / 1e9 / peak, decode_tps * fpt / 1e9 / peak);
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app(
+      "kvstash-engine: kvstash's inference engine for hybrid-attention models (full, sliding-"
+      "window, chunked-local, KV-sharing and state layers) over a paged KV cache with prefix "
+      "caching, chunked prefill and preemption. Greedy sampling; token ids in and out.",
+      "kvstash-engine");
+  app.require_subcommand(1);
+  app.footer("Exit status: 0 on success, 1 on a run-time failure, 2 for bad arguments.");
+
+  ModelFlags gen_flags;
+  std::string prompt;
+  size_t max_new = 16;
+  bool stats = false;
+  CLI::App* gen = app.add_subcommand(
+      "generate", "Generate from one prompt; prints the generated token ids on the last line.");
+  AddModelFlags(gen, gen_flags);
+  gen->add_option("--prompt", prompt, "prompt token ids, space separated, e.g. \"1 2 3\"")
+      ->required();
+  gen->add_option("--max-new-tokens", max_new, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+  gen->add_flag("--stats", stats,
+                "also print prompt_tokens=.. cached_tokens=.. computed_tokens=.. (prompt tokens "
+                "the prefix cache held, and prompt tokens run through the model)");
+
+  ModelFlags chat_flags;
+  chat_flags.model = "builtin:tiny-state-hybrid";
+  size_t turns = 8, user_tokens = 37, chat_new = 9;
+  uint64_t chat_seed = 1;
+  CLI::App* chat = app.add_subcommand(
+      "chat",
+      "A multi-turn conversation: each turn's prompt is the history plus new user tokens; "
+      "prints per turn how many prompt tokens came from the prefix cache.");
+  AddModelFlags(chat, chat_flags);
+  chat->add_option("--turns", turns, "turns")->capture_default_str()->check(CLI::Range(1, 1000));
+  chat->add_option("--user-tokens", user_tokens, "new user tokens per turn")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  chat->add_option("--max-new-tokens", chat_new, "tokens generated per turn")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  chat->add_option("--conversation-seed", chat_seed, "seed of the user tokens")
+      ->capture_default_str();
+
+  ModelFlags bench_flags;
+  size_t batch = 8, prompt_len = 512, decode_tokens = 64;
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Prefill and decode tokens/s (one thread), with the machine's own MatMul rate for scale.");
+  AddModelFlags(bench, bench_flags);
+  bench->add_option("--batch", batch, "concurrent requests")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  bench->add_option("--prompt-len", prompt_len, "prompt tokens per request (prefill phase)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  bench->add_option("--decode-tokens", decode_tokens, "tokens each request decodes")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? kExitOk : kExitUsage;
+  }
+  if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats);
+  if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
+  return RunBench(bench_flags, batch, prompt_len, decode_tokens);
+}
