@@ -1,0 +1,105 @@
+// `kvstash-engine` as a user runs it: the generated ids on the last line, the --stats line,
+// the same tokens as the library, the multi-turn chat's cache hits, clear refusals.
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvstash/engine/engine.h"
+#include "subprocess.h"
+
+namespace kvstash::engine {
+namespace {
+
+using kvstash::testing::RunProcess;
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+std::string Join(std::span<const uint32_t> t) {
+  std::string s;
+  for (size_t i = 0; i < t.size(); ++i) s += (i ? " " : "") + std::to_string(t[i]);
+  return s;
+}
+
+TEST(EngineCliTest, GeneratePrintsTheLibrarysTokensOnTheLastLine) {
+  std::vector<uint32_t> prompt;
+  for (uint32_t i = 0; i < 41; ++i) prompt.push_back((i * 37 + 11) % 256);
+  for (const std::string& model : ModelConfig::BuiltinNames()) {
+    auto config = ModelConfig::Load("builtin:" + model);
+    ASSERT_TRUE(config.ok());
+    auto engine = Engine::Create(*config, {});
+    ASSERT_TRUE(engine.ok());
+    auto want = (*engine)->Generate({prompt}, 7);
+    ASSERT_TRUE(want.ok());
+    const auto r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:" + model,
+                               "--prompt", Join(prompt), "--max-new-tokens", "7", "--stats",
+                               "--max-batched-tokens", "10"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto lines = Lines(r.out);
+    ASSERT_GE(lines.size(), 2u);
+    EXPECT_EQ(lines.back(), Join((*want)[0]->output())) << model;
+    EXPECT_EQ(lines[lines.size() - 2], "prompt_tokens=41 cached_tokens=0 computed_tokens=41");
+  }
+}
+
+TEST(EngineCliTest, ChatHitsEarlierTurnsAndPackingHitsMore) {
+  size_t totals[2] = {0, 0};
+  for (int pack : {1, 4}) {
+    const auto r = RunProcess({KVSTASH_ENGINE_PATH, "chat", "--model", "builtin:tiny-state-hybrid",
+                               "--turns", "4", "--user-tokens", "11", "--max-new-tokens", "5",
+                               "--attn-pack", std::to_string(pack)});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto lines = Lines(r.out);
+    ASSERT_EQ(lines.size(), 6u) << r.out;
+    EXPECT_NE(lines[1].find("turn=1 prompt_tokens=11 cached_tokens=0"), std::string::npos);
+    size_t cached = 0;
+    ASSERT_EQ(std::sscanf(lines[5].c_str(), "total prompt_tokens=%*zu cached_tokens=%zu", &cached),
+              1)
+        << lines[5];
+    totals[pack == 4] = cached;
+  }
+  EXPECT_GT(totals[0], 0u);
+  EXPECT_GT(totals[1], totals[0]);
+}
+
+TEST(EngineCliTest, BadArgumentsExitTwoWithAReason) {
+  auto r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--prompt", "1 2 oops"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("'oops' is not a token id"), std::string::npos) << r.err;
+  r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--prompt", "1 999"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("outside the vocabulary"), std::string::npos) << r.err;
+  r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:nope", "--prompt", "1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("no built-in model 'nope'"), std::string::npos) << r.err;
+  r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:tiny-state-hybrid",
+                  "--block-size", "8", "--prompt", "1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("at least 16"), std::string::npos) << r.err;
+  r = RunProcess({KVSTASH_ENGINE_PATH, "generate"});
+  EXPECT_EQ(r.exit_code, 2);
+  r = RunProcess({KVSTASH_ENGINE_PATH, "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("generate"), std::string::npos);
+  EXPECT_NE(r.out.find("bench"), std::string::npos);
+}
+
+TEST(EngineCliTest, BenchPrintsRatesAndTheModelSize) {
+  const auto r = RunProcess({KVSTASH_ENGINE_PATH, "bench", "--model", "builtin:tiny-hybrid",
+                             "--batch", "2", "--prompt-len", "40", "--decode-tokens", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("params="), std::string::npos);
+  EXPECT_NE(r.out.find("prefill: 2 x 40 tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("decode:  2 streams x 4 tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("MatMul"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvstash::engine
