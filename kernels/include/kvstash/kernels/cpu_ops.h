@@ -1,9 +1,9 @@
 #pragma once
 
-// Dense CPU operations of the engine's transformer layers. Plain loops over contiguous float32
-// rows, written so the compiler vectorises them; none allocates. All pointers are borrowed for
-// the call; inputs and outputs never overlap unless a function says they may. Thread-safe
-// (no state).
+// Dense CPU operations of the engine's transformer layers. Vectorised loops over contiguous
+// float32 rows (AVX2 and FMA where the CPU has them, chosen at load time); none allocates. All
+// pointers are borrowed for the call; inputs and outputs never overlap unless a function says
+// they may. Thread-safe (no state).
 
 #include <cstddef>
 #include <cstdint>
@@ -20,7 +20,9 @@ void RmsNorm(const float* x, const float* weight, float* y, size_t n, size_t dim
 
 // Rotary position embedding, the rotate-halves form: for each row i (rows `stride` floats
 // apart) and each of its `num_heads` heads of `head_dim` (even), the pair (j, j + head_dim/2)
-// rotates by positions[i] * theta^(-2j/head_dim). In place.
+// rotates by a = positions[i] * theta^(-2j/head_dim):
+// (x[j], x[j + head_dim/2]) becomes (x[j] cos a - x[j + head_dim/2] sin a,
+// x[j] sin a + x[j + head_dim/2] cos a). In place.
 void ApplyRope(float* x, size_t stride, size_t n, size_t num_heads, size_t head_dim,
                const uint32_t* positions, float theta);
 

@@ -68,17 +68,16 @@ void WriteKv(const PagedLayer& layer, std::span<const uint32_t> block_table, siz
 // out rows get num_heads * head_dim floats (`out_stride` apart): softmax(q·k * scale) · v over
 // the keys the mask allows. head_dim is at most kMaxHeadDim.
 inline constexpr uint32_t kMaxHeadDim = 256;
-void PagedAttention(const PagedLayer& layer, std::span<const uint32_t> block_table,
-                    const float* q, size_t q_stride, size_t n, size_t start_pos,
-                    uint32_t num_heads, const AttentionMask& mask, float scale, float* out,
-                    size_t out_stride);
+void PagedAttention(const PagedLayer& layer, std::span<const uint32_t> block_table, const float* q,
+                    size_t q_stride, size_t n, size_t start_pos, uint32_t num_heads,
+                    const AttentionMask& mask, float scale, float* out, size_t out_stride);
 
 // The state layer: per head a matrix S of [head_dim][head_dim] (key dim by value dim), and for
 // each of the n tokens in order
 //   g = sigmoid(gate[h]);  S = g * S + k_h v_h^T;  out_h = S^T q_h
 // q, k, v rows hold num_heads heads of head_dim (`stride` floats apart), gate rows num_heads
 // logits (`gate_stride` apart); out rows num_heads * head_dim (`out_stride` apart). `state`
-// ([num_heads][head_dim][head_dim]) is updated in place.
+// ([num_heads][head_dim][head_dim]) is updated in place. head_dim is at most kMaxHeadDim.
 void StateScan(float* state, const float* q, const float* k, const float* v, size_t stride,
                const float* gate, size_t gate_stride, size_t n, uint32_t num_heads,
                uint32_t head_dim, float* out, size_t out_stride);
