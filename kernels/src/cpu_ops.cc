@@ -126,8 +126,16 @@ KVSTASH_KERNEL_INLINE void StreamedMatMul(const float* x, const float* w, float*
         const float* xr = x + i * x_stride + k;
         const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
         float* __restrict yr = y + i * y_stride + j0;
+        // One term at a time, in k order, as the packed path adds them: a row's result must
+        // not depend on how many rows share the call (the engine's tokens may not change with
+        // the batch or the prefill chunk).
         for (size_t c = 0; c < cols; ++c) {
-          yr[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+          float v = yr[c];
+          v += a0 * w0[c];
+          v += a1 * w1[c];
+          v += a2 * w2[c];
+          v += a3 * w3[c];
+          yr[c] = v;
         }
       }
     }

@@ -76,6 +76,31 @@ TEST(MatMulTest, MatchesDoubleReferenceOnOddShapesAndStrides) {
   }
 }
 
+// A row's result must not depend on how many rows share the call (the packed path for 8 rows
+// or more, the streamed one below): the engine computes a token alone in decode, in a prefill
+// chunk of any size, or as part of another request's prefix, and greedy tokens must not move.
+TEST(MatMulTest, RowResultsAreBitwiseIndependentOfTheBatch) {
+  std::mt19937 rng(77);
+  for (size_t in : {64, 192, 300, 600}) {
+    for (size_t out : {17, 64, 192, 256}) {
+      const size_t n = 64;
+      const std::vector<float> x = RandomFloats(n * in, rng);
+      const std::vector<float> w = RandomFloats(in * out, rng);
+      std::vector<float> all(n * out);
+      MatMul(x.data(), w.data(), all.data(), n, in, out);
+      for (size_t first : {0, 5, 40}) {
+        for (size_t m : {1, 3, 7, 8, 13, 24}) {
+          if (first + m > n) continue;
+          std::vector<float> part(m * out);
+          MatMul(x.data() + first * in, w.data(), part.data(), m, in, out);
+          ASSERT_TRUE(std::equal(part.begin(), part.end(), all.begin() + first * out))
+              << "in " << in << " out " << out << " rows " << first << "+" << m;
+        }
+      }
+    }
+  }
+}
+
 TEST(MatMulTest, EmptyInnerDimensionGivesZeros) {
   std::vector<float> y(3 * 5, kSentinel);
   for (size_t n : {3, 10}) {
