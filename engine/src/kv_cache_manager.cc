@@ -107,16 +107,54 @@ ComputedBlocks KvCacheManager::GetComputedBlocks(std::span<const BlockHash> hash
   return out;
 }
 
+size_t KvCacheManager::CacheableTokens(size_t total_tokens, size_t num_tokens) const {
+  // Only tokens the request has (not speculative ones past it) may be committed to the cache.
+  size_t cache_tokens = std::min(total_tokens, num_tokens);
+  // Hits are lcm-aligned, so with several groups a hash past the last lcm boundary could never
+  // be part of one.
+  if (num_groups() > 1) cache_tokens = cache_tokens / lcm_block_size_ * lcm_block_size_;
+  return cache_tokens;
+}
+
+std::pair<size_t, size_t> KvCacheManager::RingBlockRange(size_t g, size_t num_cached,
+                                                         size_t total_computed, size_t total_tokens,
+                                                         size_t cacheable) const {
+  if (!options_.prefix_caching) return {0, 0};
+  const AttentionSpec& spec = options_.groups[g];
+  const size_t skipped = NumSkippedTokens(spec, total_computed) / spec.block_size;
+  // A block completed by an earlier step is no longer whole in the runner's step buffer.
+  const size_t first = std::max({num_cached, skipped, total_computed / spec.block_size});
+  const size_t last = std::min(cacheable, CeilDiv(total_tokens, spec.block_size));
+  return {first, std::max(first, last)};
+}
+
+size_t KvCacheManager::RingBlocksToAllocate(size_t g, std::span<const BlockId> table,
+                                            size_t num_cached, size_t total_computed,
+                                            size_t total_tokens, size_t cacheable) const {
+  const auto [first, last] = RingBlockRange(g, num_cached, total_computed, total_tokens, cacheable);
+  size_t n = 0;
+  for (size_t i = first; i < last; ++i) {
+    if (CachesBlock(g, i) && (i >= table.size() || table[i] == kNullBlock)) ++n;
+  }
+  return n;
+}
+
 size_t KvCacheManager::GroupBlocksToAllocate(size_t g, const RequestState* state,
                                              size_t total_computed, size_t total_tokens,
-                                             std::span<const BlockId> hit) const {
+                                             std::span<const BlockId> hit, size_t cacheable) const {
   const AttentionSpec& spec = options_.groups[g];
   const size_t held = state != nullptr ? state->tables[g].size() : 0;
   const size_t required = CeilDiv(total_tokens, spec.block_size);
   // Skipped positions get the null block: they need neither a new block nor their hit block.
   const size_t skipped = NumSkippedTokens(spec, total_computed) / spec.block_size;
   const size_t covered = std::max(skipped, held + hit.size());
-  const size_t fresh = required > covered ? required - covered : 0;
+  size_t fresh = required > covered ? required - covered : 0;
+  if (spec.ring) {
+    fresh = state != nullptr
+                ? RingBlocksToAllocate(g, state->tables[g], state->num_cached[g], total_computed,
+                                       total_tokens, cacheable)
+                : RingBlocksToAllocate(g, {}, 0, total_computed, total_tokens, cacheable);
+  }
   // A hit block with no reference sits in the free queue: taking it costs a free block.
   size_t evictable = 0;
   for (size_t i = std::min(skipped > held ? skipped - held : 0, hit.size()); i < hit.size(); ++i) {
@@ -132,10 +170,12 @@ size_t KvCacheManager::NumBlocksToAllocate(RequestId id, size_t num_computed_tok
   const RequestState* state = it != requests_.end() ? &it->second : nullptr;
   if (state != nullptr) new_computed = nullptr;  // hits only count on the first allocation
   const size_t total_computed = num_computed_tokens + (new_computed ? new_computed->tokens : 0);
+  const size_t total_tokens = total_computed + num_new_tokens;
+  const size_t cache_tokens = CacheableTokens(total_tokens, total_tokens);
   size_t n = 0;
   for (size_t g = 0; g < num_groups(); ++g) {
-    n += GroupBlocksToAllocate(g, state, total_computed, total_computed + num_new_tokens,
-                               HitOf(new_computed, g));
+    n += GroupBlocksToAllocate(g, state, total_computed, total_tokens, HitOf(new_computed, g),
+                               cache_tokens / options_.groups[g].block_size);
   }
   return n;
 }
@@ -148,10 +188,18 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
   if (running) new_computed = nullptr;
   const size_t total_computed = num_computed_tokens + (new_computed ? new_computed->tokens : 0);
   const size_t total_tokens = total_computed + num_new_tokens;
+  const size_t cache_tokens = CacheableTokens(total_tokens, num_tokens);
+  auto cacheable = [&](size_t g) {
+    return std::min(cache_tokens / options_.groups[g].block_size, NumGroupHashes(g, hashes));
+  };
 
   // The fit check counts the blocks that freeing the skipped positions would return, so that a
   // refusal can leave everything as it was and still decide as freeing first would.
-  const size_t needed = NumBlocksToAllocate(id, num_computed_tokens, num_new_tokens, new_computed);
+  size_t needed = 0;
+  for (size_t g = 0; g < num_groups(); ++g) {
+    needed += GroupBlocksToAllocate(g, running ? &it->second : nullptr, total_computed,
+                                    total_tokens, HitOf(new_computed, g), cacheable(g));
+  }
   size_t returned = 0;
   if (running) {
     for (size_t g = 0; g < num_groups(); ++g) {
@@ -159,6 +207,12 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
       const auto& table = it->second.tables[g];
       const size_t k =
           std::min(NumSkippedTokens(spec, total_computed) / spec.block_size, table.size());
+      if (spec.ring) {
+        for (size_t i = k; i-- > it->second.null_below[g];) {
+          if (table[i] != kNullBlock && pool_.ref_count(table[i]) == 1) ++returned;
+        }
+        continue;
+      }
       for (size_t i = k; i-- > 0 && table[i] != kNullBlock;) {
         if (pool_.ref_count(table[i]) == 1) ++returned;
       }
@@ -170,13 +224,27 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
     it = requests_.emplace(id, RequestState{}).first;
     it->second.tables.resize(num_groups());
     it->second.num_cached.resize(num_groups(), 0);
+    it->second.null_below.resize(num_groups(), 0);
   }
   RequestState& state = it->second;
   if (running) {
     // Freed before the allocation so that the new blocks can reuse them.
     for (size_t g = 0; g < num_groups(); ++g) {
-      const std::vector<BlockId> freed =
-          RemoveSkippedBlocks(options_.groups[g], state.tables[g], total_computed);
+      const AttentionSpec& spec = options_.groups[g];
+      if (spec.ring) {
+        // RemoveSkippedBlocks' order (the last first), past the null entries between blocks.
+        auto& table = state.tables[g];
+        const size_t k =
+            std::min(NumSkippedTokens(spec, total_computed) / spec.block_size, table.size());
+        std::vector<BlockId> freed;
+        for (size_t i = k; i-- > state.null_below[g];) {
+          if (table[i] != kNullBlock) freed.push_back(std::exchange(table[i], kNullBlock));
+        }
+        state.null_below[g] = std::max(state.null_below[g], k);
+        pool_.FreeBlocks(freed);
+        continue;
+      }
+      const std::vector<BlockId> freed = RemoveSkippedBlocks(spec, state.tables[g], total_computed);
       pool_.FreeBlocks(freed);
     }
   }
@@ -200,6 +268,23 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
   for (size_t g = 0; g < num_groups(); ++g) {
     auto& table = state.tables[g];
     const size_t required = CeilDiv(total_tokens, options_.groups[g].block_size);
+    if (options_.groups[g].ring) {
+      // Only the blocks cached below get one; the runner fills them from its step buffer.
+      const size_t n = RingBlocksToAllocate(g, table, state.num_cached[g], total_computed,
+                                            total_tokens, cacheable(g));
+      if (table.size() < required) table.resize(required, kNullBlock);
+      if (n == 0) continue;
+      Result<std::vector<BlockId>> blocks = pool_.GetNewBlocks(n);
+      assert(blocks.ok());  // counted above
+      const auto [first, last] =
+          RingBlockRange(g, state.num_cached[g], total_computed, total_tokens, cacheable(g));
+      size_t next = 0;
+      for (size_t i = first; i < last; ++i) {
+        if (CachesBlock(g, i) && table[i] == kNullBlock) table[i] = (*blocks)[next++];
+      }
+      assert(next == n);
+      continue;
+    }
     if (required <= table.size()) continue;
     Result<std::vector<BlockId>> blocks = pool_.GetNewBlocks(required - table.size());
     assert(blocks.ok());  // counted above
@@ -207,15 +292,9 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
   }
 
   if (!options_.prefix_caching) return true;
-  // Only tokens the request has (not speculative ones past it) may be committed to the cache.
-  size_t cache_tokens = std::min(total_tokens, num_tokens);
-  // Hits are lcm-aligned, so with several groups a hash past the last lcm boundary could never
-  // be part of one.
-  if (num_groups() > 1) cache_tokens = cache_tokens / lcm_block_size_ * lcm_block_size_;
   for (size_t g = 0; g < num_groups(); ++g) {
     const auto& table = state.tables[g];
-    const size_t full = std::min(
-        {cache_tokens / options_.groups[g].block_size, NumGroupHashes(g, hashes), table.size()});
+    const size_t full = std::min(cacheable(g), table.size());
     for (size_t i = state.num_cached[g]; i < full; ++i) {
       if (table[i] == kNullBlock || !CachesBlock(g, i)) continue;
       pool_.CacheBlock(table[i], CachedKey{GroupHash(g, hashes, i), static_cast<uint32_t>(g)});

@@ -659,5 +659,117 @@ TEST(KvCacheManagerTest, StateGroupKeepsOnlyTheLastSnapshot) {
   EXPECT_EQ(hit.blocks, (Tables{{1, 2, 3, 7}, {N, N, N, 9}}));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Ring groups (AttentionSpec::ring): a sliding window whose KV lives outside the pool; its
+// table takes pool blocks only for the blocks it caches, completed by the step's tokens.
+
+AttentionSpec Ring(uint32_t window, uint32_t bs = 16) {
+  AttentionSpec spec = Sliding(window, bs);
+  spec.ring = true;
+  return spec;
+}
+
+// Full attention and a ring window of 32 over 70 tokens in steps of 20, 30 and 20 tokens: the
+// ring group takes a block only for each block the step completes (and caches), frees them as
+// they leave the window, and a later request hits them as it would a sliding window's.
+TEST(KvCacheManagerTest, RingGroupAllocatesOnlyTheBlocksItCaches) {
+  auto m = Manager({Full(), Ring(32)}, 30);
+  std::vector<uint32_t> tokens(70);
+  for (uint32_t i = 0; i < 70; ++i) tokens[i] = 500 + i;
+  const auto hashes = Hashes(tokens, 16);
+  struct Step {
+    size_t computed, n, predicted;
+    Tables tables;
+  };
+  const Step steps[] = {
+      // Ring block 0 is complete at 16; block 1 is not, so it is null.
+      {0, 20, 2 + 1, {{1, 2}, {3, N}}},
+      // Blocks 1 and 2 complete; nothing has left the window at 20 computed tokens.
+      {20, 30, 2 + 2, {{1, 2, 4, 5}, {3, 6, 7, N}}},
+      // Block 0 leaves the window at 50 (19 tokens skipped); block 3 completes.
+      {50, 20, 1 + 1, {{1, 2, 4, 5, 8}, {N, 6, 7, 9, N}}},
+  };
+  for (const Step& s : steps) {
+    const size_t free_before = m.num_free_blocks();
+    EXPECT_EQ(m.NumBlocksToAllocate(1, s.computed, s.n, nullptr), s.predicted) << s.computed;
+    ASSERT_TRUE(m.AllocateSlots(1, hashes, 70, s.computed, s.n));
+    EXPECT_EQ(m.BlockTables(1), s.tables) << s.computed;
+    const size_t returned = s.computed == 50 ? 1 : 0;
+    EXPECT_EQ(m.num_free_blocks(), free_before + returned - s.predicted) << s.computed;
+  }
+  for (BlockId b : {3, 6, 7, 9}) EXPECT_TRUE(m.pool().key_of(b).has_value()) << b;
+  m.Free(1);
+  EXPECT_EQ(m.num_free_blocks(), 29u);
+  // The same prompt hits 64 tokens: full attention's 4 blocks and the ring's last two.
+  const ComputedBlocks hit = Lookup(m, tokens);
+  EXPECT_EQ(hit.tokens, 64u);
+  EXPECT_EQ(hit.blocks, (Tables{{1, 2, 4, 5}, {N, N, 7, 9}}));
+  // Hit blocks are taken as a sliding window's; the 6 new tokens complete no block.
+  EXPECT_EQ(m.NumBlocksToAllocate(2, 0, 6, &hit), 6u + 1);
+  ASSERT_TRUE(m.AllocateSlots(2, hashes, 70, 0, 6, &hit));
+  EXPECT_EQ(m.BlockTables(2)[1], (std::vector<BlockId>{N, N, 7, 9, N}));
+}
+
+// Without prefix caching a ring group holds no block at all, whatever the length.
+TEST(KvCacheManagerTest, RingGroupWithoutPrefixCachingHoldsNoBlock) {
+  auto m = Manager({Ring(32), Ring(32)}, 3, /*eagle=*/false, /*prefix_caching=*/false);
+  for (size_t computed = 0; computed < 400; computed += 16) {
+    EXPECT_EQ(m.NumBlocksToAllocate(1, computed, 16, nullptr), 0u);
+    ASSERT_TRUE(m.AllocateSlots(1, {}, 400, computed, 16));
+    EXPECT_EQ(m.num_free_blocks(), 2u);
+  }
+  EXPECT_EQ(m.BlockTables(1), (Tables{std::vector<BlockId>(25, N), std::vector<BlockId>(25, N)}));
+  m.Free(1);
+  EXPECT_EQ(m.num_free_blocks(), 2u);
+}
+
+// With a larger lcm the ring caches each segment's tail only (as L7), so its table has null
+// entries between blocks: freeing walks past them rather than stopping at the first, and the
+// counts stay exact step by step; a refusal changes nothing.
+TEST(KvCacheManagerTest, RingGroupFreesPastNullEntriesAndCountsExactly) {
+  auto m = Manager({Full(32), Ring(8, 8)}, 40);
+  std::vector<uint32_t> tokens(80);
+  for (uint32_t i = 0; i < 80; ++i) tokens[i] = 7 * i;
+  const auto hashes = Hashes(tokens, 8);
+  size_t computed = 0;
+  for (size_t n : {30, 10, 12, 13, 1, 14}) {
+    const size_t predicted = m.NumBlocksToAllocate(1, computed, n, nullptr);
+    const Tables before = m.BlockTables(1);
+    const size_t held_before = 39 - m.num_free_blocks();
+    ASSERT_TRUE(m.AllocateSlots(1, hashes, 80, computed, n));
+    size_t pulled = 0, freed = 0;
+    const Tables& after = m.BlockTables(1);
+    for (size_t g = 0; g < 2; ++g) {
+      for (size_t i = 0; i < after[g].size(); ++i) {
+        const BlockId old = i < before[g].size() ? before[g][i] : N;
+        pulled += after[g][i] != N && after[g][i] != old;
+        freed += old != N && after[g][i] == N;
+      }
+    }
+    EXPECT_EQ(predicted, pulled) << computed;
+    EXPECT_EQ(39 - m.num_free_blocks(), held_before + pulled - freed) << computed;
+    computed += n;
+  }
+  // The ring cached blocks 3 and 7 (each ends a 32-token segment). At 66 computed tokens block
+  // 3 has left the window, behind null entries 4-6; block 7 (tokens 56-63) has not.
+  const auto& ring = m.BlockTables(1)[1];
+  ASSERT_EQ(ring.size(), 10u);
+  for (size_t i = 0; i < ring.size(); ++i) EXPECT_EQ(ring[i] != N, i == 7) << i;
+  EXPECT_EQ(m.num_free_blocks(), 39u - 3 - 1);  // full attention's 3 blocks of 32, block 7
+  m.Free(1);
+  const ComputedBlocks hit = Lookup(m, tokens);
+  EXPECT_EQ(hit.tokens, 64u);
+  EXPECT_EQ(std::count(hit.blocks[1].begin(), hit.blocks[1].end(), N), 7);
+
+  // A refusal leaves the tables and the pool as they were.
+  auto tight = Manager({Full(16), Ring(32)}, 4);
+  ASSERT_TRUE(tight.AllocateSlots(1, Hashes(tokens, 16), 80, 0, 20));  // 2 + 1 blocks
+  const Tables before = tight.BlockTables(1);
+  EXPECT_EQ(tight.NumBlocksToAllocate(1, 20, 30, nullptr), 2u + 2);
+  EXPECT_FALSE(tight.AllocateSlots(1, Hashes(tokens, 16), 80, 20, 30));
+  EXPECT_EQ(tight.BlockTables(1), before);
+  EXPECT_EQ(tight.num_free_blocks(), 0u);
+}
+
 }  // namespace
 }  // namespace kvstash::engine

@@ -19,6 +19,7 @@ namespace kvstash::engine {
 
 using BlockId = uint32_t;
 inline constexpr BlockId kNullBlock = 0;
+using RequestId = uint64_t;
 
 struct AttentionSpec {
   enum class Kind : uint8_t { kFull, kSlidingWindow, kChunkedLocal, kState };
@@ -26,6 +27,10 @@ struct AttentionSpec {
   uint32_t block_size = 16;  // tokens per block
   uint32_t window = 0;       // kSlidingWindow: tokens in the window
   uint32_t chunk = 0;        // kChunkedLocal: tokens per chunk
+  // kSlidingWindow: the layers keep a request's KV in a ring of `window` tokens outside the
+  // pool (KvLayout's swa_ring). Hits, freeing and the cache mask are a sliding window's; the
+  // group's blocks exist only to be cached (see KvCacheManager::AllocateSlots).
+  bool ring = false;
   friend bool operator==(const AttentionSpec&, const AttentionSpec&) = default;
 };
 

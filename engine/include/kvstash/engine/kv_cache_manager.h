@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvstash/common/hash.h"
@@ -51,8 +52,6 @@ struct KvCacheManagerOptions {
   bool eagle = false;
 };
 
-using RequestId = uint64_t;
-
 // A prefix-cache hit: per group, the blocks for the first `tokens` tokens (null blocks where the
 // group needs no KV).
 struct ComputedBlocks {
@@ -81,7 +80,9 @@ class KvCacheManager {
   // hit blocks that sit unreferenced in the free queue), per group summed; what AllocateSlots
   // checks against the free blocks (after freeing what the request no longer needs). Positions
   // a group skips at the computed length (outside a window, before a chunk or a snapshot) take
-  // the null block, not a new one, and their hit blocks are not counted.
+  // the null block, not a new one, and their hit blocks are not counted. A ring group counts
+  // only the blocks it will cache (see AllocateSlots), assuming the request's hashes cover every
+  // full block of its tokens, as the scheduler's do; AllocateSlots counts with the hashes given.
   size_t NumBlocksToAllocate(RequestId id, size_t num_computed_tokens, size_t num_new_tokens,
                              const ComputedBlocks* new_computed) const;
 
@@ -93,6 +94,11 @@ class KvCacheManager {
   // computed (at most num_tokens tokens and as many blocks as `hashes` cover; with more than
   // one group clamped to a multiple of the lcm block size; sliding-window groups cache only
   // their needed tail of each lcm segment; null blocks never).
+  // A ring group (AttentionSpec::ring) keeps its KV outside the pool: its table covers the
+  // tokens like a sliding window's, but only blocks that this call caches, completed by these
+  // new tokens, get a pool block (the runner copies them from its step buffer); every other
+  // entry is the null block, so with prefix caching off the group holds no block at all. Its
+  // hit blocks are taken and freed as a sliding window's.
   // Returns false, with nothing changed, when the pool has too few free blocks (counting those
   // the freeing would return); the scheduler may preempt and call again.
   // `hashes` are the request's block hashes at hash_block_size, `num_tokens` its token count.
@@ -115,6 +121,9 @@ class KvCacheManager {
   struct RequestState {
     std::vector<std::vector<BlockId>> tables;
     std::vector<size_t> num_cached;  // per group: blocks already cached
+    // Per ring group: every entry below is the null block. A ring table has null entries
+    // between its cached blocks, so freeing cannot stop at the first null one.
+    std::vector<size_t> null_below;
   };
   // Group `g`'s view of hashes at hash_block_size: its block count and its i-th block's hash.
   size_t NumGroupHashes(size_t g, std::span<const BlockHash> hashes) const;
@@ -122,8 +131,21 @@ class KvCacheManager {
   // Whether group `g` caches its i-th block (sliding windows keep only each lcm segment's tail).
   bool CachesBlock(size_t g, size_t i) const;
   // What NumBlocksToAllocate counts for one group; `state` is null for a new request.
+  // `cacheable`: the group's blocks that may be cached (the ring group's count).
   size_t GroupBlocksToAllocate(size_t g, const RequestState* state, size_t total_computed,
-                               size_t total_tokens, std::span<const BlockId> hit) const;
+                               size_t total_tokens, std::span<const BlockId> hit,
+                               size_t cacheable) const;
+  // The blocks [first, last) of ring group `g` that may get a pool block in an allocation to
+  // `total_tokens` from `total_computed`: cached now (below `cacheable`, not cached before)
+  // and completed by the new tokens (the runner copies a block out of its step buffer in the
+  // step that completes it). Those among them that CachesBlock and whose entry is null do.
+  std::pair<size_t, size_t> RingBlockRange(size_t g, size_t num_cached, size_t total_computed,
+                                           size_t total_tokens, size_t cacheable) const;
+  // Blocks a ring group takes in that range: CachesBlock, entry null or past `table`.
+  size_t RingBlocksToAllocate(size_t g, std::span<const BlockId> table, size_t num_cached,
+                              size_t total_computed, size_t total_tokens, size_t cacheable) const;
+  // Tokens of a request with `total_tokens` (at most `num_tokens`) that may be cached.
+  size_t CacheableTokens(size_t total_tokens, size_t num_tokens) const;
   KvCacheManagerOptions options_;
   uint32_t hash_block_size_ = 0;
   uint32_t lcm_block_size_ = 1;
