@@ -30,10 +30,16 @@ void Grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
+// Grows with NaN: a read of ring or step-buffer memory never written shows up in the logits
+// instead of passing as zeros.
+void GrowPoisoned(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n, std::nanf(""));
+}
+
 }  // namespace
 
-Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
-                                 uint32_t attn_pack) {
+Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size, uint32_t attn_pack,
+                                 bool swa_ring) {
   KVSTASH_RETURN_IF_ERROR(config.Validate());
   if (attn_pack == 0) return InvalidArgumentError("attn-pack must be at least 1");
   const size_t kv_tok = config.KvFloatsPerToken();
@@ -84,7 +90,7 @@ Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
         }
         break;
       case LKind::kSlidingWindow:
-        new_group({SKind::kSlidingWindow, block_size, l.window, 0});
+        new_group({SKind::kSlidingWindow, block_size, l.window, 0, swa_ring});
         break;
       case LKind::kChunkedLocal:
         if (l.chunk % block_size != 0)
@@ -112,7 +118,85 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
       weights_(std::move(weights)),
       layout_(std::move(layout)),
       num_blocks_(num_blocks),
-      pool_(num_blocks * layout_.page_floats) {}
+      pool_(num_blocks * layout_.page_floats) {
+  const size_t kvd = size_t{config_.num_kv_heads} * config_.head_dim;
+  ring_of_layer_.assign(config_.layers.size(), -1);
+  for (size_t l = 0; l < config_.layers.size(); ++l) {
+    const LayerConfig& layer = config_.layers[l];
+    const int32_t group = layout_.layers[l].group;
+    if (group < 0 || !layout_.groups[group].ring) continue;
+    if (layer.kind == LKind::kKvShare) {
+      ring_of_layer_[l] = ring_of_layer_[layer.share_from];
+      continue;
+    }
+    ring_of_layer_[l] = static_cast<int32_t>(ring_layers_.size());
+    ring_layers_.push_back({l, layer.window, ring_slot_floats_});
+    ring_slot_floats_ += 2 * size_t{layer.window} * kvd;
+    step_page_floats_ = 2 * size_t{layout_.groups[group].block_size} * kvd;
+  }
+}
+
+void ModelRunner::ReleaseRequest(RequestId id) {
+  auto it = ring_slot_of_.find(id);
+  if (it == ring_slot_of_.end()) return;
+  free_ring_slots_.push_back(it->second);
+  ring_slot_of_.erase(it);
+}
+
+void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
+  step_slot_.resize(seqs.size());
+  step_fresh_.resize(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    auto [it, fresh] = ring_slot_of_.try_emplace(seqs[i].request, 0);
+    if (fresh) {
+      if (free_ring_slots_.empty()) {
+        it->second = static_cast<uint32_t>(ring_arena_.size() / ring_slot_floats_);
+        GrowPoisoned(ring_arena_, ring_arena_.size() + ring_slot_floats_);
+      } else {
+        it->second = free_ring_slots_.back();
+        free_ring_slots_.pop_back();
+      }
+    }
+    step_slot_[i] = it->second;
+    step_fresh_[i] = fresh;
+  }
+  // Each (ring layer, sequence) gets pages for the blocks of [first key of s, s + n); the
+  // entries before are null and never read (the mask starts at the window).
+  step_tables_.clear();
+  step_table_at_.clear();
+  uint32_t next_page = 1;
+  for (const RingLayer& ring : ring_layers_) {
+    const size_t bs = layout_.groups[layout_.layers[ring.layer].group].block_size;
+    const kernels::AttentionMask mask = MaskOf(config_.layers[ring.layer]);
+    for (const SeqInput& s : seqs) {
+      step_table_at_.push_back(step_tables_.size());
+      const size_t end = s.start_pos + s.tokens.size();
+      const size_t first_block = mask.FirstKey(s.start_pos) / bs;
+      const size_t blocks = (end + bs - 1) / bs;
+      step_tables_.resize(step_tables_.size() + first_block, 0);
+      for (size_t b = first_block; b < blocks; ++b) step_tables_.push_back(next_page++);
+    }
+  }
+  step_table_at_.push_back(step_tables_.size());
+  GrowPoisoned(step_pages_, next_page * step_page_floats_);
+}
+
+kernels::PagedLayer ModelRunner::StepBufferLayer() const {
+  kernels::PagedLayer paged;
+  paged.pool = const_cast<float*>(step_pages_.data());
+  paged.page_floats = step_page_floats_;
+  paged.layer_offset = 0;
+  paged.block_size = static_cast<uint32_t>(step_page_floats_ / config_.KvFloatsPerToken());
+  paged.num_kv_heads = config_.num_kv_heads;
+  paged.head_dim = config_.head_dim;
+  return paged;
+}
+
+std::span<const uint32_t> ModelRunner::StepTable(size_t ring, size_t seq) const {
+  const size_t at = ring * step_slot_.size() + seq;
+  return std::span<const uint32_t>(step_tables_)
+      .subspan(step_table_at_[at], step_table_at_[at + 1] - step_table_at_[at]);
+}
 
 kernels::PagedLayer ModelRunner::PagedFor(size_t l) const {
   const KvLayout::LayerPlace& place = layout_.layers[l];
@@ -140,6 +224,7 @@ void ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& lo
   Grow(ff_up_, total * config_.intermediate);
   Grow(state_, config_.StateFloats());
   Grow(positions_, total);
+  if (!ring_layers_.empty()) PrepareRings(seqs);
 
   size_t row = 0;
   for (const SeqInput& s : seqs) {
@@ -204,6 +289,10 @@ void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
     kernels::ApplyRope(qkv + qd, stride, total, config_.num_kv_heads, hd, positions_.data(),
                        config_.rope_theta);
   }
+  if (ring_of_layer_[l] >= 0) {
+    RingAttentionLayer(l, static_cast<size_t>(ring_of_layer_[l]), seqs);
+    return;
+  }
   const kernels::PagedLayer paged = PagedFor(target);
   const kernels::AttentionMask mask = MaskOf(config_.layers[target]);
   const size_t group = static_cast<size_t>(layout_.layers[target].group);
@@ -215,6 +304,72 @@ void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
     float* base = qkv + row * stride;
     if (!share) kernels::WriteKv(paged, table, s.start_pos, n, base + qd, base + qd + kvd, stride);
     kernels::PagedAttention(paged, table, base, stride, n, s.start_pos, config_.num_heads, mask,
+                            scale, attn_.data() + row * qd, qd);
+    row += n;
+  }
+}
+
+void ModelRunner::RingAttentionLayer(size_t l, size_t ring, std::span<const SeqInput> seqs) {
+  const LayerConfig& layer = config_.layers[l];
+  const bool share = layer.kind == LKind::kKvShare;
+  const RingLayer& rl = ring_layers_[ring];
+  const size_t hd = config_.head_dim;
+  const size_t qd = config_.num_heads * hd, kvd = config_.num_kv_heads * hd;
+  const size_t stride = qd + 2 * kvd, row_bytes = kvd * sizeof(float);
+  const size_t window = rl.window;
+  const kernels::PagedLayer pool = PagedFor(rl.layer);
+  const kernels::PagedLayer buffer = StepBufferLayer();
+  const kernels::AttentionMask mask = MaskOf(config_.layers[rl.layer]);
+  const size_t group = static_cast<size_t>(layout_.layers[rl.layer].group);
+  const size_t bs = buffer.block_size;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* qkv = qkv_.data();
+  size_t row = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqInput& s = seqs[i];
+    const size_t n = s.tokens.size(), start = s.start_pos, end = start + n;
+    const size_t first = mask.FirstKey(start);
+    const std::span<const uint32_t> step_table = StepTable(ring, i);
+    float* base = qkv + row * stride;
+    if (!share) {
+      float* ring_keys = ring_arena_.data() + step_slot_[i] * ring_slot_floats_ + rl.offset;
+      float* ring_values = ring_keys + window * kvd;
+      const std::vector<BlockId>& table = (*s.tables)[group];
+      if (step_fresh_[i]) {
+        // A request's first step after a prefix-cache hit: the hit holds the window's blocks.
+        for (size_t p = first; p < start; ++p) {
+          const BlockId block = table[p / bs];
+          assert(block != kNullBlock);
+          std::memcpy(ring_keys + p % window * kvd, pool.KeyAt(block, p), row_bytes);
+          std::memcpy(ring_values + p % window * kvd, pool.ValueAt(block, p), row_bytes);
+        }
+      }
+      for (size_t p = first; p < start; ++p) {
+        const uint32_t page = step_table[p / bs];
+        std::memcpy(buffer.KeyAt(page, p), ring_keys + p % window * kvd, row_bytes);
+        std::memcpy(buffer.ValueAt(page, p), ring_values + p % window * kvd, row_bytes);
+      }
+      kernels::WriteKv(buffer, step_table, start, n, base + qd, base + qd + kvd, stride);
+      // The new positions that stay in the window (the last W of the step's).
+      for (size_t p = std::max(start, end > window ? end - window : 0); p < end; ++p) {
+        const uint32_t page = step_table[p / bs];
+        std::memcpy(ring_keys + p % window * kvd, buffer.KeyAt(page, p), row_bytes);
+        std::memcpy(ring_values + p % window * kvd, buffer.ValueAt(page, p), row_bytes);
+      }
+      // Blocks completed in this step that the manager caches: the pool's layout, so that a
+      // hit reads them as a sliding window kept in the pool. Positions before the window (a
+      // window shorter than a block) are not there and are never read.
+      for (size_t b = start / bs; b < end / bs; ++b) {
+        if (table[b] == kNullBlock) continue;
+        const size_t from = std::max(b * bs, first);
+        const size_t rows = (b + 1) * bs - from;
+        std::memcpy(pool.KeyAt(table[b], from), buffer.KeyAt(step_table[b], from),
+                    rows * row_bytes);
+        std::memcpy(pool.ValueAt(table[b], from), buffer.ValueAt(step_table[b], from),
+                    rows * row_bytes);
+      }
+    }
+    kernels::PagedAttention(buffer, step_table, base, stride, n, start, config_.num_heads, mask,
                             scale, attn_.data() + row * qd, qd);
     row += n;
   }

@@ -230,6 +230,70 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// Ring mode (KvLayout's swa_ring): sliding-window layers keep their KV in a ring of W tokens
+// outside the pool. The same logits as the dense reference, and bitwise the same as the pool
+// layout (the kernel reads the same keys in the same order), with chunks shorter and longer
+// than the window of 32, for the sliding-window models (tiny-hybrid's KV-sharing layer reads a
+// ring layer).
+class RingDenseReferenceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RingDenseReferenceTest, LogitsMatchTheReferenceAndThePoolLayoutBitwise) {
+  const Case& param = GetParam();
+  auto config = ModelConfig::Load("builtin:" + param.model);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  const ModelWeights w = ModelWeights::FromSeed(*config, 11);
+  auto ring = KvLayout::Build(*config, 0, param.attn_pack, /*swa_ring=*/true);
+  auto pool = KvLayout::Build(*config, 0, param.attn_pack);
+  ASSERT_TRUE(ring.ok() && pool.ok());
+  size_t ring_groups = 0;
+  for (const AttentionSpec& g : ring->groups) {
+    EXPECT_EQ(g.ring, g.kind == AttentionSpec::Kind::kSlidingWindow);
+    ring_groups += g.ring;
+  }
+  EXPECT_GT(ring_groups, 0u);
+  const std::vector<uint32_t> tokens = Tokens(100, 5, config->vocab_size);
+  const Mat want = DenseReference(*config, w, tokens);
+  const std::vector<float> got = Paged(*config, w, *ring, tokens, param.chunks);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_LE(MaxRelativeError(got, want, config->vocab_size), 1e-4);
+  EXPECT_EQ(got, Paged(*config, w, *pool, tokens, param.chunks));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SlidingWindowModels, RingDenseReferenceTest,
+    ::testing::Values(Case{"tiny-swa", 1, {100}}, Case{"tiny-swa", 1, {16, 5, 1}},
+                      Case{"tiny-swa", 1, {40, 7}}, Case{"tiny-swa", 1, {3, 33, 50}},
+                      Case{"tiny-hybrid", 1, {100}}, Case{"tiny-hybrid", 1, {9, 33}},
+                      Case{"tiny-hybrid", 2, {1, 64}}, Case{"tiny-hybrid", 4, {45, 2, 31}}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      std::string name = info.param.model + "_pack" + std::to_string(info.param.attn_pack);
+      for (size_t c : info.param.chunks) name += "_" + std::to_string(c);
+      for (char& ch : name)
+        if (ch == '-') ch = '_';
+      return name;
+    });
+
+// A window shorter than a block (8 of 16) and one not a multiple of it (20), with a KV-sharing
+// layer on each: the ring still matches the reference and the pool layout bitwise.
+TEST(RingDenseReferenceSanity, WindowsShorterThanOrAcrossBlocks) {
+  ModelConfig c = *ModelConfig::Load("builtin:tiny-hybrid");
+  c.layers = {{Kind::kSlidingWindow, 8, 0, -1},  {Kind::kFull, 0, 0, -1},
+              {Kind::kSlidingWindow, 20, 0, -1}, {Kind::kKvShare, 0, 0, 0},
+              {Kind::kKvShare, 0, 0, 2},         {Kind::kSlidingWindow, 1, 0, -1}};
+  ASSERT_TRUE(c.Validate().ok());
+  const ModelWeights w = ModelWeights::FromSeed(c, 4);
+  const auto ring = *KvLayout::Build(c, 16, 1, /*swa_ring=*/true);
+  const auto pool = *KvLayout::Build(c, 16, 1);
+  const std::vector<uint32_t> tokens = Tokens(70, 9, c.vocab_size);
+  const Mat want = DenseReference(c, w, tokens);
+  for (const std::vector<size_t>& chunks :
+       std::vector<std::vector<size_t>>{{70}, {1}, {5, 19, 3}, {7, 30}}) {
+    const std::vector<float> got = Paged(c, w, ring, tokens, chunks);
+    EXPECT_LE(MaxRelativeError(got, want, c.vocab_size), 1e-4) << chunks[0];
+    EXPECT_EQ(got, Paged(c, w, pool, tokens, chunks)) << chunks[0];
+  }
+}
+
 // The reference itself must see what it claims to: a window that ignores old tokens.
 TEST(DenseReferenceSanity, SlidingWindowIgnoresTokensOutsideTheWindow) {
   ModelConfig c = *ModelConfig::Load("builtin:tiny-swa");

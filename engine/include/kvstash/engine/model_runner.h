@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -27,6 +28,11 @@ namespace kvstash::engine {
 // block_size (tokens of one attention layer per page) defaults to what makes one layer's page
 // as large as a state (16 for the built-ins), or 16 without state layers. State groups snapshot
 // at every block boundary of the full-attention groups (block_size / attn_pack).
+//
+// With swa_ring, a sliding-window layer keeps each request's KV in place, in a ring of its
+// window's W tokens owned by the runner (as some accelerators require), not in the pool: its
+// group is marked `ring` and its pool blocks only receive copies of the blocks the prefix cache
+// keeps, in the layout above, so that hits work as for a sliding window kept in the pool.
 struct KvLayout {
   struct LayerPlace {
     int32_t group = -1;  // -1: the layer keeps no KV (state layers use their group)
@@ -40,19 +46,33 @@ struct KvLayout {
 
   // InvalidArgument when block_size is not a multiple of attn_pack, or its page cannot hold a
   // state (the message gives the smallest block size that can).
-  static Result<KvLayout> Build(const ModelConfig& config, uint32_t block_size, uint32_t attn_pack);
+  static Result<KvLayout> Build(const ModelConfig& config, uint32_t block_size, uint32_t attn_pack,
+                                bool swa_ring = false);
   size_t page_bytes() const { return page_floats * sizeof(float); }
 };
 
 // One request's share of a step: `tokens` are its tokens at positions [start_pos, start_pos +
-// tokens.size()); `tables` its block table per group, covering them.
+// tokens.size()); `tables` its block table per group, covering them. `request` keys its rings
+// (swa_ring layouts; distinct among a step's sequences): a step of a request the runner holds
+// no rings for starts fresh ones, filled from the table's blocks (a prefix-cache hit) when
+// start_pos > 0.
 struct SeqInput {
   std::span<const uint32_t> tokens;
   size_t start_pos = 0;
   const std::vector<std::vector<BlockId>>* tables = nullptr;
+  RequestId request = 0;
 };
 
-// Owns the weights and the paged KV pool. Not thread-safe: one step at a time.
+// Owns the weights, the paged KV pool and the rings of ring layers (KvLayout's swa_ring). Not
+// thread-safe: one step at a time.
+//
+// A ring layer's step, per request: a step buffer (runner-owned scratch) holds the positions
+// [max(0, s - W + 1), s + n) in the pool's page layout behind a synthetic block table (null
+// before the window): the old ones from the ring, the new ones written as to the pool; the
+// paged attention kernel reads it as it would the pool (the same keys in the same order, so
+// the same floats). A KV-sharing layer of a ring layer reads that buffer. Afterwards the new
+// positions go to the ring, and each block completed in the step is copied to its pool block
+// when its table entry is not null (a block the manager caches).
 class ModelRunner {
  public:
   ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout, size_t num_blocks);
@@ -68,10 +88,27 @@ class ModelRunner {
   void Forward(std::span<const SeqInput> seqs, std::vector<float>& logits,
                bool all_positions = false);
 
+  // Gives back the request's rings (it finished, failed or was preempted): its next step, if
+  // any, starts fresh ones. No-op for a request without rings.
+  void ReleaseRequest(RequestId id);
+  // Requests holding rings, and the floats of one request's rings (all ring layers).
+  size_t num_rings() const { return ring_slot_of_.size(); }
+  size_t ring_floats_per_request() const { return ring_slot_floats_; }
+
  private:
+  struct RingLayer {
+    size_t layer = 0;
+    uint32_t window = 0;
+    size_t offset = 0;  // floats from a request's ring slot to this layer's ring
+  };
   void AttentionLayer(size_t l, std::span<const SeqInput> seqs);
+  void RingAttentionLayer(size_t l, size_t ring, std::span<const SeqInput> seqs);
   void StateLayer(size_t l, std::span<const SeqInput> seqs);
   kernels::PagedLayer PagedFor(size_t l) const;
+  // Ring slots of this step's requests, and the step buffers' block tables.
+  void PrepareRings(std::span<const SeqInput> seqs);
+  kernels::PagedLayer StepBufferLayer() const;
+  std::span<const uint32_t> StepTable(size_t ring, size_t seq) const;
 
   ModelConfig config_;
   ModelWeights weights_;
@@ -81,6 +118,25 @@ class ModelRunner {
   // Scratch, grown to the largest step seen: no allocation per token.
   std::vector<float> x_, h_, qkv_, attn_, ff_gate_, ff_up_, state_;
   std::vector<uint32_t> positions_;
+
+  // Rings: one slot of ring_slot_floats_ per request, each ring layer's W keys then W values
+  // at its offset (position p at row p % W). Slots are reused, so a request costs no
+  // allocation past the arena's high-water mark.
+  std::vector<RingLayer> ring_layers_;
+  std::vector<int32_t> ring_of_layer_;  // per layer: its ring layer (a KV-sharing layer its
+                                        // target's), or -1
+  size_t ring_slot_floats_ = 0;
+  std::vector<float> ring_arena_;
+  std::vector<uint32_t> free_ring_slots_;
+  std::unordered_map<RequestId, uint32_t> ring_slot_of_;
+  // This step: per sequence its slot and whether the slot is new; the step buffers (page 0
+  // unused, so that a table entry 0 stays the null block) and their tables, ring-major.
+  std::vector<uint32_t> step_slot_;
+  std::vector<uint8_t> step_fresh_;
+  size_t step_page_floats_ = 0;
+  std::vector<float> step_pages_;
+  std::vector<uint32_t> step_tables_;
+  std::vector<size_t> step_table_at_;  // [ring * seqs + seq], one past the end last
 };
 
 }  // namespace kvstash::engine
