@@ -6,8 +6,8 @@ namespace kvstash::engine {
 
 Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions options) {
   KVSTASH_RETURN_IF_ERROR(config.Validate());
-  KVSTASH_ASSIGN_OR_RETURN(KvLayout layout,
-                           KvLayout::Build(config, options.block_size, options.attn_pack));
+  KVSTASH_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::Build(config, options.block_size,
+                                                            options.attn_pack, options.swa_ring));
   if (options.num_blocks < 2)
     return InvalidArgumentError("the pool needs at least 2 blocks (block 0 is the null block)");
   ModelWeights weights;
@@ -48,6 +48,9 @@ Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_ne
 std::vector<RequestId> Engine::Step() {
   SchedulerOutput out = scheduler_.Schedule();
   counters_.preemptions += out.preempted.size();
+  // Their rings go back now: a preempted request recomputes, from its prefix-cache hit.
+  for (RequestId id : out.preempted) runner_.ReleaseRequest(id);
+  for (RequestId id : out.failed) runner_.ReleaseRequest(id);
   std::vector<RequestId> done = out.failed;
   if (out.seqs.empty()) return done;
   ++counters_.steps;
@@ -57,6 +60,7 @@ std::vector<RequestId> Engine::Step() {
     in.tokens = std::span<const uint32_t>(s.request->tokens).subspan(s.start, s.num_tokens);
     in.start_pos = s.start;
     in.tables = &kv_cache_.BlockTables(s.request->id);
+    in.request = s.request->id;
     inputs_.push_back(in);
     if (s.request->num_output_tokens() == 0) {
       counters_.prefill_tokens += s.num_tokens;
@@ -73,6 +77,7 @@ std::vector<RequestId> Engine::Step() {
     sampled_[i] = static_cast<uint32_t>(std::max_element(row, row + vocab) - row);
   }
   std::vector<RequestId> finished = scheduler_.Update(out, sampled_);
+  for (RequestId id : finished) runner_.ReleaseRequest(id);
   done.insert(done.end(), finished.begin(), finished.end());
   return done;
 }

@@ -101,5 +101,48 @@ TEST(EngineCliTest, BenchPrintsRatesAndTheModelSize) {
   EXPECT_NE(r.out.find("MatMul"), std::string::npos);
 }
 
+// --swa-ring: the same tokens as the library's pool layout, chat still hits earlier turns as
+// much as without it, and the flag is in the help of each subcommand.
+TEST(EngineCliTest, SwaRingGivesTheSameTokensAndHits) {
+  std::vector<uint32_t> prompt;
+  for (uint32_t i = 0; i < 75; ++i) prompt.push_back((i * 53 + 7) % 256);
+  for (const std::string model : {"tiny-swa", "tiny-hybrid"}) {
+    auto config = ModelConfig::Load("builtin:" + model);
+    ASSERT_TRUE(config.ok());
+    auto engine = Engine::Create(*config, {});
+    ASSERT_TRUE(engine.ok());
+    auto want = (*engine)->Generate({prompt}, 9);
+    ASSERT_TRUE(want.ok());
+    const auto r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:" + model,
+                               "--prompt", Join(prompt), "--max-new-tokens", "9", "--swa-ring",
+                               "--max-batched-tokens", "20"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto lines = Lines(r.out);
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.back(), Join((*want)[0]->output())) << model;
+
+    std::string totals[2];
+    for (bool ring : {false, true}) {
+      std::vector<std::string> args = {
+          KVSTASH_ENGINE_PATH, "chat", "--model",       "builtin:" + model,
+          "--turns",           "4",    "--user-tokens", "23",
+          "--max-new-tokens",  "5"};
+      if (ring) args.push_back("--swa-ring");
+      const auto c = RunProcess(args);
+      ASSERT_EQ(c.exit_code, 0) << c.err;
+      const auto chat = Lines(c.out);
+      ASSERT_EQ(chat.size(), 6u) << c.out;
+      totals[ring] = chat[5];
+    }
+    EXPECT_EQ(totals[1], totals[0]) << model;
+    EXPECT_EQ(totals[1].find("cached_tokens=0 "), std::string::npos) << totals[1];
+  }
+  for (const char* sub : {"generate", "chat", "bench"}) {
+    const auto h = RunProcess({KVSTASH_ENGINE_PATH, sub, "--help"});
+    EXPECT_EQ(h.exit_code, 0);
+    EXPECT_NE(h.out.find("--swa-ring"), std::string::npos) << sub;
+  }
+}
+
 }  // namespace
 }  // namespace kvstash::engine

@@ -209,5 +209,158 @@ TEST(EngineTest, BadLayoutsAreRefusedAtCreate) {
   EXPECT_EQ(Engine::Create(*config, o).status().code(), StatusCode::kNotFound);
 }
 
+// ---- Ring mode (EngineOptions::swa_ring) ---------------------------------------------------
+
+struct RunResult {
+  Outputs outputs;
+  std::vector<size_t> cached;  // num_cached_tokens per prompt
+};
+
+// Runs the prompts, all queued at once, or one after another when `one_by_one`.
+RunResult RunPrompts(Engine& e, const std::vector<std::vector<uint32_t>>& prompts, size_t max_new,
+                     bool one_by_one = false) {
+  RunResult out;
+  auto take = [&](const std::vector<std::vector<uint32_t>>& batch) {
+    auto results = e.Generate(batch, max_new);
+    EXPECT_TRUE(results.ok()) << results.status().ToString();
+    if (!results.ok()) return;
+    for (const auto& r : *results) {
+      out.outputs.emplace_back(r->output().begin(), r->output().end());
+      out.cached.push_back(r->num_cached_tokens);
+    }
+  };
+  if (one_by_one) {
+    for (const auto& p : prompts) take({p});
+  } else {
+    take(prompts);
+  }
+  return out;
+}
+
+class EngineRingTest : public ::testing::TestWithParam<std::string> {};
+
+// The same tokens and the same prefix-cache hits as the pool layout, with and without prefix
+// caching, under budgets that split prompts at every offset, past the window and not.
+TEST_P(EngineRingTest, SameTokensAndHitsAsThePoolLayout) {
+  const auto prompts = SharedPrefixPrompts();
+  for (bool caching : {true, false}) {
+    for (size_t budget : {1, 7, 64}) {
+      for (bool one_by_one : {false, true}) {
+        EngineOptions o;
+        o.prefix_caching = caching;
+        o.scheduler.max_num_batched_tokens = budget;
+        auto pool = Make(GetParam(), o);
+        o.swa_ring = true;
+        auto ring = Make(GetParam(), o);
+        const RunResult want = RunPrompts(*pool, prompts, 8, one_by_one);
+        const RunResult got = RunPrompts(*ring, prompts, 8, one_by_one);
+        const std::string where = "caching " + std::to_string(caching) + " budget " +
+                                  std::to_string(budget) + " one_by_one " +
+                                  std::to_string(one_by_one);
+        EXPECT_EQ(got.outputs, want.outputs) << where;
+        EXPECT_EQ(got.cached, want.cached) << where;
+        EXPECT_EQ(ring->runner().num_rings(), 0u) << where;
+        EXPECT_EQ(ring->kv_cache().num_free_blocks(), o.num_blocks - 1) << where;
+        if (caching && one_by_one) {
+          size_t hits = 0;
+          for (size_t c : got.cached) hits += c;
+          EXPECT_GT(hits, 0u) << where;
+        }
+      }
+    }
+  }
+}
+
+// Preempted requests give their rings back and recompute from their hits: the same tokens as a
+// roomy pool in the pool layout.
+TEST_P(EngineRingTest, PreemptionAndResumeGiveTheSameTokens) {
+  const auto prompts = SharedPrefixPrompts();
+  auto roomy = Make(GetParam());
+  const Outputs want = GenerateAll(*roomy, prompts, 24);
+  for (bool caching : {true, false}) {
+    EngineOptions o;
+    o.swa_ring = true;
+    o.prefix_caching = caching;
+    // Ring groups hold only cached blocks, so the sliding-window model needs a smaller pool to
+    // run out (and none at all without caching: it holds no block).
+    const std::string& m = GetParam();
+    o.num_blocks = m == "tiny-swa" ? 24 : m == "tiny-hybrid" ? 32 : m == "tiny-full" ? 40 : 50;
+    o.scheduler.max_num_batched_tokens = 32;
+    auto tight = Make(GetParam(), o);
+    EXPECT_EQ(GenerateAll(*tight, prompts, 24), want) << caching;
+    if (caching || GetParam() != "tiny-swa") {
+      EXPECT_GT(tight->counters().preemptions, 0u) << caching;
+    }
+    EXPECT_EQ(tight->kv_cache().num_free_blocks(), o.num_blocks - 1);
+    EXPECT_EQ(tight->runner().num_rings(), 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineRingTest,
+                         ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
+                                           "tiny-state-hybrid"),
+                         [](const auto& param_info) {
+                           std::string s = param_info.param;
+                           for (char& c : s)
+                             if (c == '-') c = '_';
+                           return s;
+                         });
+
+// Without prefix caching a ring-mode sliding-window model holds no pool block at all: its KV is
+// in its rings, one per request and layer, while a 400-token prompt runs.
+TEST(EngineTest, RingModeWithoutPrefixCachingHoldsNoPoolBlock) {
+  EngineOptions o;
+  o.scheduler.max_num_batched_tokens = 16;
+  o.prefix_caching = false;
+  auto pool = Make("tiny-swa", o);
+  const Outputs want = GenerateAll(*pool, {Tokens(400, 3)}, 4);
+  o.swa_ring = true;
+  auto e = Make("tiny-swa", o);
+  auto id = e->AddRequest(Tokens(400, 3), 4);
+  ASSERT_TRUE(id.ok());
+  size_t peak = 0, steps = 0;
+  Outputs got;
+  while (e->HasUnfinished()) {
+    for (RequestId done : e->Step()) {
+      auto r = e->TakeResult(done);
+      got.emplace_back(r->output().begin(), r->output().end());
+    }
+    peak = std::max(peak, o.num_blocks - 1 - e->kv_cache().num_free_blocks());
+    if (e->HasUnfinished()) EXPECT_EQ(e->runner().num_rings(), 1u);
+    ++steps;
+  }
+  EXPECT_EQ(peak, 0u);
+  EXPECT_GE(steps, 25u);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(e->runner().num_rings(), 0u);
+  // 4 layers of 32 tokens' keys and values of 2 heads of 16.
+  EXPECT_EQ(e->runner().ring_floats_per_request(), 4u * 32 * 2 * 2 * 16);
+}
+
+// With prefix caching, a request sharing a long prefix with an earlier one hits the blocks the
+// ring layers copied to the pool, as long a hit as the pool layout's, with the same tokens.
+TEST(EngineTest, RingModeHitsASharedPrefix) {
+  for (const std::string model : {"tiny-swa", "tiny-hybrid"}) {
+    const std::vector<uint32_t> base = Tokens(150, 21);
+    std::vector<uint32_t> second(base.begin(), base.begin() + 130);
+    for (uint32_t t : Tokens(20, 22)) second.push_back(t);
+    EngineOptions o;
+    o.prefix_caching = false;
+    auto plain = Make(model, o);
+    const Outputs want = GenerateAll(*plain, {base, second}, 10);
+    o.prefix_caching = true;
+    auto pool = Make(model, o);
+    o.swa_ring = true;
+    auto ring = Make(model, o);
+    const RunResult pool_run = RunPrompts(*pool, {base, second}, 10, /*one_by_one=*/true);
+    const RunResult ring_run = RunPrompts(*ring, {base, second}, 10, /*one_by_one=*/true);
+    EXPECT_EQ(ring_run.outputs, want) << model;
+    EXPECT_EQ(pool_run.outputs, want) << model;
+    EXPECT_EQ(ring_run.cached[0], 0u) << model;
+    EXPECT_EQ(ring_run.cached[1], 128u) << model;  // the last 16-token block before 130
+    EXPECT_EQ(ring_run.cached, pool_run.cached) << model;
+  }
+}
+
 }  // namespace
 }  // namespace kvstash::engine

@@ -36,6 +36,7 @@ struct ModelFlags {
   size_t max_batched_tokens = 256;
   size_t max_num_seqs = 16;
   bool no_prefix_cache = false;
+  bool swa_ring = false;
 };
 
 void AddModelFlags(CLI::App* app, ModelFlags& f) {
@@ -66,6 +67,11 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{4096}));
   app->add_flag("--no-prefix-cache", f.no_prefix_cache, "turn prefix caching off");
+  app->add_flag("--swa-ring", f.swa_ring,
+                "keep each sliding-window layer's KV of a request in place, in a ring of its "
+                "window's tokens outside the KV-cache pool (as some accelerators require); the "
+                "pool then holds only the blocks the prefix cache keeps, copied in the usual "
+                "layout, so prefix-cache hits still work");
 }
 
 Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
@@ -75,6 +81,7 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
   o.attn_pack = f.attn_pack;
   o.num_blocks = f.num_blocks;
   o.prefix_caching = !f.no_prefix_cache;
+  o.swa_ring = f.swa_ring;
   o.scheduler.max_num_batched_tokens = f.max_batched_tokens;
   o.scheduler.max_num_seqs = f.max_num_seqs;
   if (f.seed_set) o.seed = f.seed;

@@ -25,6 +25,9 @@ struct EngineOptions {
   uint32_t attn_pack = 1;    // full-attention layers sharing one page
   size_t num_blocks = 4096;  // pages in the pool, the null block included
   bool prefix_caching = true;
+  // Sliding-window layers keep each request's KV in a ring of their window outside the pool
+  // (see KvLayout); the pool holds only the blocks the prefix cache keeps.
+  bool swa_ring = false;
   SchedulerOptions scheduler;
   std::optional<uint64_t> seed;  // weights seed; default the config's
   std::string weights_path;      // a safetensors file instead of seeded weights
