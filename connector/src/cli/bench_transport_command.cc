@@ -670,37 +670,45 @@ Result<PerftestFigures> ParsePerftest(const BenchConfig& config, std::string_vie
 }
 
 // One ucx_perftest run: a server, then a client (retried while the server is not listening
-// yet), both with UCX_TLS=<tls>.
+// yet), both with UCX_TLS=<tls>. The port is picked free, but another process can take it
+// before the server binds it; then the run starts over on a new port.
 Result<PerftestFigures> RunPerftest(const BenchConfig& config) {
-  KVSTASH_ASSIGN_OR_RETURN(const uint16_t port, PickFreePort());
-  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<PerftestServer> server,
-                           PerftestServer::Start({config.perftest_path, "-p", std::to_string(port)},
-                                                 config.perftest_env));
-  std::vector<std::string> client_argv = {config.perftest_path, "127.0.0.1", "-p",
-                                          std::to_string(port)};
-  const std::string size = std::to_string(config.size);
-  const std::string iters = std::to_string(config.iters);
-  const std::string warmup = std::to_string(config.warmup);
-  client_argv.insert(client_argv.end(),
-                     {"-t", PerftestTest(config), "-s", size, "-n", iters, "-w", warmup, "-f"});
-  RunProgramOptions options;
-  options.env = config.perftest_env;
-  options.timeout = kPerftestTimeout;
-  for (int attempt = 1;; ++attempt) {
-    KVSTASH_ASSIGN_OR_RETURN(ProcessOutput run, RunProgram(client_argv, options));
-    if (run.exit_code == 0) {
-      server->Finish(10s);
-      return ParsePerftest(config, run.out);
+  constexpr int kPortAttempts = 3;
+  for (int port_attempt = 1;; ++port_attempt) {
+    KVSTASH_ASSIGN_OR_RETURN(const uint16_t port, PickFreePort());
+    KVSTASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<PerftestServer> server,
+        PerftestServer::Start({config.perftest_path, "-p", std::to_string(port)},
+                              config.perftest_env));
+    std::vector<std::string> client_argv = {config.perftest_path, "127.0.0.1", "-p",
+                                            std::to_string(port)};
+    const std::string size = std::to_string(config.size);
+    const std::string iters = std::to_string(config.iters);
+    const std::string warmup = std::to_string(config.warmup);
+    client_argv.insert(client_argv.end(),
+                       {"-t", PerftestTest(config), "-s", size, "-n", iters, "-w", warmup, "-f"});
+    RunProgramOptions options;
+    options.env = config.perftest_env;
+    options.timeout = kPerftestTimeout;
+    for (int attempt = 1;; ++attempt) {
+      KVSTASH_ASSIGN_OR_RETURN(ProcessOutput run, RunProgram(client_argv, options));
+      if (run.exit_code == 0) {
+        server->Finish(10s);
+        return ParsePerftest(config, run.out);
+      }
+      const bool refused = run.err.find("Connection refused") != std::string::npos ||
+                           run.out.find("Connection refused") != std::string::npos;
+      const bool port_taken =
+          server->Exited() && server->Output().find("Address already in use") != std::string::npos;
+      if (port_taken && port_attempt < kPortAttempts) break;  // start over on another port
+      if (!refused || attempt >= kPerftestConnectAttempts || server->Exited()) {
+        return UnavailableError(
+            "{} client (UCX_TLS={} {}) exited with {} after {} attempt(s): {}; server output: {}",
+            kPerftest, config.tls, fmt::join(client_argv, " "), run.exit_code, attempt,
+            Trimmed(run.err.empty() ? run.out : run.err), Trimmed(server->Output()));
+      }
+      std::this_thread::sleep_for(kPerftestConnectRetry);
     }
-    const bool refused = run.err.find("Connection refused") != std::string::npos ||
-                         run.out.find("Connection refused") != std::string::npos;
-    if (!refused || attempt >= kPerftestConnectAttempts || server->Exited()) {
-      return UnavailableError(
-          "{} client (UCX_TLS={} {}) exited with {} after {} attempt(s): {}; server output: {}",
-          kPerftest, config.tls, fmt::join(client_argv, " "), run.exit_code, attempt,
-          Trimmed(run.err.empty() ? run.out : run.err), Trimmed(server->Output()));
-    }
-    std::this_thread::sleep_for(kPerftestConnectRetry);
   }
 }
 
