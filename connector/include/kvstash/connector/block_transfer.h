@@ -1,0 +1,126 @@
+#pragma once
+
+// BlockTransfer: the connector's worker side. Moves an engine's KV pages between its paged pool
+// and offload nodes off the engine's thread: a store job pushes offloaded blocks (each a run of
+// pool pages) to the nodes, a load job pulls them into the pool pages the engine allocated.
+//
+// Every offloaded block travels with a trailer (BlockTrailer) naming its key, the engine's model
+// and layout fingerprint, and an xxh3 of its bytes; a load accepts a block only when all three
+// match, so a wrong, stale or corrupt block from a node is a miss (the engine recomputes those
+// tokens), never KV in the cache.
+//
+// Stores copy their pages out of the pool when submitted (at memory speed), so the engine may
+// reuse a page as soon as Submit returns: the fence of a store is its copy. Loads write pool
+// pages from the transfer thread: the engine must not touch a load's pages until the job is
+// reported finished. Loads run before queued stores.
+//
+// Thread-safe: Submit, Poll and Wait may be called from any thread; one transfer thread.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "kvstash/connector/node_client.h"
+
+namespace kvstash::connector {
+
+// The engine's pool as the transfer sees it.
+struct PoolView {
+  std::byte* base = nullptr;  // page 0's first byte
+  size_t page_bytes = 0;
+  size_t num_pages = 0;
+};
+
+// Bytes after the pages of every offloaded block.
+struct BlockTrailer {
+  static constexpr uint32_t kMagic = 0x6b767374;  // "kvst"
+  uint32_t magic = kMagic;
+  uint32_t pages = 0;
+  uint64_t key_lo = 0, key_hi = 0;
+  uint32_t group = 0;
+  uint32_t reserved = 0;
+  uint64_t fingerprint = 0;  // model, weights and layout of the engine that computed the block
+  uint64_t checksum = 0;     // xxh3-64 of the pages, seeded with the fingerprint
+  uint64_t reserved2 = 0;
+};
+static_assert(sizeof(BlockTrailer) == 56);
+
+// The node block size an offloaded block of `pages` pages needs.
+inline size_t OffloadedBlockBytes(size_t pages, size_t page_bytes) {
+  return pages * page_bytes + sizeof(BlockTrailer);
+}
+
+struct TransferJob {
+  enum class Kind : uint8_t { kStore, kLoad };
+  uint64_t id = 0;
+  Kind kind = Kind::kStore;
+  std::vector<BlockKey> keys;  // one per offloaded block
+  // The pool pages of each key's block, in token order (pages_per_block each).
+  std::vector<std::vector<uint32_t>> pages;
+};
+
+struct TransferResult {
+  uint64_t id = 0;
+  TransferJob::Kind kind = TransferJob::Kind::kStore;
+  // Per key: stored, or loaded and verified into its pages. A load's failed key leaves its
+  // pages undefined.
+  std::vector<bool> ok;
+  uint64_t bytes = 0;  // payload bytes moved (trailers excluded)
+  std::chrono::nanoseconds elapsed{0};
+  Status status;  // the first error (a store's node error, a load's rejected block), or OK
+  size_t num_ok() const;
+};
+
+struct BlockTransferOptions {
+  NodeClient* client = nullptr;  // borrowed; outlives the transfer
+  PoolView pool;
+  size_t pages_per_block = 1;
+  uint64_t fingerprint = 0;
+};
+
+class BlockTransfer {
+ public:
+  // InvalidArgument for a bad pool view; FailedPrecondition naming the node when a node's
+  // block size is not OffloadedBlockBytes(pages_per_block, page_bytes) (the message says the
+  // --block-bytes to start kvstashd with).
+  static Result<std::unique_ptr<BlockTransfer>> Create(BlockTransferOptions options);
+  ~BlockTransfer();  // finishes queued jobs, then stops
+
+  size_t block_bytes() const { return block_bytes_; }
+
+  // Queues a job (a store copies its pages first). InvalidArgument, and nothing queued, for a
+  // page outside the pool or a block with the wrong page count.
+  Status Submit(TransferJob job);
+  // Results of the jobs finished since the last call.
+  std::vector<TransferResult> Poll();
+  // Blocks until each of these jobs has finished (unknown or polled ids count as finished),
+  // then returns (their results stay for Poll).
+  void Wait(std::span<const uint64_t> ids);
+  void WaitAll();
+
+ private:
+  struct Pending;
+  explicit BlockTransfer(BlockTransferOptions options, size_t block_bytes);
+  void Run();
+  TransferResult Execute(Pending& job);
+
+  BlockTransferOptions options_;
+  size_t block_bytes_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Pending>> loads_, stores_;
+  std::vector<uint64_t> in_flight_;  // queued or running ids
+  std::vector<TransferResult> finished_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace kvstash::connector

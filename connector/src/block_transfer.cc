@@ -1,0 +1,199 @@
+#include "kvstash/connector/block_transfer.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kvstash/common/hash.h"
+#include "kvstash/kernels/block_copy.h"
+
+namespace kvstash::connector {
+
+using Clock = std::chrono::steady_clock;
+
+struct BlockTransfer::Pending {
+  TransferJob job;
+  // A store's blocks, encoded at submit: pages then trailer, block_bytes each.
+  std::vector<std::byte> staged;
+};
+
+size_t TransferResult::num_ok() const {
+  return static_cast<size_t>(std::count(ok.begin(), ok.end(), true));
+}
+
+Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOptions options) {
+  if (options.client == nullptr) return InvalidArgumentError("block transfer needs a node client");
+  if (options.pool.base == nullptr || options.pool.page_bytes == 0 || options.pool.num_pages == 0)
+    return InvalidArgumentError("block transfer needs a pool (base, page bytes, pages)");
+  if (options.pages_per_block == 0)
+    return InvalidArgumentError("an offloaded block needs at least one page");
+  const size_t block_bytes = OffloadedBlockBytes(options.pages_per_block, options.pool.page_bytes);
+  for (size_t i = 0; i < options.client->node_count(); ++i) {
+    auto bytes = options.client->BlockBytes(i);
+    if (!bytes.ok())
+      return UnavailableError("node {}: {}", options.client->node(i).ToString(),
+                              bytes.status().message());
+    if (*bytes != block_bytes)
+      return FailedPreconditionError(
+          "node {} stores blocks of {} bytes; this engine's offloaded block is {} bytes ({} "
+          "page(s) of {} + a {}-byte trailer): start kvstashd with --block-bytes {}",
+          options.client->node(i).ToString(), *bytes, block_bytes, options.pages_per_block,
+          options.pool.page_bytes, sizeof(BlockTrailer), block_bytes);
+  }
+  return std::unique_ptr<BlockTransfer>(new BlockTransfer(options, block_bytes));
+}
+
+BlockTransfer::BlockTransfer(BlockTransferOptions options, size_t block_bytes)
+    : options_(options), block_bytes_(block_bytes), thread_([this] { Run(); }) {}
+
+BlockTransfer::~BlockTransfer() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+Status BlockTransfer::Submit(TransferJob job) {
+  if (job.pages.size() != job.keys.size())
+    return InvalidArgumentError("job {}: {} keys but {} page lists", job.id, job.keys.size(),
+                                job.pages.size());
+  for (size_t i = 0; i < job.pages.size(); ++i) {
+    if (job.pages[i].size() != options_.pages_per_block)
+      return InvalidArgumentError("job {}: block {} has {} pages, not {}", job.id, i,
+                                  job.pages[i].size(), options_.pages_per_block);
+    for (uint32_t p : job.pages[i])
+      if (p == 0 || p >= options_.pool.num_pages)
+        return InvalidArgumentError("job {}: page {} is not a pool page (1..{})", job.id, p,
+                                    options_.pool.num_pages - 1);
+  }
+  auto pending = std::make_unique<Pending>();
+  if (job.kind == TransferJob::Kind::kStore) {
+    // Snapshot now: the engine may reuse these pages the moment this returns.
+    const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
+    pending->staged.resize(job.keys.size() * block_bytes_);
+    for (size_t i = 0; i < job.keys.size(); ++i) {
+      std::byte* block = pending->staged.data() + i * block_bytes_;
+      kernels::GatherBlocks(options_.pool.base, options_.pool.page_bytes, job.pages[i], block);
+      BlockTrailer t;
+      t.pages = static_cast<uint32_t>(options_.pages_per_block);
+      t.key_lo = job.keys[i].hash.lo;
+      t.key_hi = job.keys[i].hash.hi;
+      t.group = job.keys[i].group;
+      t.fingerprint = options_.fingerprint;
+      t.checksum = Xxh3Hash64({block, payload}, options_.fingerprint);
+      std::memcpy(block + payload, &t, sizeof t);
+    }
+  }
+  pending->job = std::move(job);
+  {
+    std::lock_guard lock(mu_);
+    in_flight_.push_back(pending->job.id);
+    (pending->job.kind == TransferJob::Kind::kLoad ? loads_ : stores_)
+        .push_back(std::move(pending));
+  }
+  cv_.notify_all();
+  return Status::OK();
+}
+
+std::vector<TransferResult> BlockTransfer::Poll() {
+  std::lock_guard lock(mu_);
+  return std::exchange(finished_, {});
+}
+
+void BlockTransfer::Wait(std::span<const uint64_t> ids) {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] {
+    return std::none_of(ids.begin(), ids.end(), [&](uint64_t id) {
+      return std::find(in_flight_.begin(), in_flight_.end(), id) != in_flight_.end();
+    });
+  });
+}
+
+void BlockTransfer::WaitAll() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return in_flight_.empty(); });
+}
+
+void BlockTransfer::Run() {
+  while (true) {
+    std::unique_ptr<Pending> next;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !loads_.empty() || !stores_.empty(); });
+      auto& queue = !loads_.empty() ? loads_ : stores_;
+      if (queue.empty()) return;  // stopping with nothing left
+      next = std::move(queue.front());
+      queue.pop_front();
+    }
+    TransferResult result = Execute(*next);
+    {
+      std::lock_guard lock(mu_);
+      std::erase(in_flight_, result.id);
+      finished_.push_back(std::move(result));
+    }
+    cv_.notify_all();
+  }
+}
+
+TransferResult BlockTransfer::Execute(Pending& pending) {
+  const TransferJob& job = pending.job;
+  TransferResult r;
+  r.id = job.id;
+  r.kind = job.kind;
+  r.ok.assign(job.keys.size(), false);
+  const auto start = Clock::now();
+  const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
+  if (job.kind == TransferJob::Kind::kStore) {
+    std::vector<transport::Bytes> blocks;
+    for (size_t i = 0; i < job.keys.size(); ++i)
+      blocks.emplace_back(pending.staged.data() + i * block_bytes_, block_bytes_);
+    r.status = options_.client->Put(job.keys, blocks);
+    // Put stores every block it can and reports the first failure: count them all as failed
+    // then, it only means fewer blocks offloaded.
+    if (r.status.ok()) {
+      r.ok.assign(job.keys.size(), true);
+      r.bytes = job.keys.size() * payload;
+    }
+  } else {
+    std::vector<std::byte> staged(job.keys.size() * block_bytes_);
+    std::vector<transport::MutableBytes> outs;
+    for (size_t i = 0; i < job.keys.size(); ++i)
+      outs.emplace_back(staged.data() + i * block_bytes_, block_bytes_);
+    std::vector<Result<size_t>> got = options_.client->Get(job.keys, outs);
+    for (size_t i = 0; i < job.keys.size(); ++i) {
+      const std::byte* block = staged.data() + i * block_bytes_;
+      Status bad;
+      if (!got[i].ok()) {
+        bad = got[i].status();
+      } else if (*got[i] != block_bytes_) {
+        bad = DataLossError("block {} came back with {} bytes, not {}", job.keys[i].ToString(),
+                            *got[i], block_bytes_);
+      } else {
+        BlockTrailer t;
+        std::memcpy(&t, block + payload, sizeof t);
+        if (t.magic != BlockTrailer::kMagic || t.pages != options_.pages_per_block ||
+            t.key_lo != job.keys[i].hash.lo || t.key_hi != job.keys[i].hash.hi ||
+            t.group != job.keys[i].group) {
+          bad = DataLossError("block {} from the node is not that block", job.keys[i].ToString());
+        } else if (t.fingerprint != options_.fingerprint) {
+          bad = DataLossError("block {} was computed by another model or layout",
+                              job.keys[i].ToString());
+        } else if (t.checksum != Xxh3Hash64({block, payload}, options_.fingerprint)) {
+          bad = DataLossError("block {} fails its checksum", job.keys[i].ToString());
+        }
+      }
+      if (!bad.ok()) {
+        if (r.status.ok()) r.status = bad;
+        continue;
+      }
+      kernels::ScatterBlocks(block, options_.pool.base, options_.pool.page_bytes, job.pages[i]);
+      r.ok[i] = true;
+      r.bytes += payload;
+    }
+  }
+  r.elapsed = Clock::now() - start;
+  return r;
+}
+
+}  // namespace kvstash::connector
