@@ -11,12 +11,12 @@ namespace kvstash::connector {
 using Clock = std::chrono::steady_clock;
 
 struct BlockTransfer::Pending {
-  TransferJob job;
+  BlockJob job;
   // A store's blocks, encoded at submit: pages then trailer, block_bytes each.
   std::vector<std::byte> staged;
 };
 
-size_t TransferResult::num_ok() const {
+size_t BlockJobResult::num_ok() const {
   return static_cast<size_t>(std::count(ok.begin(), ok.end(), true));
 }
 
@@ -54,7 +54,7 @@ BlockTransfer::~BlockTransfer() {
   thread_.join();
 }
 
-Status BlockTransfer::Submit(TransferJob job) {
+Status BlockTransfer::Submit(BlockJob job) {
   if (job.pages.size() != job.keys.size())
     return InvalidArgumentError("job {}: {} keys but {} page lists", job.id, job.keys.size(),
                                 job.pages.size());
@@ -68,7 +68,7 @@ Status BlockTransfer::Submit(TransferJob job) {
                                     options_.pool.num_pages - 1);
   }
   auto pending = std::make_unique<Pending>();
-  if (job.kind == TransferJob::Kind::kStore) {
+  if (job.kind == BlockJob::Kind::kStore) {
     // Snapshot now: the engine may reuse these pages the moment this returns.
     const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
     pending->staged.resize(job.keys.size() * block_bytes_);
@@ -89,14 +89,13 @@ Status BlockTransfer::Submit(TransferJob job) {
   {
     std::lock_guard lock(mu_);
     in_flight_.push_back(pending->job.id);
-    (pending->job.kind == TransferJob::Kind::kLoad ? loads_ : stores_)
-        .push_back(std::move(pending));
+    (pending->job.kind == BlockJob::Kind::kLoad ? loads_ : stores_).push_back(std::move(pending));
   }
   cv_.notify_all();
   return Status::OK();
 }
 
-std::vector<TransferResult> BlockTransfer::Poll() {
+std::vector<BlockJobResult> BlockTransfer::Poll() {
   std::lock_guard lock(mu_);
   return std::exchange(finished_, {});
 }
@@ -126,7 +125,7 @@ void BlockTransfer::Run() {
       next = std::move(queue.front());
       queue.pop_front();
     }
-    TransferResult result = Execute(*next);
+    BlockJobResult result = Execute(*next);
     {
       std::lock_guard lock(mu_);
       std::erase(in_flight_, result.id);
@@ -136,15 +135,15 @@ void BlockTransfer::Run() {
   }
 }
 
-TransferResult BlockTransfer::Execute(Pending& pending) {
-  const TransferJob& job = pending.job;
-  TransferResult r;
+BlockJobResult BlockTransfer::Execute(Pending& pending) {
+  const BlockJob& job = pending.job;
+  BlockJobResult r;
   r.id = job.id;
   r.kind = job.kind;
   r.ok.assign(job.keys.size(), false);
   const auto start = Clock::now();
   const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
-  if (job.kind == TransferJob::Kind::kStore) {
+  if (job.kind == BlockJob::Kind::kStore) {
     std::vector<transport::Bytes> blocks;
     for (size_t i = 0; i < job.keys.size(); ++i)
       blocks.emplace_back(pending.staged.data() + i * block_bytes_, block_bytes_);

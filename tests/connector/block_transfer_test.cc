@@ -79,11 +79,11 @@ class BlockTransferTest : public ::testing::Test {
     return true;
   }
 
-  TransferResult RunJob(BlockTransfer& t, TransferJob job) {
+  BlockJobResult RunJob(BlockTransfer& t, BlockJob job) {
     const uint64_t id = job.id;
     EXPECT_TRUE(t.Submit(std::move(job)).ok());
     t.Wait({&id, 1});
-    for (TransferResult& r : t.Poll())
+    for (BlockJobResult& r : t.Poll())
       if (r.id == id) return r;
     ADD_FAILURE() << "job " << id << " finished without a result";
     return {};
@@ -99,7 +99,7 @@ TEST_F(BlockTransferTest, StoredPagesLoadBackByteForByteAcrossNodes) {
   auto t = Make(2);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   // 6 blocks of 2 pages: pages 1..12.
-  TransferJob store{1, TransferJob::Kind::kStore, {}, {}};
+  BlockJob store{1, BlockJob::Kind::kStore, {}, {}};
   for (uint32_t b = 0; b < 6; ++b) {
     store.keys.push_back(Key(b, b % 3));
     store.pages.push_back({1 + 2 * b, 2 + 2 * b});
@@ -117,12 +117,12 @@ TEST_F(BlockTransferTest, StoredPagesLoadBackByteForByteAcrossNodes) {
   EXPECT_EQ(done[0].bytes, 6 * 2 * kPage);
 
   // Load them into other pages, in another order.
-  TransferJob load{2, TransferJob::Kind::kLoad, {}, {}};
+  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}};
   for (uint32_t b = 6; b-- > 0;) {
     load.keys.push_back(Key(b, b % 3));
     load.pages.push_back({40 + 2 * b, 41 + 2 * b});
   }
-  TransferResult r = RunJob(**t, load);
+  BlockJobResult r = RunJob(**t, load);
   EXPECT_TRUE(r.status.ok()) << r.status.ToString();
   ASSERT_EQ(r.num_ok(), 6u);
   for (uint32_t b = 0; b < 6; ++b) {
@@ -137,13 +137,12 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   Fill(1, 1);
   Fill(2, 2);
-  ASSERT_TRUE(
-      RunJob(**t, {1, TransferJob::Kind::kStore, {Key(1), Key(2)}, {{1}, {2}}}).status.ok());
+  ASSERT_TRUE(RunJob(**t, {1, BlockJob::Kind::kStore, {Key(1), Key(2)}, {{1}, {2}}}).status.ok());
   // Another model's engine stores under key 3.
   auto other = Make(1, /*fingerprint=*/8);
   ASSERT_TRUE(other.ok());
   Fill(3, 3);
-  ASSERT_TRUE(RunJob(**other, {2, TransferJob::Kind::kStore, {Key(3)}, {{3}}}).status.ok());
+  ASSERT_TRUE(RunJob(**other, {2, BlockJob::Kind::kStore, {Key(3)}, {{3}}}).status.ok());
   // Raw bytes under key 4 (a node returning something that is not a kvstash block), and key 2's
   // block stored again under key 5 (the right bytes for the wrong key).
   std::vector<std::byte> junk((*t)->block_bytes(), std::byte{0x5a});
@@ -160,11 +159,11 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   ASSERT_TRUE(
       client_->Put(std::vector<BlockKey>{Key(1, 9)}, std::vector<transport::Bytes>{flipped}).ok());
 
-  TransferJob load{3,
-                   TransferJob::Kind::kLoad,
-                   {Key(1), Key(3), Key(4), Key(5), Key(6), Key(2)},
-                   {{10}, {11}, {12}, {13}, {14}, {15}}};
-  TransferResult r = RunJob(**t, load);
+  BlockJob load{3,
+                BlockJob::Kind::kLoad,
+                {Key(1), Key(3), Key(4), Key(5), Key(6), Key(2)},
+                {{10}, {11}, {12}, {13}, {14}, {15}}};
+  BlockJobResult r = RunJob(**t, load);
   EXPECT_EQ(r.ok, (std::vector<bool>{true, false, false, false, false, true}));
   EXPECT_TRUE(Holds(10, 1));
   EXPECT_TRUE(Holds(15, 2));
@@ -173,7 +172,7 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
 
   // The flipped block under (key 1, group 9) names key 1 group 0 in its trailer: refused; and a
   // block whose trailer matches but whose payload changed fails the checksum.
-  r = RunJob(**t, {4, TransferJob::Kind::kLoad, {Key(1, 9)}, {{16}}});
+  r = RunJob(**t, {4, BlockJob::Kind::kLoad, {Key(1, 9)}, {{16}}});
   EXPECT_EQ(r.num_ok(), 0u);
   std::vector<std::byte> bad((*t)->block_bytes());
   ASSERT_TRUE(client_->Get(Key(2), bad).ok());
@@ -184,7 +183,7 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   std::memcpy(bad.data() + kPage, &trailer, sizeof trailer);
   ASSERT_TRUE(
       client_->Put(std::vector<BlockKey>{Key(2, 1)}, std::vector<transport::Bytes>{bad}).ok());
-  r = RunJob(**t, {5, TransferJob::Kind::kLoad, {Key(2, 1)}, {{17}}});
+  r = RunJob(**t, {5, BlockJob::Kind::kLoad, {Key(2, 1)}, {{17}}});
   EXPECT_EQ(r.num_ok(), 0u);
   EXPECT_THAT(std::string(r.status.message()), HasSubstr("checksum"));
 }
@@ -193,7 +192,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   StartNodes(2, 1);
   auto t = Make(1);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  TransferJob store{1, TransferJob::Kind::kStore, {}, {}};
+  BlockJob store{1, BlockJob::Kind::kStore, {}, {}};
   for (uint32_t b = 0; b < 16; ++b) {
     Fill(1 + b, 50 + b);
     store.keys.push_back(Key(b));
@@ -205,13 +204,13 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
     if (client_->NodeOf(Key(b)) == 1) on_dead.push_back(b);
   ASSERT_FALSE(on_dead.empty());
   daemons_[1]->process().Kill(SIGKILL);
-  TransferJob load{2, TransferJob::Kind::kLoad, {}, {}};
+  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}};
   for (uint32_t b = 0; b < 16; ++b) {
     load.keys.push_back(Key(b));
     load.pages.push_back({30 + b});
   }
   const auto start = std::chrono::steady_clock::now();
-  TransferResult r = RunJob(**t, load);
+  BlockJobResult r = RunJob(**t, load);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   for (uint32_t b = 0; b < 16; ++b) {
     const bool dead = std::find(on_dead.begin(), on_dead.end(), b) != on_dead.end();
@@ -220,7 +219,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   }
   // A store to the dead node reports the failure and does not hang either.
   Fill(60, 9);
-  TransferResult s = RunJob(**t, {3, TransferJob::Kind::kStore, {Key(on_dead[0] + 100)}, {{60}}});
+  BlockJobResult s = RunJob(**t, {3, BlockJob::Kind::kStore, {Key(on_dead[0] + 100)}, {{60}}});
   (void)s;  // its node may be the live one; what matters is that it returned
 }
 
@@ -237,13 +236,13 @@ TEST_F(BlockTransferTest, WrongNodeBlockSizeAndBadJobsAreRefused) {
   StartNodes(1, 1);
   auto ok = Make(1);
   ASSERT_TRUE(ok.ok());
-  EXPECT_EQ((*ok)->Submit({1, TransferJob::Kind::kStore, {Key(1)}, {{0}}}).code(),
+  EXPECT_EQ((*ok)->Submit({1, BlockJob::Kind::kStore, {Key(1)}, {{0}}}).code(),
             StatusCode::kInvalidArgument);  // page 0 is the null page
-  EXPECT_EQ((*ok)->Submit({2, TransferJob::Kind::kLoad, {Key(1)}, {{kPages}}}).code(),
+  EXPECT_EQ((*ok)->Submit({2, BlockJob::Kind::kLoad, {Key(1)}, {{kPages}}}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ((*ok)->Submit({3, TransferJob::Kind::kLoad, {Key(1)}, {{1, 2}}}).code(),
+  EXPECT_EQ((*ok)->Submit({3, BlockJob::Kind::kLoad, {Key(1)}, {{1, 2}}}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ((*ok)->Submit({4, TransferJob::Kind::kLoad, {Key(1), Key(2)}, {{1}}}).code(),
+  EXPECT_EQ((*ok)->Submit({4, BlockJob::Kind::kLoad, {Key(1), Key(2)}, {{1}}}).code(),
             StatusCode::kInvalidArgument);
   EXPECT_TRUE((*ok)->Poll().empty());
 }

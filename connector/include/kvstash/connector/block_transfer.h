@@ -58,7 +58,7 @@ inline size_t OffloadedBlockBytes(size_t pages, size_t page_bytes) {
   return pages * page_bytes + sizeof(BlockTrailer);
 }
 
-struct TransferJob {
+struct BlockJob {
   enum class Kind : uint8_t { kStore, kLoad };
   uint64_t id = 0;
   Kind kind = Kind::kStore;
@@ -67,9 +67,9 @@ struct TransferJob {
   std::vector<std::vector<uint32_t>> pages;
 };
 
-struct TransferResult {
+struct BlockJobResult {
   uint64_t id = 0;
-  TransferJob::Kind kind = TransferJob::Kind::kStore;
+  BlockJob::Kind kind = BlockJob::Kind::kStore;
   // Per key: stored, or loaded and verified into its pages. A load's failed key leaves its
   // pages undefined.
   std::vector<bool> ok;
@@ -98,9 +98,9 @@ class BlockTransfer {
 
   // Queues a job (a store copies its pages first). InvalidArgument, and nothing queued, for a
   // page outside the pool or a block with the wrong page count.
-  Status Submit(TransferJob job);
+  Status Submit(BlockJob job);
   // Results of the jobs finished since the last call.
-  std::vector<TransferResult> Poll();
+  std::vector<BlockJobResult> Poll();
   // Blocks until each of these jobs has finished (unknown or polled ids count as finished),
   // then returns (their results stay for Poll).
   void Wait(std::span<const uint64_t> ids);
@@ -110,7 +110,7 @@ class BlockTransfer {
   struct Pending;
   explicit BlockTransfer(BlockTransferOptions options, size_t block_bytes);
   void Run();
-  TransferResult Execute(Pending& job);
+  BlockJobResult Execute(Pending& job);
 
   BlockTransferOptions options_;
   size_t block_bytes_;
@@ -118,7 +118,7 @@ class BlockTransfer {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Pending>> loads_, stores_;
   std::vector<uint64_t> in_flight_;  // queued or running ids
-  std::vector<TransferResult> finished_;
+  std::vector<BlockJobResult> finished_;
   bool stop_ = false;
   std::thread thread_;
 };
