@@ -136,7 +136,6 @@ std::optional<size_t> OffloadScheduler::GetNumNewMatchedTokens(const OffloadRequ
   UpdateKeys(state, request.block_hashes);
   state.num_locally_computed_tokens = num_computed_tokens;
   state.num_tokens = request.num_tokens;
-  state.do_remote_decode = request.do_remote_decode;
 
   std::optional<size_t> hits = Lookup(state);
   if (created) {
@@ -489,7 +488,6 @@ Result<ConnectorMeta> OffloadScheduler::BuildConnectorMeta(const SchedulerStepVi
     RequestState& state = StateOf(scheduled.request, nullptr);
     UpdateKeys(state, scheduled.request.block_hashes);
     state.num_tokens = scheduled.request.num_tokens;
-    state.do_remote_decode = scheduled.request.do_remote_decode;
     if (scheduled.resumed_from_preemption) {
       for (GroupState& group : state.groups) group.block_ids.clear();
     }
@@ -523,9 +521,10 @@ Result<ConnectorMeta> OffloadScheduler::BuildConnectorMeta(const SchedulerStepVi
 
   ConnectorMeta meta;
   for (const ScheduledRequestView& scheduled : step.scheduled) {
-    RequestState& state = requests_.at(scheduled.request.id);
-    if (state.finished) continue;
-    BuildStoreJob(scheduled, state, meta.store_jobs);
+    // A request reported both scheduled and finished stores nothing more.
+    auto it = requests_.find(scheduled.request.id);
+    if (it == requests_.end() || it->second.finished) continue;
+    BuildStoreJob(scheduled, it->second, meta.store_jobs);
   }
   // Nothing runs any more: no later step would flush these, so the workers finish them now.
   const bool all_finished = std::all_of(requests_.begin(), requests_.end(),

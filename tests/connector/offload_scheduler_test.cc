@@ -835,6 +835,17 @@ TEST_F(OffloadSchedulerFenceTest, OtherBlocksFlushNothingUntilNoRequestRuns) {
   EXPECT_EQ(meta->jobs_to_flush.size(), 2u);  // every request finished: flush all
 }
 
+TEST(OffloadSchedulerApiTest, RequestReportedScheduledAndFinishedStoresNothing) {
+  Fixture f = MakeScheduler({.groups = {{OffloadGroupKind::kFull, 4, 1, 0}}, .hash_block_size = 4});
+  std::vector<BlockHash> hashes = Hashes(1);
+  const OffloadRequestView view{.id = 1, .num_tokens = 5, .block_hashes = hashes};
+  ASSERT_EQ(f.scheduler->GetNumNewMatchedTokens(view, 0), 0u);
+  auto meta = f.scheduler->BuildConnectorMeta(Step({Sched(view, 0, 4, {{1}})}, {1}));
+  ASSERT_TRUE(meta.ok());
+  EXPECT_THAT(meta->store_jobs, IsEmpty());
+  EXPECT_FALSE(f.scheduler->IsTracked(1));
+}
+
 TEST(OffloadSchedulerApiTest, PreemptedRequestFlushesItsStoresAndDefersItsLookup) {
   StoredRequest s = StartStore(/*world_size=*/1);
   OffloadScheduler& scheduler = *s.f.scheduler;
@@ -1689,6 +1700,29 @@ TEST(OffloadSchedulerScenarioTest, J13ResetCache) {
   for (const JobId load : loads) {
     EXPECT_TRUE(std::binary_search(meta->jobs_to_flush.begin(), meta->jobs_to_flush.end(), load));
   }
+}
+
+TEST(OffloadSchedulerScenarioTest, J4AbortedWhileLoadingIsKeptUntilTheLoadCompletes) {
+  FakeEngine engine(Factor3());
+  engine.AddRequest(Tokens(12, 0));
+  RunResult r = engine.Run({kEos});
+  engine.ResetPrefixCache();
+  const RequestId id = engine.AddRequest(Tokens(12, 0));
+  r = engine.Run({}, false);
+  OffloadScheduler& connector = engine.connector();
+  ASSERT_EQ(connector.InFlightJobs().size(), 1u);
+  const JobId load = connector.InFlightJobs()[0].id;
+  // The engine aborts it; a load needs no fence, and its state stays for the completion.
+  connector.RequestFinished(id);
+  EXPECT_TRUE(connector.IsTracked(id));
+  EXPECT_THAT(connector.FenceIndex(), IsEmpty());
+  auto meta = connector.BuildConnectorMeta(Step({}, {id}));
+  ASSERT_TRUE(meta.ok());
+  EXPECT_THAT(meta->jobs_to_flush, ElementsAre(load));  // nothing runs: flush everything
+  ASSERT_TRUE(connector.UpdateConnectorOutput({{load, 1}}).ok());
+  EXPECT_FALSE(connector.IsTracked(id));
+  EXPECT_THAT(connector.BlocksBeingLoaded(), IsEmpty());
+  EXPECT_EQ(engine.manager().complete_loads.size(), 1u);
 }
 
 TEST(OffloadSchedulerScenarioTest, AcknowledgementsFromEveryWorker) {

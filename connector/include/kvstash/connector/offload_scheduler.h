@@ -266,7 +266,6 @@ class OffloadScheduler {
     std::vector<GroupState> groups;
     size_t num_locally_computed_tokens = 0;
     size_t num_tokens = 0;
-    bool do_remote_decode = false;
     bool finished = false;
     std::set<JobId> jobs;  // in flight: one load, or stores
   };
