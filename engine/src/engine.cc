@@ -1,6 +1,10 @@
 #include "kvstash/engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "kvstash/common/hash.h"
 
 namespace kvstash::engine {
 
@@ -16,18 +20,52 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   } else {
     weights = ModelWeights::FromSeed(config, options.seed.value_or(config.seed));
   }
+  // What a block's KV depends on besides its tokens: the model, its weights, the page layout.
+  std::string identity = config.ToJson();
+  identity += options.weights_path.empty()
+                  ? " seed=" + std::to_string(options.seed.value_or(config.seed))
+                  : " weights=" + options.weights_path;
+  identity += " block_size=" + std::to_string(layout.block_size) +
+              " pack=" + std::to_string(layout.attn_pack) +
+              " page=" + std::to_string(layout.page_floats);
+  const uint64_t fingerprint = Xxh3Hash64(std::as_bytes(std::span(identity)));
+  const bool offload = static_cast<bool>(options.offload);
+  if (offload && options.swa_ring)
+    return UnimplementedError("offload with --swa-ring is not supported yet");
   KvCacheManagerOptions kv;
   kv.groups = layout.groups;
   kv.num_blocks = options.num_blocks;
   kv.prefix_caching = options.prefix_caching;
+  SchedulerOptions sched = options.scheduler;
+  // Another model's blocks then never share a hash (nor a node key) with this one's.
+  sched.cache_salt = Hash128{fingerprint, 0}.ToHex();
   ModelRunner runner(std::move(config), std::move(weights), std::move(layout), options.num_blocks);
-  return std::unique_ptr<Engine>(new Engine(std::move(runner), std::move(kv), options.scheduler));
+  std::unique_ptr<Engine> engine(new Engine(std::move(runner), std::move(kv), sched));
+  engine->fingerprint_ = fingerprint;
+  if (offload) {
+    OffloadContext context;
+    context.layout = &engine->runner_.layout();
+    context.pool = engine->runner_.pool();
+    context.kv_cache = &engine->kv_cache_;
+    context.fingerprint = fingerprint;
+    context.prefix_caching = options.prefix_caching;
+    KVSTASH_ASSIGN_OR_RETURN(engine->offload_, options.offload(context));
+    engine->scheduler_.SetExternalSource(engine->offload_.get());
+  }
+  return engine;
+}
+
+Engine::~Engine() { DrainOffload(); }
+
+void Engine::DrainOffload() {
+  if (offload_) offload_->Drain();
 }
 
 Engine::Engine(ModelRunner runner, KvCacheManagerOptions kv_options, SchedulerOptions sched)
     : runner_(std::move(runner)), kv_cache_(std::move(kv_options)), scheduler_(sched, &kv_cache_) {}
 
-Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_new_tokens) {
+Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_new_tokens,
+                                     bool do_remote_decode) {
   if (prompt.empty()) return InvalidArgumentError("empty prompt");
   if (max_new_tokens == 0) return InvalidArgumentError("max_new_tokens must be at least 1");
   for (size_t i = 0; i < prompt.size(); ++i) {
@@ -40,6 +78,7 @@ Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_ne
   r->num_prompt_tokens = prompt.size();
   r->tokens = std::move(prompt);
   r->max_new_tokens = max_new_tokens;
+  r->do_remote_decode = do_remote_decode;
   const RequestId id = r->id;
   scheduler_.Add(std::move(r));
   return id;
@@ -52,33 +91,69 @@ std::vector<RequestId> Engine::Step() {
   for (RequestId id : out.preempted) runner_.ReleaseRequest(id);
   for (RequestId id : out.failed) runner_.ReleaseRequest(id);
   std::vector<RequestId> done = out.failed;
-  if (out.seqs.empty()) return done;
-  ++counters_.steps;
-  inputs_.clear();
-  for (const ScheduledSeq& s : out.seqs) {
-    SeqInput in;
-    in.tokens = std::span<const uint32_t>(s.request->tokens).subspan(s.start, s.num_tokens);
-    in.start_pos = s.start;
-    in.tables = &kv_cache_.BlockTables(s.request->id);
-    in.request = s.request->id;
-    inputs_.push_back(in);
-    if (s.request->num_output_tokens() == 0) {
-      counters_.prefill_tokens += s.num_tokens;
-    } else {
-      counters_.decode_tokens += s.num_tokens;
+  // Offload: this step's flushes and loads go out before the forward pass, so the loads run
+  // while it computes; its stores go out after it, once their pages hold the step's KV.
+  std::vector<std::pair<RequestId, KvOffload::JobId>> loads;
+  if (offload_) {
+    for (RequestId id : out.failed) offload_->RequestFinished(id);
+    loads = offload_->BeginStep(out, finished_since_step_);
+    finished_since_step_.clear();
+  }
+  if (!out.seqs.empty()) {
+    ++counters_.steps;
+    inputs_.clear();
+    for (const ScheduledSeq& s : out.seqs) {
+      SeqInput in;
+      in.tokens = std::span<const uint32_t>(s.request->tokens).subspan(s.start, s.num_tokens);
+      in.start_pos = s.start;
+      in.tables = &kv_cache_.BlockTables(s.request->id);
+      in.request = s.request->id;
+      inputs_.push_back(in);
+      if (s.request->num_output_tokens() == 0) {
+        counters_.prefill_tokens += s.num_tokens;
+      } else {
+        counters_.decode_tokens += s.num_tokens;
+      }
+    }
+    runner_.Forward(inputs_, logits_);
+    const size_t vocab = config().vocab_size;
+    sampled_.resize(out.seqs.size());
+    for (size_t i = 0; i < out.seqs.size(); ++i) {
+      const float* row = logits_.data() + i * vocab;
+      // Greedy; the lowest id wins a tie, so equal logits give equal tokens everywhere.
+      sampled_[i] = static_cast<uint32_t>(std::max_element(row, row + vocab) - row);
     }
   }
-  runner_.Forward(inputs_, logits_);
-  const size_t vocab = config().vocab_size;
-  sampled_.resize(out.seqs.size());
-  for (size_t i = 0; i < out.seqs.size(); ++i) {
-    const float* row = logits_.data() + i * vocab;
-    // Greedy; the lowest id wins a tie, so equal logits give equal tokens everywhere.
-    sampled_[i] = static_cast<uint32_t>(std::max_element(row, row + vocab) - row);
+  if (offload_) offload_->EndStep();
+  if (!out.seqs.empty()) {
+    std::vector<RequestId> finished = scheduler_.Update(out, sampled_);
+    for (RequestId id : finished) {
+      runner_.ReleaseRequest(id);
+      if (offload_) {
+        offload_->RequestFinished(id);
+        finished_since_step_.push_back(id);
+      }
+    }
+    done.insert(done.end(), finished.begin(), finished.end());
   }
-  std::vector<RequestId> finished = scheduler_.Update(out, sampled_);
-  for (RequestId id : finished) runner_.ReleaseRequest(id);
-  done.insert(done.end(), finished.begin(), finished.end());
+  // Nothing ran and nothing loads: every waiting request was told to ask again. Give the
+  // nodes a moment instead of spinning.
+  if (out.seqs.empty() && out.loading.empty() && scheduler_.HasUnfinished())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Requests whose load was submitted in this step wait for it here, then run next step: from
+  // what arrived, or (a node down, late, or a bad block) from their local hit.
+  if (!out.loading.empty()) {
+    std::vector<KvOffload::JobId> jobs;
+    for (const auto& [request, job] : loads) jobs.push_back(job);
+    const std::unordered_map<KvOffload::JobId, bool> ok = offload_->FinishLoads(jobs);
+    for (Request* r : out.loading) {
+      bool arrived = false;
+      for (const auto& [request, job] : loads)
+        if (request == r->id) arrived = ok.contains(job) && ok.at(job);
+      if (!arrived) ++counters_.load_failures;
+      scheduler_.LoadFinished(r, arrived);
+    }
+  }
   return done;
 }
 

@@ -182,7 +182,8 @@ size_t KvCacheManager::NumBlocksToAllocate(RequestId id, size_t num_computed_tok
 
 bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hashes,
                                    size_t num_tokens, size_t num_computed_tokens,
-                                   size_t num_new_tokens, const ComputedBlocks* new_computed) {
+                                   size_t num_new_tokens, const ComputedBlocks* new_computed,
+                                   bool delay_cache) {
   auto it = requests_.find(id);
   const bool running = it != requests_.end();
   if (running) new_computed = nullptr;
@@ -291,17 +292,31 @@ bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hash
     table.insert(table.end(), blocks->begin(), blocks->end());
   }
 
-  if (!options_.prefix_caching) return true;
+  if (!delay_cache) CacheUpTo(state, hashes, cache_tokens);
+  return true;
+}
+
+void KvCacheManager::CacheUpTo(RequestState& state, std::span<const BlockHash> hashes,
+                               size_t cache_tokens) {
+  if (!options_.prefix_caching) return;
   for (size_t g = 0; g < num_groups(); ++g) {
     const auto& table = state.tables[g];
-    const size_t full = std::min(cacheable(g), table.size());
+    const size_t cacheable =
+        std::min(cache_tokens / options_.groups[g].block_size, NumGroupHashes(g, hashes));
+    const size_t full = std::min(cacheable, table.size());
     for (size_t i = state.num_cached[g]; i < full; ++i) {
       if (table[i] == kNullBlock || !CachesBlock(g, i)) continue;
       pool_.CacheBlock(table[i], CachedKey{GroupHash(g, hashes, i), static_cast<uint32_t>(g)});
     }
     state.num_cached[g] = std::max(state.num_cached[g], full);
   }
-  return true;
+}
+
+void KvCacheManager::CacheBlocks(RequestId id, std::span<const BlockHash> hashes, size_t num_tokens,
+                                 size_t num_computed_tokens) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  CacheUpTo(it->second, hashes, CacheableTokens(num_computed_tokens, num_tokens));
 }
 
 const std::vector<std::vector<BlockId>>& KvCacheManager::BlockTables(RequestId id) const {

@@ -4,15 +4,20 @@
 
 namespace kvstash::engine {
 
+constexpr uint32_t kMaxDeferrals = 1000;
+
 Scheduler::Scheduler(SchedulerOptions options, KvCacheManager* kv_cache)
     : options_(options), kv_cache_(kv_cache) {
+  for (size_t g = 0; g < kv_cache_->num_groups(); ++g)
+    has_state_group_ |= kv_cache_->group_spec(g).kind == AttentionSpec::Kind::kState;
   options_.max_num_batched_tokens = std::max<size_t>(options_.max_num_batched_tokens, 1);
   options_.max_num_seqs = std::max<size_t>(options_.max_num_seqs, 1);
 }
 
 void Scheduler::Add(std::unique_ptr<Request> request) {
   if (!request->hasher) {
-    request->hasher = std::make_unique<RequestHasher>(kv_cache_->hash_block_size());
+    request->hasher =
+        std::make_unique<RequestHasher>(kv_cache_->hash_block_size(), options_.cache_salt);
   }
   request->state = Request::State::kWaiting;
   waiting_.push_back(request.get());
@@ -36,6 +41,7 @@ std::unique_ptr<Request> Scheduler::Take(RequestId id) {
 void Scheduler::Preempt(Request* request) {
   kv_cache_->Free(request->id);
   request->num_computed_tokens = 0;
+  request->resumed = true;
   request->state = Request::State::kWaiting;
   ++request->num_preemptions;
   waiting_.push_front(request);
@@ -89,12 +95,71 @@ SchedulerOutput Scheduler::Schedule() {
     ++i;
   }
 
-  // Waiting requests, in order, unless this step had to preempt.
+  // Waiting requests, in order, unless this step had to preempt. Those the external source
+  // asks to come back later keep their place.
+  std::vector<Request*> later;
   while (out.preempted.empty() && !waiting_.empty() && budget > 0 &&
          running_.size() < options_.max_num_seqs) {
     Request* r = waiting_.front();
     r->hasher->Update(r->tokens);
+    if (r->state == Request::State::kLoaded) {
+      // Its blocks are held; the last token is always computed (its logits are needed).
+      r->num_computed_tokens = std::min(r->num_computed_tokens, r->tokens.size() - 1);
+      const size_t n = std::min(r->tokens.size() - r->num_computed_tokens, budget);
+      if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(),
+                                    r->num_computed_tokens, n))
+        break;
+      waiting_.pop_front();
+      r->state = Request::State::kRunning;
+      running_.push_back(r);
+      schedule(r, r->num_computed_tokens, n);
+      continue;
+    }
     ComputedBlocks hit = kv_cache_->GetComputedBlocks(r->hasher->hashes(), r->tokens.size());
+    size_t external = 0;
+    if (external_ != nullptr) {
+      std::optional<size_t> matched = external_->MatchedTokens(*r, hit.tokens);
+      // "Ask again" (a block being written or promoted on a node, or being loaded for another
+      // request) normally clears within a few steps; past kMaxDeferrals the request stops
+      // waiting for it and computes.
+      if (!matched.has_value() && ++r->num_deferrals <= kMaxDeferrals) {
+        waiting_.pop_front();
+        later.push_back(r);
+        continue;
+      }
+      external = std::min(matched.value_or(0), r->tokens.size() - hit.tokens);
+      // A state group's block holds the state at the block's end, so computing may only resume
+      // on a block boundary: the connector's hit can end one token short of one (it always
+      // leaves the last token to compute), and resuming there would apply that token twice.
+      if (has_state_group_) {
+        const size_t lcm = kv_cache_->lcm_block_size();
+        const size_t end = (hit.tokens + external) / lcm * lcm;
+        external = end > hit.tokens ? end - hit.tokens : 0;
+      }
+    }
+    if (external > 0) {
+      // Blocks for the hit and the external tokens now, which count as computed: positions a
+      // group skips at hit + external tokens (outside a window, before a state's last block)
+      // get the null block and are not loaded. Their hashes once the load is in.
+      if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(), external, 0, &hit,
+                                    /*delay_cache=*/true))
+        break;
+      waiting_.pop_front();
+      if (!r->scheduled_once) {
+        r->num_cached_tokens = hit.tokens;
+        r->scheduled_once = true;
+      }
+      r->num_computed_tokens = hit.tokens;
+      if (external_->StartLoad(*r, kv_cache_->BlockTables(r->id), external).ok()) {
+        r->state = Request::State::kLoading;
+        r->pending_external_tokens = external;
+        out.loading.push_back(r);
+      } else {
+        r->state = Request::State::kLoaded;  // nothing arrives: compute from the hit
+        later.push_back(r);
+      }
+      continue;
+    }
     const size_t n = std::min(r->tokens.size() - hit.tokens, budget);
     if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(), 0, n, &hit)) {
       if (running_.empty() && out.seqs.empty()) {
@@ -118,7 +183,19 @@ SchedulerOutput Scheduler::Schedule() {
     running_.push_back(r);
     schedule(r, hit.tokens, n);
   }
+  waiting_.insert(waiting_.begin(), later.begin(), later.end());
   return out;
+}
+
+void Scheduler::LoadFinished(Request* r, bool ok) {
+  if (ok) {
+    r->num_computed_tokens += r->pending_external_tokens;
+    r->num_external_tokens += r->pending_external_tokens;
+    kv_cache_->CacheBlocks(r->id, r->hasher->hashes(), r->tokens.size(), r->num_computed_tokens);
+  }
+  r->pending_external_tokens = 0;
+  r->state = Request::State::kLoaded;
+  waiting_.push_front(r);
 }
 
 std::vector<RequestId> Scheduler::Update(const SchedulerOutput& out,

@@ -16,6 +16,7 @@
 #include "kvstash/engine/kv_cache_manager.h"
 #include "kvstash/engine/model.h"
 #include "kvstash/engine/model_runner.h"
+#include "kvstash/engine/offload.h"
 #include "kvstash/engine/scheduler.h"
 
 namespace kvstash::engine {
@@ -31,6 +32,9 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   std::optional<uint64_t> seed;  // weights seed; default the config's
   std::string weights_path;      // a safetensors file instead of seeded weights
+  // Shares KV through offload nodes (engine::NodeOffload in kvstash::engine_offload); empty:
+  // the engine keeps its KV to itself.
+  KvOffloadFactory offload;
 };
 
 struct EngineCounters {
@@ -38,6 +42,7 @@ struct EngineCounters {
   uint64_t prefill_tokens = 0;  // tokens run before a request's first sampled token
   uint64_t decode_tokens = 0;
   uint64_t preemptions = 0;
+  uint64_t load_failures = 0;  // loads from offload nodes that fell back to recomputing
 };
 
 class Engine {
@@ -45,10 +50,13 @@ class Engine {
   // InvalidArgument for a layout that does not fit the model (block size, pack), NotFound or
   // InvalidArgument for an unreadable weights file.
   static Result<std::unique_ptr<Engine>> Create(ModelConfig config, EngineOptions options);
+  ~Engine();  // waits for transfers to and from the offload nodes
 
   // Queues a request. InvalidArgument for an empty prompt, a token id past the vocabulary, or
-  // max_new_tokens 0.
-  Result<RequestId> AddRequest(std::vector<uint32_t> prompt, size_t max_new_tokens);
+  // max_new_tokens 0. `do_remote_decode`: another worker continues it (a prefill worker's
+  // request), so every full block of it goes to the offload nodes, loaded ones included.
+  Result<RequestId> AddRequest(std::vector<uint32_t> prompt, size_t max_new_tokens,
+                               bool do_remote_decode = false);
   bool HasUnfinished() const { return scheduler_.HasUnfinished(); }
 
   // One step: schedule, run the model, sample. Returns the requests that finished (or failed)
@@ -60,6 +68,14 @@ class Engine {
   // Runs every queued request to completion; results in the order of `prompts`.
   Result<std::vector<std::unique_ptr<Request>>> Generate(
       const std::vector<std::vector<uint32_t>>& prompts, size_t max_new_tokens);
+
+  // Waits until every transfer to and from the offload nodes has ended (before exiting: a
+  // prefill worker's stores must land).
+  void DrainOffload();
+  // Null without offload.
+  const KvOffload* offload() const { return offload_.get(); }
+  // Model, weights and layout: what an offloaded block must have been computed with.
+  uint64_t fingerprint() const { return fingerprint_; }
 
   const ModelConfig& config() const { return runner_.config(); }
   const KvLayout& layout() const { return runner_.layout(); }
@@ -78,6 +94,9 @@ class Engine {
   std::vector<SeqInput> inputs_;
   std::vector<float> logits_;
   std::vector<uint32_t> sampled_;
+  uint64_t fingerprint_ = 0;
+  std::unique_ptr<KvOffload> offload_;
+  std::vector<RequestId> finished_since_step_;  // for the offload's next step
 };
 
 }  // namespace kvstash::engine

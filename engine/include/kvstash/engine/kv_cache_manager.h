@@ -102,9 +102,16 @@ class KvCacheManager {
   // Returns false, with nothing changed, when the pool has too few free blocks (counting those
   // the freeing would return); the scheduler may preempt and call again.
   // `hashes` are the request's block hashes at hash_block_size, `num_tokens` its token count.
+  // `delay_cache`: the new tokens' KV arrives from elsewhere (a load from an offload node), so
+  // nothing is cached now; CacheBlocks caches the blocks once it has arrived.
   bool AllocateSlots(RequestId id, std::span<const BlockHash> hashes, size_t num_tokens,
                      size_t num_computed_tokens, size_t num_new_tokens,
-                     const ComputedBlocks* new_computed = nullptr);
+                     const ComputedBlocks* new_computed = nullptr, bool delay_cache = false);
+
+  // Caches the hashes of the request's blocks full within its first num_computed_tokens tokens
+  // (as AllocateSlots does), after a load AllocateSlots was told to delay caching for.
+  void CacheBlocks(RequestId id, std::span<const BlockHash> hashes, size_t num_tokens,
+                   size_t num_computed_tokens);
 
   // The request's block table per group (num_groups() empty tables if it holds none). Valid
   // until the next AllocateSlots or Free of this request.
@@ -125,6 +132,8 @@ class KvCacheManager {
     // between its cached blocks, so freeing cannot stop at the first null one.
     std::vector<size_t> null_below;
   };
+  // Caches the blocks of `state` full within cache_tokens (from num_cached on).
+  void CacheUpTo(RequestState& state, std::span<const BlockHash> hashes, size_t cache_tokens);
   // Group `g`'s view of hashes at hash_block_size: its block count and its i-th block's hash.
   size_t NumGroupHashes(size_t g, std::span<const BlockHash> hashes) const;
   const BlockHash& GroupHash(size_t g, std::span<const BlockHash> hashes, size_t i) const;

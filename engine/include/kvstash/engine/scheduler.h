@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -23,7 +24,9 @@
 namespace kvstash::engine {
 
 struct Request {
-  enum class State : uint8_t { kWaiting, kRunning, kFinished, kFailed };
+  // kLoading: its blocks are allocated and offload nodes are filling some of them; kLoaded:
+  // done, back in the waiting queue to compute the rest.
+  enum class State : uint8_t { kWaiting, kLoading, kLoaded, kRunning, kFinished, kFailed };
   RequestId id = 0;
   std::vector<uint32_t> tokens;  // the prompt, then each generated token
   size_t num_prompt_tokens = 0;
@@ -38,6 +41,14 @@ struct Request {
   size_t num_computed_prompt_tokens = 0;  // prompt tokens run through the model (recomputes too)
   uint32_t num_preemptions = 0;
   bool scheduled_once = false;
+  size_t num_external_tokens = 0;  // tokens loaded from offload nodes (all loads)
+
+  // Connector bookkeeping (see Engine).
+  bool do_remote_decode = false;        // its KV is wanted by another worker: store it all
+  size_t pending_external_tokens = 0;   // kLoading: tokens being loaded after the computed ones
+  std::vector<size_t> reported_blocks;  // per group: table entries the connector has seen
+  bool resumed = false;                 // preempted since the connector last saw it
+  uint32_t num_deferrals = 0;           // steps the external source said "ask again"
 
   size_t num_output_tokens() const { return tokens.size() - num_prompt_tokens; }
   std::span<const uint32_t> output() const {
@@ -48,6 +59,21 @@ struct Request {
 struct SchedulerOptions {
   size_t max_num_batched_tokens = 256;  // token budget of one step (the prefill chunk)
   size_t max_num_seqs = 16;             // running requests at most
+  std::string cache_salt;               // extra key of every request's first block hash
+};
+
+// Where a waiting request's KV may also come from: offload nodes (the engine adapts its
+// KvConnector to this). Called from the scheduler's thread.
+class ExternalKvSource {
+ public:
+  virtual ~ExternalKvSource() = default;
+  // Tokens after `num_computed_tokens` the source can provide; nullopt: ask again next step.
+  virtual std::optional<size_t> MatchedTokens(const Request& request,
+                                              size_t num_computed_tokens) = 0;
+  // The request's blocks for those tokens are allocated: start loading them.
+  // An error leaves the request to compute them instead.
+  virtual Status StartLoad(const Request& request, const std::vector<std::vector<BlockId>>& tables,
+                           size_t num_external_tokens) = 0;
 };
 
 // One request's share of a step: tokens [start, start + num_tokens) of it.
@@ -62,6 +88,7 @@ struct SchedulerOutput {
   size_t num_tokens = 0;
   std::vector<RequestId> preempted;
   std::vector<RequestId> failed;  // requests that can never fit the pool (state kFailed)
+  std::vector<Request*> loading;  // requests whose external tokens started loading this step
 };
 
 class Scheduler {
@@ -86,11 +113,19 @@ class Scheduler {
   // Hands a finished or failed request to the caller (its entry is dropped).
   std::unique_ptr<Request> Take(RequestId id);
 
+  // Waiting requests may load tokens from `source` (borrowed; null: none).
+  void SetExternalSource(ExternalKvSource* source) { external_ = source; }
+  // A kLoading request's load ended. `ok`: every block arrived, so its external tokens count
+  // as computed (and are cached); otherwise it computes them. Either way it waits to run.
+  void LoadFinished(Request* request, bool ok);
+
  private:
   void Preempt(Request* request);
 
   SchedulerOptions options_;
   KvCacheManager* kv_cache_;
+  ExternalKvSource* external_ = nullptr;
+  bool has_state_group_ = false;
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;
