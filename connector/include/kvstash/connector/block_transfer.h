@@ -90,7 +90,8 @@ class BlockTransfer {
  public:
   // InvalidArgument for a bad pool view; FailedPrecondition naming the node when a node's
   // block size is not OffloadedBlockBytes(pages_per_block, page_bytes) (the message says the
-  // --block-bytes to start kvstashd with).
+  // --block-bytes to start kvstashd with). A node that does not answer is logged and skipped:
+  // its blocks are misses.
   static Result<std::unique_ptr<BlockTransfer>> Create(BlockTransferOptions options);
   ~BlockTransfer();  // finishes queued jobs, then stops
 

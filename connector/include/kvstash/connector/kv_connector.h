@@ -1,0 +1,85 @@
+#pragma once
+
+// KvConnector: what an engine process holds to share KV through offload nodes. It joins the
+// scheduler side (OffloadScheduler: which tokens to load, which blocks to store, fences) with
+// the worker side (BlockTransfer: the bytes, off the engine's thread) over a NodeClient.
+//
+// The engine drives it once per step (see engine::Engine): GetNumNewMatchedTokens and
+// UpdateStateAfterAlloc while scheduling, BeginStep before the forward pass (flushes, loads
+// submitted), EndStep after it (this step's stores submitted), FinishLoads before the loading
+// requests compute. A node that is down or slow past its deadline, or a block that fails its
+// checks, makes a load report failure: the engine then recomputes those tokens.
+//
+// Owned by the engine; called from the engine's thread only.
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "kvstash/common/status.h"
+#include "kvstash/connector/block_transfer.h"
+#include "kvstash/connector/node_client.h"
+#include "kvstash/connector/offload_scheduler.h"
+
+namespace kvstash::connector {
+
+struct KvConnectorOptions {
+  NodeClientOptions client;           // the nodes, namespace, token, deadlines
+  OffloadSchedulerOptions scheduler;  // the engine's KV-cache groups (block_size_factor 1)
+  PoolView pool;                      // the engine's paged pool: one page per GPU block
+  uint64_t fingerprint = 0;           // model, weights and layout (BlockTransfer)
+};
+
+struct KvConnectorStats {
+  uint64_t load_jobs = 0, blocks_loaded = 0, blocks_load_failed = 0, bytes_loaded = 0;
+  uint64_t store_jobs = 0, blocks_stored = 0, blocks_store_failed = 0, bytes_stored = 0;
+  double load_seconds = 0;  // time spent waiting for loads
+};
+
+class KvConnector {
+ public:
+  // Connects to the nodes. Unavailable when a node cannot be reached at start;
+  // FailedPrecondition when a node's block size does not fit the engine's page.
+  static Result<std::unique_ptr<KvConnector>> Create(KvConnectorOptions options);
+  ~KvConnector();  // waits for every transfer in flight
+
+  // Tokens beyond `num_computed_tokens` the nodes can provide (nullopt: ask again next step).
+  // Looks every key of the request up in one batched call first.
+  std::optional<size_t> GetNumNewMatchedTokens(const OffloadRequestView& request,
+                                               size_t num_computed_tokens);
+  Status UpdateStateAfterAlloc(const OffloadRequestView& request,
+                               std::span<const std::vector<GpuBlockId>> blocks,
+                               size_t num_external_tokens);
+
+  // Before the step's forward pass: builds the step's jobs, waits for the flushes and submits
+  // the loads. Returns the step's load jobs (by request) for FinishLoads.
+  Result<std::vector<std::pair<RequestId, JobId>>> BeginStep(const SchedulerStepView& step);
+  // After the forward pass: submits the step's stores (their pages are computed now).
+  Status EndStep();
+  // Waits for these load jobs and acknowledges them; per job, whether every block arrived.
+  std::unordered_map<JobId, bool> FinishLoads(std::span<const JobId> jobs);
+  void RequestFinished(RequestId id);
+  // Waits for every transfer and acknowledges it (before the process exits).
+  void Drain();
+
+  const KvConnectorStats& stats() const { return stats_; }
+  NodeClient& client() { return *client_; }
+
+ private:
+  KvConnector(std::unique_ptr<NodeClient> client, std::unique_ptr<OffloadScheduler> scheduler,
+              std::unique_ptr<BlockTransfer> transfer, class NodeOffloadManager* manager);
+  Status Submit(const TransferJob& job, BlockJob::Kind kind);
+  // Acknowledges finished transfers to the scheduler; records load outcomes.
+  void Collect();
+
+  std::unique_ptr<NodeClient> client_;
+  std::unique_ptr<OffloadScheduler> scheduler_;
+  std::unique_ptr<BlockTransfer> transfer_;
+  NodeOffloadManager* manager_;  // owned by scheduler_
+  std::vector<TransferJob> pending_stores_;
+  std::unordered_map<JobId, bool> load_outcomes_;
+  KvConnectorStats stats_;
+};
+
+}  // namespace kvstash::connector

@@ -1,0 +1,185 @@
+#include "kvstash/connector/kv_connector.h"
+
+#include <chrono>
+#include <unordered_map>
+
+#include "kvstash/common/logging.h"
+
+namespace kvstash::connector {
+
+// The scheduler side's manager over the nodes. A node keeps its own recency and evicts on its
+// own, so loads, completions and touches need nothing here; lookups are answered from one
+// batched lookup of the request's keys (Prefetch), so the per-key scan of the scheduler side
+// costs no round trip per key.
+class NodeOffloadManager : public OffloadManager {
+ public:
+  explicit NodeOffloadManager(NodeClient* client) : client_(client) {}
+
+  void Prefetch(std::span<const BlockKey> keys) {
+    known_.clear();
+    if (keys.empty()) return;
+    std::vector<KeyState> states = client_->Lookup(keys);
+    for (size_t i = 0; i < keys.size(); ++i) known_[keys[i]] = states[i];
+  }
+
+  KeyState Lookup(const BlockKey& key) override {
+    if (auto it = known_.find(key); it != known_.end()) return it->second;
+    return client_->Lookup(std::span<const BlockKey>(&key, 1))[0];
+  }
+  void PrepareLoad(std::span<const BlockKey>) override {}
+  void CompleteLoad(std::span<const BlockKey>) override {}
+  // Nodes skip a block they already hold without moving its bytes, so every key is offered.
+  std::optional<std::vector<BlockKey>> PrepareStore(std::span<const BlockKey> keys) override {
+    return std::vector<BlockKey>(keys.begin(), keys.end());
+  }
+  void CompleteStore(std::span<const BlockKey>) override {}
+  void Touch(std::span<const BlockKey>) override {}
+  void ResetCache() override { known_.clear(); }
+
+ private:
+  struct Hasher {
+    size_t operator()(const BlockKey& k) const { return k.hash.lo ^ (k.hash.hi * 31) ^ k.group; }
+  };
+  NodeClient* client_;
+  std::unordered_map<BlockKey, KeyState, Hasher> known_;
+};
+
+Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions options) {
+  for (const OffloadGroupConfig& g : options.scheduler.groups) {
+    if (g.block_size_factor != 1)
+      return UnimplementedError("offloaded blocks of {} engine blocks: only 1 is supported",
+                                g.block_size_factor);
+  }
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<NodeClient> client, NodeClient::Create(options.client));
+  BlockTransferOptions t;
+  t.client = client.get();
+  t.pool = options.pool;
+  t.pages_per_block = 1;
+  t.fingerprint = options.fingerprint;
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockTransfer> transfer, BlockTransfer::Create(t));
+  auto manager = std::make_unique<NodeOffloadManager>(client.get());
+  NodeOffloadManager* raw = manager.get();
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<OffloadScheduler> scheduler,
+                           OffloadScheduler::Create(options.scheduler, std::move(manager)));
+  return std::unique_ptr<KvConnector>(
+      new KvConnector(std::move(client), std::move(scheduler), std::move(transfer), raw));
+}
+
+KvConnector::KvConnector(std::unique_ptr<NodeClient> client,
+                         std::unique_ptr<OffloadScheduler> scheduler,
+                         std::unique_ptr<BlockTransfer> transfer, NodeOffloadManager* manager)
+    : client_(std::move(client)),
+      scheduler_(std::move(scheduler)),
+      transfer_(std::move(transfer)),
+      manager_(manager) {}
+
+KvConnector::~KvConnector() {
+  if (transfer_) transfer_->WaitAll();
+}
+
+std::optional<size_t> KvConnector::GetNumNewMatchedTokens(const OffloadRequestView& request,
+                                                          size_t num_computed_tokens) {
+  std::vector<BlockKey> keys;
+  const auto groups = scheduler_->groups();
+  for (uint32_t g = 0; g < groups.size(); ++g) {
+    const size_t f = groups[g].hashes_per_block;
+    for (size_t i = 0; (i + 1) * f <= request.block_hashes.size(); ++i)
+      keys.push_back(BlockKey{request.block_hashes[i * f + f - 1], g});
+  }
+  manager_->Prefetch(keys);
+  return scheduler_->GetNumNewMatchedTokens(request, num_computed_tokens);
+}
+
+Status KvConnector::UpdateStateAfterAlloc(const OffloadRequestView& request,
+                                          std::span<const std::vector<GpuBlockId>> blocks,
+                                          size_t num_external_tokens) {
+  return scheduler_->UpdateStateAfterAlloc(request, blocks, num_external_tokens);
+}
+
+Status KvConnector::Submit(const TransferJob& job, BlockJob::Kind kind) {
+  if (job.keys.size() != job.gpu_blocks.size())
+    return InternalError("job {}: {} keys for {} engine blocks", job.id, job.keys.size(),
+                         job.gpu_blocks.size());
+  BlockJob b;
+  b.id = job.id;
+  b.kind = kind;
+  b.keys = job.keys;
+  for (GpuBlockId block : job.gpu_blocks) b.pages.push_back({block});
+  return transfer_->Submit(std::move(b));
+}
+
+Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
+    const SchedulerStepView& step) {
+  Collect();
+  KVSTASH_ASSIGN_OR_RETURN(ConnectorMeta meta, scheduler_->BuildConnectorMeta(step));
+  // Stores copy their pages when submitted, so a flush only has to wait for the job to end.
+  transfer_->Wait(meta.jobs_to_flush);
+  Collect();
+  std::vector<std::pair<RequestId, JobId>> loads;
+  for (const TransferJob& job : meta.load_jobs) {
+    ++stats_.load_jobs;
+    KVSTASH_RETURN_IF_ERROR(Submit(job, BlockJob::Kind::kLoad));
+    loads.emplace_back(job.request, job.id);
+  }
+  pending_stores_ = std::move(meta.store_jobs);
+  return loads;
+}
+
+Status KvConnector::EndStep() {
+  Status first;
+  for (const TransferJob& job : pending_stores_) {
+    ++stats_.store_jobs;
+    Status s = Submit(job, BlockJob::Kind::kStore);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  pending_stores_.clear();
+  Collect();
+  return first;
+}
+
+void KvConnector::Collect() {
+  CompletedJobs done;
+  for (BlockJobResult& r : transfer_->Poll()) {
+    done[r.id] = 1;
+    const size_t ok = r.num_ok();
+    if (r.kind == BlockJob::Kind::kLoad) {
+      stats_.blocks_loaded += ok;
+      stats_.blocks_load_failed += r.ok.size() - ok;
+      stats_.bytes_loaded += r.bytes;
+      load_outcomes_[r.id] = ok == r.ok.size();
+    } else {
+      stats_.blocks_stored += ok;
+      stats_.blocks_store_failed += r.ok.size() - ok;
+      stats_.bytes_stored += r.bytes;
+    }
+  }
+  if (!done.empty()) {
+    // Every job is the scheduler's own and acknowledged once: an error here is a bug.
+    if (Status s = scheduler_->UpdateConnectorOutput(done); !s.ok())
+      KVSTASH_LOG_ERROR("connector: acknowledging transfers: {}", s.ToString());
+  }
+}
+
+std::unordered_map<JobId, bool> KvConnector::FinishLoads(std::span<const JobId> jobs) {
+  const auto start = std::chrono::steady_clock::now();
+  transfer_->Wait(jobs);
+  stats_.load_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Collect();
+  std::unordered_map<JobId, bool> out;
+  for (JobId id : jobs) {
+    auto it = load_outcomes_.find(id);
+    out[id] = it != load_outcomes_.end() && it->second;
+    if (it != load_outcomes_.end()) load_outcomes_.erase(it);
+  }
+  return out;
+}
+
+void KvConnector::RequestFinished(RequestId id) { scheduler_->RequestFinished(id); }
+
+void KvConnector::Drain() {
+  transfer_->WaitAll();
+  Collect();
+}
+
+}  // namespace kvstash::connector
