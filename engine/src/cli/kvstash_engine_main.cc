@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -13,6 +14,7 @@
 #include "CLI/CLI.hpp"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
+#include "kvstash/engine/node_offload.h"
 #include "kvstash/kernels/cpu_ops.h"
 
 namespace {
@@ -37,6 +39,10 @@ struct ModelFlags {
   size_t max_num_seqs = 16;
   bool no_prefix_cache = false;
   bool swa_ring = false;
+  std::string nodes;  // HOST:PORT[,HOST:PORT...]
+  std::string key_namespace = "kvstash-engine";
+  std::string auth_token_file;
+  uint32_t node_timeout_ms = 2000;
 };
 
 void AddModelFlags(CLI::App* app, ModelFlags& f) {
@@ -72,6 +78,20 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
                 "window's tokens outside the KV-cache pool (as some accelerators require); the "
                 "pool then holds only the blocks the prefix cache keeps, copied in the usual "
                 "layout, so prefix-cache hits still work");
+  app->add_option("--nodes", f.nodes,
+                  "offload nodes (kvstashd) to share KV through, HOST:PORT[,HOST:PORT...]: "
+                  "prompts load what the nodes hold and push the full blocks they compute. Each "
+                  "node's --block-bytes must be the engine's page plus a 56-byte trailer (4152 "
+                  "for the built-ins); a wrong size is named at start");
+  app->add_option("--namespace", f.key_namespace, "key namespace on the nodes")
+      ->capture_default_str();
+  app->add_option("--auth-token-file", f.auth_token_file,
+                  "file whose first line is the nodes' auth token");
+  app->add_option("--node-timeout-ms", f.node_timeout_ms,
+                  "deadline of every node call; a node slower than this is a miss and the "
+                  "tokens it held are recomputed")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 600000u));
 }
 
 Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
@@ -86,6 +106,23 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
   o.scheduler.max_num_seqs = f.max_num_seqs;
   if (f.seed_set) o.seed = f.seed;
   o.weights_path = f.weights;
+  if (!f.nodes.empty()) {
+    connector::NodeClientOptions nodes;
+    std::stringstream list(f.nodes);
+    for (std::string item; std::getline(list, item, ',');) {
+      KVSTASH_ASSIGN_OR_RETURN(connector::NodeAddress node, connector::ParseNodeAddress(item));
+      nodes.nodes.push_back(node);
+    }
+    nodes.key_namespace = f.key_namespace;
+    nodes.timeout = std::chrono::milliseconds(f.node_timeout_ms);
+    nodes.connect_timeout = std::chrono::milliseconds(f.node_timeout_ms);
+    if (!f.auth_token_file.empty()) {
+      std::ifstream in(f.auth_token_file);
+      if (!in || !std::getline(in, nodes.auth_token))
+        return InvalidArgumentError("--auth-token-file {}: cannot read a token", f.auth_token_file);
+    }
+    o.offload = NodeOffload(std::move(nodes));
+  }
   return Engine::Create(std::move(config), o);
 }
 
@@ -132,19 +169,39 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats) {
+int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats,
+                const std::string& role) {
   auto prompt = ParseTokens(prompt_text);
   if (!prompt.ok()) return Fail(prompt.status());
+  if (role != "both" && f.nodes.empty())
+    return Fail(InvalidArgumentError("--role {} needs --nodes", role));
   auto engine = MakeEngine(f);
   if (!engine.ok()) return Fail(engine.status());
-  auto results = (*engine)->Generate({*prompt}, max_new);
-  if (!results.ok()) return Fail(results.status());
-  const Request& r = *(*results)[0];
+  Engine& e = **engine;
+  // A prefill worker computes the prompt and its first token, and pushes every full block for
+  // the decode worker that continues it.
+  const bool prefill = role == "prefill";
+  auto id = e.AddRequest(*prompt, prefill ? 1 : max_new, /*do_remote_decode=*/prefill);
+  if (!id.ok()) return Fail(id.status());
+  std::unique_ptr<Request> r;
+  while (e.HasUnfinished())
+    for (RequestId done : e.Step()) r = e.TakeResult(done);
+  e.DrainOffload();  // the pushes land before the process ends
+  if (r == nullptr) return Fail(InternalError("the request did not finish"));
+  if (r->state == Request::State::kFailed) return Fail(r->error);
   if (stats) {
-    std::printf("prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu\n", r.num_prompt_tokens,
-                r.num_cached_tokens, r.num_computed_prompt_tokens);
+    std::printf("prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu", r->num_prompt_tokens,
+                r->num_cached_tokens, r->num_computed_prompt_tokens);
+    if (const KvOffload* offload = e.offload()) {
+      const OffloadStats s = offload->stats();
+      std::printf(" node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu",
+                  r->num_external_tokens, static_cast<unsigned long long>(s.bytes_loaded),
+                  static_cast<unsigned long long>(s.bytes_stored),
+                  static_cast<unsigned long long>(e.counters().load_failures));
+    }
+    std::printf("\n");
   }
-  std::printf("%s\n", Join(r.output()).c_str());
+  std::printf("%s\n", Join(r->output()).c_str());
   return kExitOk;
 }
 
@@ -271,9 +328,19 @@ int main(int argc, char** argv) {
   gen->add_option("--max-new-tokens", max_new, "tokens to generate")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{1} << 20));
+  std::string role = "both";
+  gen->add_option("--role", role,
+                  "both: one worker does everything; prefill: compute the prompt, push every full "
+                  "block to --nodes and print the first generated token; decode: given the same "
+                  "prompt, pull what the nodes hold, compute the rest and print all generated "
+                  "tokens")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"both", "prefill", "decode"}));
   gen->add_flag("--stats", stats,
                 "also print prompt_tokens=.. cached_tokens=.. computed_tokens=.. (prompt tokens "
-                "the prefix cache held, and prompt tokens run through the model)");
+                "the prefix cache held, and prompt tokens run through the model); with --nodes "
+                "also node_tokens=.. (prompt tokens loaded from the nodes), the bytes loaded and "
+                "stored, and loads that fell back to recomputing");
 
   ModelFlags chat_flags;
   chat_flags.model = "builtin:tiny-state-hybrid";
@@ -315,7 +382,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats);
+  if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role);
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
   return RunBench(bench_flags, batch, prompt_len, decode_tokens);
 }
