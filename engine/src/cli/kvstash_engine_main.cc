@@ -170,7 +170,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 }
 
 int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats,
-                const std::string& role) {
+                const std::string& role, bool show_ttft) {
   auto prompt = ParseTokens(prompt_text);
   if (!prompt.ok()) return Fail(prompt.status());
   if (role != "both" && f.nodes.empty())
@@ -184,14 +184,23 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
   auto id = e.AddRequest(*prompt, prefill ? 1 : max_new, /*do_remote_decode=*/prefill);
   if (!id.ok()) return Fail(id.status());
   std::unique_ptr<Request> r;
-  while (e.HasUnfinished())
+  // Time to first token: from the request's arrival to its first sampled token (the lookup,
+  // loads and prompt computation included; engine and node connections set up before).
+  const auto start = Clock::now();
+  double ttft_ms = -1;
+  while (e.HasUnfinished()) {
     for (RequestId done : e.Step()) r = e.TakeResult(done);
+    const Request* running = r ? r.get() : e.Find(*id);
+    if (ttft_ms < 0 && running != nullptr && running->num_output_tokens() > 0)
+      ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
   e.DrainOffload();  // the pushes land before the process ends
   if (r == nullptr) return Fail(InternalError("the request did not finish"));
   if (r->state == Request::State::kFailed) return Fail(r->error);
   if (stats) {
     std::printf("prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu", r->num_prompt_tokens,
                 r->num_cached_tokens, r->num_computed_prompt_tokens);
+    if (show_ttft) std::printf(" ttft_ms=%.3f", ttft_ms);
     if (const KvOffload* offload = e.offload()) {
       const OffloadStats s = offload->stats();
       std::printf(" node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu",
@@ -336,6 +345,10 @@ int main(int argc, char** argv) {
                   "tokens")
       ->capture_default_str()
       ->check(CLI::IsMember({"both", "prefill", "decode"}));
+  bool ttft = false;
+  gen->add_flag("--ttft", ttft,
+                "with --stats, also ttft_ms=.. (time to first token: lookup, loads and prompt "
+                "computation)");
   gen->add_flag("--stats", stats,
                 "also print prompt_tokens=.. cached_tokens=.. computed_tokens=.. (prompt tokens "
                 "the prefix cache held, and prompt tokens run through the model); with --nodes "
@@ -382,7 +395,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role);
+  if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role, ttft);
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
   return RunBench(bench_flags, batch, prompt_len, decode_tokens);
 }

@@ -62,6 +62,8 @@ class Engine {
   // One step: schedule, run the model, sample. Returns the requests that finished (or failed)
   // in it; take their results with TakeResult.
   std::vector<RequestId> Step();
+  // A queued or running request (null once taken or unknown).
+  const Request* Find(RequestId id) { return scheduler_.Find(id); }
   // The finished (or failed: state kFailed with its error) request.
   std::unique_ptr<Request> TakeResult(RequestId id) { return scheduler_.Take(id); }
 
