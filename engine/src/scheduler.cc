@@ -117,7 +117,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     ComputedBlocks hit = kv_cache_->GetComputedBlocks(r->hasher->hashes(), r->tokens.size());
     size_t external = 0;
-    if (external_ != nullptr) {
+    if (external_ != nullptr && !r->skip_external) {
       std::optional<size_t> matched = external_->MatchedTokens(*r, hit.tokens);
       // "Ask again" (a block being written or promoted on a node, or being loaded for another
       // request) normally clears within a few steps; past kMaxDeferrals the request stops
@@ -155,7 +155,12 @@ SchedulerOutput Scheduler::Schedule() {
         r->pending_external_tokens = external;
         out.loading.push_back(r);
       } else {
-        r->state = Request::State::kLoaded;  // nothing arrives: compute from the hit
+        // Nothing will arrive, and the tables are shaped for tokens that would have: start
+        // over from the local hit, without the external source.
+        kv_cache_->Free(r->id);
+        r->num_computed_tokens = 0;
+        r->skip_external = true;
+        r->state = Request::State::kWaiting;
         later.push_back(r);
       }
       continue;
@@ -192,9 +197,18 @@ void Scheduler::LoadFinished(Request* r, bool ok) {
     r->num_computed_tokens += r->pending_external_tokens;
     r->num_external_tokens += r->pending_external_tokens;
     kv_cache_->CacheBlocks(r->id, r->hasher->hashes(), r->tokens.size(), r->num_computed_tokens);
+    r->state = Request::State::kLoaded;
+  } else {
+    // Its tables were shaped for the loaded tokens (null where a window would have skipped
+    // them), so computing them in place is not possible: start over, from the local prefix
+    // cache only. Nothing of the load was cached.
+    kv_cache_->Free(r->id);
+    r->num_computed_tokens = 0;
+    r->resumed = true;
+    r->skip_external = true;
+    r->state = Request::State::kWaiting;
   }
   r->pending_external_tokens = 0;
-  r->state = Request::State::kLoaded;
   waiting_.push_front(r);
 }
 

@@ -49,6 +49,7 @@ struct Request {
   std::vector<size_t> reported_blocks;  // per group: table entries the connector has seen
   bool resumed = false;                 // preempted since the connector last saw it
   uint32_t num_deferrals = 0;           // steps the external source said "ask again"
+  bool skip_external = false;           // a load failed: compute everything from here on
 
   size_t num_output_tokens() const { return tokens.size() - num_prompt_tokens; }
   std::span<const uint32_t> output() const {
@@ -116,7 +117,9 @@ class Scheduler {
   // Waiting requests may load tokens from `source` (borrowed; null: none).
   void SetExternalSource(ExternalKvSource* source) { external_ = source; }
   // A kLoading request's load ended. `ok`: every block arrived, so its external tokens count
-  // as computed (and are cached); otherwise it computes them. Either way it waits to run.
+  // as computed (and are cached). Otherwise it gives its blocks back and starts over from its
+  // local prefix-cache hit, never asking the external source again. Either way it waits to
+  // run.
   void LoadFinished(Request* request, bool ok);
 
  private:
