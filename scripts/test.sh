@@ -2,7 +2,8 @@
 # Installs what is missing, builds, and runs every test (unit, integration, fault) through ctest.
 #
 # First the unit tests run under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/, where
-# only the unit-test binaries are built; skip with KVSTASH_SANITIZE_PASS=0), then the normal build
+# only the unit-test binaries are built, at -O1 with line tables only, which compiles about a third
+# faster than -O2 -g; skip with KVSTASH_SANITIZE_PASS=0), then the normal build
 # runs everything and ctest's summary closes the output. Extra arguments go to that last ctest:
 # `scripts/test.sh -L unit`.
 set -euo pipefail
@@ -13,6 +14,7 @@ kvstash_install_deps
 if [ "${KVSTASH_SANITIZE_PASS:-1}" != 0 ]; then
   kvstash_log "unit tests under AddressSanitizer + UndefinedBehaviorSanitizer"
   kvstash_build "$KVSTASH_ROOT/build-asan" -DKVSTASH_SANITIZE=address \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
     -DKVSTASH_BUILD_TESTS=ON -DKVSTASH_BUILD_BENCHMARKS=OFF -- kvstash_unit_tests
   (cd "$KVSTASH_ROOT/build-asan" && ctest --output-on-failure --timeout 600 -j "$(nproc)" -L unit)
 fi

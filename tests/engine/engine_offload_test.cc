@@ -179,8 +179,8 @@ TEST_P(EngineOffloadTest, BadOrRefusedLoadsAreRecomputedAndNeverCached) {
 INSTANTIATE_TEST_SUITE_P(Builtins, EngineOffloadTest,
                          ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
                                            "tiny-state-hybrid"),
-                         [](const auto& info) {
-                           std::string s = info.param;
+                         [](const auto& param_info) {
+                           std::string s = param_info.param;
                            for (char& c : s)
                              if (c == '-') c = '_';
                            return s;

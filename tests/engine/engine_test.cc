@@ -116,8 +116,8 @@ TEST_P(EngineModelTest, PreemptionAndResumeGiveTheSameTokens) {
 INSTANTIATE_TEST_SUITE_P(Builtins, EngineModelTest,
                          ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
                                            "tiny-state-hybrid"),
-                         [](const auto& info) {
-                           std::string s = info.param;
+                         [](const auto& param_info) {
+                           std::string s = param_info.param;
                            for (char& c : s)
                              if (c == '-') c = '_';
                            return s;

@@ -21,19 +21,10 @@
 
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
+#include "kvstash/connector/block_key.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::connector {
-
-// A block's key as the client knows it; the node adds the connection's namespace.
-struct BlockKey {
-  Hash128 hash;
-  uint32_t group = 0;
-  friend bool operator==(const BlockKey&, const BlockKey&) = default;
-  std::string ToString() const;  // "0x2a/g1"
-};
-// "0x2a", "0x2a/g1", "42" (decimal), with an optional 128-bit hex hash "0x<hi><lo>".
-Result<BlockKey> ParseBlockKey(std::string_view text);
 
 struct NodeAddress {
   std::string host;
@@ -55,8 +46,6 @@ struct NodeClientOptions {
   // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
   std::shared_ptr<transport::ClientWorker> worker;
 };
-
-enum class KeyState : uint8_t { kMiss, kHit, kRetry };
 
 class NodeClient {
  public:

@@ -25,7 +25,7 @@
 
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
-#include "kvstash/connector/node_client.h"
+#include "kvstash/connector/block_key.h"
 
 namespace kvstash::connector {
 
