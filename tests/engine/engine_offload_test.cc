@@ -165,7 +165,9 @@ TEST_P(EngineOffloadTest, BadOrRefusedLoadsAreRecomputedAndNeverCached) {
     EXPECT_EQ(got.tokens, tokens);
     EXPECT_EQ(got.external, 0u);
     EXPECT_EQ(got.computed, 150u);
-    if (mode == FakeOffload::Mode::kBadBlocks) EXPECT_EQ(e->counters().load_failures, 1u);
+    if (mode == FakeOffload::Mode::kBadBlocks) {
+      EXPECT_EQ(e->counters().load_failures, 1u);
+    }
     // The same prompt again on that engine hits its own prefix cache: had the poisoned pages
     // been cached, its tokens would differ.
     auto again = e->Generate({prompt}, 6);

@@ -326,7 +326,9 @@ TEST(EngineTest, RingModeWithoutPrefixCachingHoldsNoPoolBlock) {
       got.emplace_back(r->output().begin(), r->output().end());
     }
     peak = std::max(peak, o.num_blocks - 1 - e->kv_cache().num_free_blocks());
-    if (e->HasUnfinished()) EXPECT_EQ(e->runner().num_rings(), 1u);
+    if (e->HasUnfinished()) {
+      EXPECT_EQ(e->runner().num_rings(), 1u);
+    }
     ++steps;
   }
   EXPECT_EQ(peak, 0u);

@@ -1,6 +1,8 @@
 // `kvstash-engine`: runs kvstash's inference engine on a hybrid-attention model.
 //   generate  one prompt to completion; the generated token ids on the last line
-//   chat      a multi-turn conversation; per turn how much of the prompt the prefix cache held
+//   serve     a worker taking requests over TCP, one JSON object per line
+//   chat      a multi-turn conversation, here or through workers; per turn how much of the
+//             prompt came from a cache
 //   bench     prefill and decode tokens/s, against the machine's own matrix-multiply rate
 
 #include <chrono>
@@ -12,158 +14,19 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "cli_common.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
 #include "kvstash/engine/node_offload.h"
 #include "kvstash/kernels/cpu_ops.h"
+#include "serve_command.h"
 
 namespace {
 
 using namespace kvstash;
 using namespace kvstash::engine;
+using namespace kvstash::engine::cli;
 using Clock = std::chrono::steady_clock;
-
-constexpr int kExitOk = 0;
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-struct ModelFlags {
-  std::string model = "builtin:tiny-hybrid";
-  std::string weights;
-  uint64_t seed = 0;
-  bool seed_set = false;
-  uint32_t block_size = 0;
-  uint32_t attn_pack = 1;
-  size_t num_blocks = 4096;
-  size_t max_batched_tokens = 256;
-  size_t max_num_seqs = 16;
-  bool no_prefix_cache = false;
-  bool swa_ring = false;
-  std::string nodes;  // HOST:PORT[,HOST:PORT...]
-  std::string key_namespace = "kvstash-engine";
-  std::string auth_token_file;
-  uint32_t node_timeout_ms = 2000;
-};
-
-void AddModelFlags(CLI::App* app, ModelFlags& f) {
-  app->add_option("--model", f.model,
-                  "builtin:NAME (tiny-full, tiny-swa, tiny-hybrid, tiny-state-hybrid) or a JSON "
-                  "model config file")
-      ->capture_default_str();
-  app->add_option("--weights", f.weights,
-                  "safetensors file with the weights (default: deterministic from the seed)");
-  app->add_option("--seed", f.seed, "weights seed (default: the config's)")
-      ->each([&f](const std::string&) { f.seed_set = true; });
-  app->add_option("--block-size", f.block_size,
-                  "tokens per page of one attention layer (default: a state's page for state "
-                  "models, else 16)");
-  app->add_option("--attn-pack", f.attn_pack,
-                  "full-attention layers sharing one page; divides their block size (and the "
-                  "prefix-cache granularity) by N")
-      ->capture_default_str()
-      ->check(CLI::Range(1u, 64u));
-  app->add_option("--num-blocks", f.num_blocks, "pages in the KV-cache pool (block 0 is null)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{2}, size_t{1} << 24));
-  app->add_option("--max-batched-tokens", f.max_batched_tokens,
-                  "token budget of one step: longer prompts prefill in chunks of this size")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1}, size_t{1} << 20));
-  app->add_option("--max-num-seqs", f.max_num_seqs, "requests running at once at most")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t{1}, size_t{4096}));
-  app->add_flag("--no-prefix-cache", f.no_prefix_cache, "turn prefix caching off");
-  app->add_flag("--swa-ring", f.swa_ring,
-                "keep each sliding-window layer's KV of a request in place, in a ring of its "
-                "window's tokens outside the KV-cache pool (as some accelerators require); the "
-                "pool then holds only the blocks the prefix cache keeps, copied in the usual "
-                "layout, so prefix-cache hits still work");
-  app->add_option("--nodes", f.nodes,
-                  "offload nodes (kvstashd) to share KV through, HOST:PORT[,HOST:PORT...]: "
-                  "prompts load what the nodes hold and push the full blocks they compute. Each "
-                  "node's --block-bytes must be the engine's page plus a 56-byte trailer (4152 "
-                  "for the built-ins); a wrong size is named at start");
-  app->add_option("--namespace", f.key_namespace, "key namespace on the nodes")
-      ->capture_default_str();
-  app->add_option("--auth-token-file", f.auth_token_file,
-                  "file whose first line is the nodes' auth token");
-  app->add_option("--node-timeout-ms", f.node_timeout_ms,
-                  "deadline of every node call; a node slower than this is a miss and the "
-                  "tokens it held are recomputed")
-      ->capture_default_str()
-      ->check(CLI::Range(1u, 600000u));
-}
-
-Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
-  KVSTASH_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::Load(f.model));
-  EngineOptions o;
-  o.block_size = f.block_size;
-  o.attn_pack = f.attn_pack;
-  o.num_blocks = f.num_blocks;
-  o.prefix_caching = !f.no_prefix_cache;
-  o.swa_ring = f.swa_ring;
-  o.scheduler.max_num_batched_tokens = f.max_batched_tokens;
-  o.scheduler.max_num_seqs = f.max_num_seqs;
-  if (f.seed_set) o.seed = f.seed;
-  o.weights_path = f.weights;
-  if (!f.nodes.empty()) {
-    connector::NodeClientOptions nodes;
-    std::stringstream list(f.nodes);
-    for (std::string item; std::getline(list, item, ',');) {
-      KVSTASH_ASSIGN_OR_RETURN(connector::NodeAddress node, connector::ParseNodeAddress(item));
-      nodes.nodes.push_back(node);
-    }
-    nodes.key_namespace = f.key_namespace;
-    nodes.timeout = std::chrono::milliseconds(f.node_timeout_ms);
-    nodes.connect_timeout = std::chrono::milliseconds(f.node_timeout_ms);
-    if (!f.auth_token_file.empty()) {
-      std::ifstream in(f.auth_token_file);
-      if (!in || !std::getline(in, nodes.auth_token))
-        return InvalidArgumentError("--auth-token-file {}: cannot read a token", f.auth_token_file);
-    }
-    o.offload = NodeOffload(std::move(nodes));
-  }
-  return Engine::Create(std::move(config), o);
-}
-
-Result<std::vector<uint32_t>> ParseTokens(const std::string& text) {
-  std::vector<uint32_t> tokens;
-  std::istringstream in(text);
-  std::string word;
-  while (in >> word) {
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long v = std::strtoull(word.c_str(), &end, 10);
-    if (word[0] == '-' || *end != '\0' || errno != 0 || v > UINT32_MAX)
-      return InvalidArgumentError("prompt: '{}' is not a token id", word);
-    tokens.push_back(static_cast<uint32_t>(v));
-  }
-  if (tokens.empty()) return InvalidArgumentError("prompt: no token ids");
-  return tokens;
-}
-
-std::string Join(std::span<const uint32_t> tokens) {
-  std::string s;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (i) s += ' ';
-    s += std::to_string(tokens[i]);
-  }
-  return s;
-}
-
-int Fail(const Status& s) {
-  std::cerr << "kvstash-engine: " << s.ToString() << "\n";
-  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound
-             ? kExitUsage
-             : kExitFailure;
-}
-
-// Pseudo-random token ids, the same for the same seed.
-std::vector<uint32_t> RandomTokens(size_t n, uint32_t vocab, uint64_t seed) {
-  std::vector<uint32_t> t(n);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(Mix64(seed * 1000003 + i) % vocab);
-  return t;
-}
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -373,6 +236,51 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100000));
   chat->add_option("--conversation-seed", chat_seed, "seed of the user tokens")
       ->capture_default_str();
+  RemoteChatFlags remote;
+  chat->add_option("--decode-worker", remote.decode_worker,
+                   "HOST:PORT of a `kvstash-engine serve` worker: run the conversation there "
+                   "instead of here, printing per turn the prompt tokens that came from the "
+                   "nodes and the worker's own prefix cache, its time to first token, and the "
+                   "bytes pushed and pulled; the model flags must be the workers'");
+  chat->add_option("--prefill-worker", remote.prefill_worker,
+                   "HOST:PORT of a `serve --role prefill` worker that computes each turn's "
+                   "prompt and pushes it to the nodes before the decode worker continues it")
+      ->needs("--decode-worker");
+  chat->add_flag("!--no-compare", remote.compare,
+                 "with --decode-worker: do not also compute each turn here without any cache "
+                 "(by default each turn is, for the time to first token without a cache and to "
+                 "check that the workers generated the same tokens)");
+  chat->add_option("--worker-timeout-ms", remote.timeout_ms,
+                   "with --decode-worker: give up on a worker that has not answered a turn "
+                   "after this long")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 86400000u));
+
+  ModelFlags serve_model_flags;
+  ServeFlags serve_flags;
+  CLI::App* serve = app.add_subcommand(
+      "serve",
+      "A worker: takes generate requests over TCP, one JSON object per line, and answers each "
+      "with one line. Requests in flight run batched. Request: {\"prompt\": [token ids], "
+      "\"max_new_tokens\": N, \"id\": anything echoed back}; reply: {\"id\", \"output\": [token "
+      "ids], \"prompt_tokens\", \"local_hit_tokens\", \"node_tokens\", \"computed_tokens\", "
+      "\"ttft_ms\", \"latency_ms\", \"worker\": running totals (bytes loaded and stored...)} or "
+      "{\"error\": text}. {\"op\": \"info\"} gives the model, its fingerprint and the role; "
+      "{\"op\": \"stats\"} the running totals. A reply is sent once the request's blocks are on "
+      "the nodes. Prints `kvstash-engine serving MODEL (role ROLE) on HOST:PORT` when ready; "
+      "runs until SIGTERM or SIGINT.");
+  AddModelFlags(serve, serve_model_flags);
+  serve->add_option("--listen", serve_flags.listen, "IP address to listen on")
+      ->capture_default_str();
+  serve->add_option("--port", serve_flags.port, "port to listen on (0: any free port)")
+      ->capture_default_str();
+  serve
+      ->add_option("--role", serve_flags.role,
+                   "both: requests run to completion here; prefill: compute the prompt, push "
+                   "every full block to --nodes, answer with the first generated token; decode: "
+                   "pull what the nodes hold of the prompt, compute the rest, generate")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"both", "prefill", "decode"}));
 
   ModelFlags bench_flags;
   size_t batch = 8, prompt_len = 512, decode_tokens = 64;
@@ -396,6 +304,9 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
   if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role, ttft);
+  if (serve->parsed()) return RunServe(serve_model_flags, serve_flags);
+  if (chat->parsed() && !remote.decode_worker.empty())
+    return RunRemoteChat(chat_flags, remote, turns, user_tokens, chat_new, chat_seed);
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
   return RunBench(bench_flags, batch, prompt_len, decode_tokens);
 }

@@ -1,0 +1,52 @@
+#pragma once
+
+// What the kvstash-engine subcommands share: the model and offload flags, building an engine
+// from them, token-id text, and exit codes.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "kvstash/common/status.h"
+#include "kvstash/engine/engine.h"
+
+namespace kvstash::engine::cli {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+struct ModelFlags {
+  std::string model = "builtin:tiny-hybrid";
+  std::string weights;
+  uint64_t seed = 0;
+  bool seed_set = false;
+  uint32_t block_size = 0;
+  uint32_t attn_pack = 1;
+  size_t num_blocks = 4096;
+  size_t max_batched_tokens = 256;
+  size_t max_num_seqs = 16;
+  bool no_prefix_cache = false;
+  bool swa_ring = false;
+  std::string nodes;  // HOST:PORT[,HOST:PORT...]
+  std::string key_namespace = "kvstash-engine";
+  std::string auth_token_file;
+  uint32_t node_timeout_ms = 2000;
+};
+
+void AddModelFlags(CLI::App* app, ModelFlags& f);
+// The engine the flags describe; with --nodes, over those offload nodes.
+Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f);
+// "1 2 3" -> {1, 2, 3}; InvalidArgument naming the first word that is not a token id.
+Result<std::vector<uint32_t>> ParseTokens(const std::string& text);
+std::string Join(std::span<const uint32_t> tokens);
+// Prints the error and returns the exit status for it (2 for bad input, 1 otherwise).
+int Fail(const Status& s);
+// Pseudo-random token ids, the same for the same seed.
+std::vector<uint32_t> RandomTokens(size_t n, uint32_t vocab, uint64_t seed);
+
+}  // namespace kvstash::engine::cli

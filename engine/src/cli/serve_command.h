@@ -1,0 +1,34 @@
+#pragma once
+
+// `kvstash-engine serve`: a worker that takes generate requests over TCP, one JSON object per
+// line, and `kvstash-engine chat --decode-worker`: a multi-turn conversation driven through such
+// workers (a prefill worker, then a decode worker, per turn).
+
+#include <cstdint>
+#include <string>
+
+#include "cli_common.h"
+
+namespace kvstash::engine::cli {
+
+struct ServeFlags {
+  std::string listen = "127.0.0.1";
+  uint16_t port = 7390;  // 0: any free port
+  std::string role = "both";
+  size_t max_line_bytes = 16u << 20;
+};
+
+// Runs until SIGTERM or SIGINT; then answers the requests it has, lands their pushes, exits 0.
+int RunServe(const ModelFlags& model, const ServeFlags& serve);
+
+struct RemoteChatFlags {
+  std::string prefill_worker;  // HOST:PORT, or empty: the decode worker computes the prompt
+  std::string decode_worker;   // HOST:PORT
+  bool compare = true;         // also compute each turn here without any cache
+  uint32_t timeout_ms = 600000;
+};
+
+int RunRemoteChat(const ModelFlags& model, const RemoteChatFlags& remote, size_t turns,
+                  size_t user_tokens, size_t max_new, uint64_t seed);
+
+}  // namespace kvstash::engine::cli

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Starts a local kvstash cluster on loopback for experiments: N kvstashd offload nodes and
+# P prefill + D decode workers (`kvstash-engine serve`), every worker over all the nodes.
+# Installs what is missing and builds first, like scripts/demo.sh.
+#
+#   scripts/cluster.sh [-n NODES] [-p PREFILL] [-d DECODE] [-m MODEL] [--block-bytes B]
+#                      [--cpu-bytes B] [--worker-args "ARGS"] [--node-args "ARGS"] [-- COMMAND...]
+#
+# Prints every address and writes them to $KVSTASH_CLUSTER_LOGS/cluster.env (KVSTASH_NODES,
+# KVSTASH_PREFILL_WORKERS, KVSTASH_DECODE_WORKERS: comma-separated HOST:PORT lists). With a
+# COMMAND it runs that command with those variables exported, then stops the cluster and exits
+# with the command's status; without one it runs until Ctrl-C. For example:
+#
+#   scripts/cluster.sh -n 3 -p 1 -d 1 -- sh -c 'build/engine/kvstash-engine chat \
+#       --prefill-worker $KVSTASH_PREFILL_WORKERS --decode-worker $KVSTASH_DECODE_WORKERS'
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib/setup.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib/cluster.sh"
+
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+num_nodes=2 num_prefill=1 num_decode=1 model="builtin:tiny-hybrid"
+block_bytes=4152 cpu_bytes=256MiB worker_args="" node_args=""
+count() {
+  if ! [[ "$2" =~ ^[0-9]+$ ]] || [ "$2" -gt 64 ]; then
+    echo "error: $1 takes a count from 0 to 64, not '$2'" >&2
+    exit 2
+  fi
+}
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    -n | --nodes) count "$1" "${2-}"; num_nodes="$2"; shift 2 ;;
+    -p | --prefill) count "$1" "${2-}"; num_prefill="$2"; shift 2 ;;
+    -d | --decode) count "$1" "${2-}"; num_decode="$2"; shift 2 ;;
+    -m | --model) model="${2:?--model needs a value}"; shift 2 ;;
+    --block-bytes) block_bytes="${2:?--block-bytes needs a value}"; shift 2 ;;
+    --cpu-bytes) cpu_bytes="${2:?--cpu-bytes needs a value}"; shift 2 ;;
+    --worker-args) worker_args="${2?--worker-args needs a value}"; shift 2 ;;
+    --node-args) node_args="${2?--node-args needs a value}"; shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) echo "error: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+if [ "$num_nodes" -eq 0 ] && [ "$num_prefill" -gt 0 ]; then
+  echo "error: prefill workers need at least one node (-n)" >&2
+  exit 2
+fi
+
+kvstash_install_deps
+kvstash_build "$KVSTASH_BUILD_DIR" -DKVSTASH_BUILD_TESTS=OFF -DKVSTASH_BUILD_BENCHMARKS=OFF
+
+kvstash_cluster_init
+trap kvstash_cluster_stop EXIT
+kvstash_log "cluster on 127.0.0.1: $num_nodes nodes, $num_prefill prefill + $num_decode decode workers (logs in $KVSTASH_CLUSTER_LOGS)"
+read -r -a extra_node <<<"$node_args"
+read -r -a extra_worker <<<"$worker_args"
+nodes=() prefills=() decodes=()
+for ((i = 1; i <= num_nodes; i++)); do
+  kvstash_start_node "node$i" --block-bytes "$block_bytes" --cpu-bytes "$cpu_bytes" "${extra_node[@]}"
+  nodes+=("$KVSTASH_ADDRESS")
+  echo "node$i     $KVSTASH_ADDRESS"
+done
+node_list="$(IFS=,; echo "${nodes[*]}")"
+node_flag=()
+[ -n "$node_list" ] && node_flag=(--nodes "$node_list")
+# Without nodes a decode worker computes everything: it runs as `both`.
+decode_role=decode
+[ -z "$node_list" ] && decode_role=both
+for ((i = 1; i <= num_prefill; i++)); do
+  kvstash_start_worker "prefill$i" --model "$model" --role prefill "${node_flag[@]}" "${extra_worker[@]}"
+  prefills+=("$KVSTASH_ADDRESS")
+  echo "prefill$i  $KVSTASH_ADDRESS"
+done
+for ((i = 1; i <= num_decode; i++)); do
+  kvstash_start_worker "decode$i" --model "$model" --role "$decode_role" "${node_flag[@]}" "${extra_worker[@]}"
+  decodes+=("$KVSTASH_ADDRESS")
+  echo "decode$i   $KVSTASH_ADDRESS"
+done
+
+export KVSTASH_NODES="$node_list"
+export KVSTASH_PREFILL_WORKERS="$(IFS=,; echo "${prefills[*]}")"
+export KVSTASH_DECODE_WORKERS="$(IFS=,; echo "${decodes[*]}")"
+{
+  echo "KVSTASH_NODES=$KVSTASH_NODES"
+  echo "KVSTASH_PREFILL_WORKERS=$KVSTASH_PREFILL_WORKERS"
+  echo "KVSTASH_DECODE_WORKERS=$KVSTASH_DECODE_WORKERS"
+} >"$KVSTASH_CLUSTER_LOGS/cluster.env"
+echo "addresses in $KVSTASH_CLUSTER_LOGS/cluster.env"
+
+if [ "$#" -gt 0 ]; then
+  kvstash_log "running: $*"
+  set +e
+  "$@"
+  status=$?
+  set -e
+  kvstash_log "stopping the cluster"
+  exit "$status"
+fi
+kvstash_log "running until Ctrl-C"
+trap 'kvstash_log "stopping the cluster"; exit 0' INT TERM
+while true; do sleep 3600 & wait $!; done

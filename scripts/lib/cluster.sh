@@ -1,0 +1,81 @@
+# Starting and stopping a local kvstash cluster (kvstashd nodes, kvstash-engine serve workers) on
+# loopback, for scripts/demo.sh and scripts/cluster.sh. Source it after setup.sh; it defines
+# functions and changes nothing by itself. Every process it starts is stopped by
+# kvstash_cluster_stop (workers first, so their last pushes land, then the nodes), which the
+# callers run on exit.
+
+KVSTASH_CLUSTER_PIDS_WORKERS=()
+KVSTASH_CLUSTER_PIDS_NODES=()
+KVSTASH_CLUSTER_LOGS=""
+KVSTASH_ADDRESS=""
+
+# kvstash_cluster_init: a fresh directory for the processes' logs (KVSTASH_CLUSTER_LOGS).
+kvstash_cluster_init() {
+  KVSTASH_CLUSTER_LOGS="$(mktemp -d "${TMPDIR:-/tmp}/kvstash-cluster.XXXXXX")"
+}
+
+# _kvstash_wait_line LOG PID PATTERN: waits (30 s at most) for a line matching PATTERN in LOG and
+# sets KVSTASH_ADDRESS to its last word (the address); fails if the process exits first.
+_kvstash_wait_line() {
+  local log="$1" pid="$2" pattern="$3" i line
+  for ((i = 0; i < 300; i++)); do
+    line="$(grep -m1 -E "$pattern" "$log" 2>/dev/null || true)"
+    if [ -n "$line" ]; then
+      KVSTASH_ADDRESS="${line##* }"
+      return 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "error: process $pid exited before it was ready; its log ($log):" >&2
+      tail -n 20 "$log" "${log%.out}.err" >&2 2>/dev/null || true
+      return 1
+    fi
+    sleep 0.1
+  done
+  echo "error: process $pid not ready after 30 s (log: $log)" >&2
+  return 1
+}
+
+# kvstash_start_node NAME [kvstashd flags...]: starts a kvstashd on a free loopback port and sets
+# KVSTASH_ADDRESS to its HOST:PORT. (Not in a $(...) subshell: the caller must keep its pid.)
+kvstash_start_node() {
+  local name="$1"
+  shift
+  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
+  "$KVSTASH_BUILD_DIR/node/kvstashd" --listen 127.0.0.1 --port 0 --metrics-address off "$@" \
+    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
+  local pid=$!
+  KVSTASH_CLUSTER_PIDS_NODES+=("$pid")
+  _kvstash_wait_line "$out" "$pid" '^kvstashd listening on '
+}
+
+# kvstash_start_worker NAME [kvstash-engine serve flags...]: starts a worker on a free loopback
+# port and sets KVSTASH_ADDRESS to its HOST:PORT.
+kvstash_start_worker() {
+  local name="$1"
+  shift
+  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
+  "$KVSTASH_BUILD_DIR/engine/kvstash-engine" serve --listen 127.0.0.1 --port 0 "$@" \
+    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
+  local pid=$!
+  KVSTASH_CLUSTER_PIDS_WORKERS+=("$pid")
+  _kvstash_wait_line "$out" "$pid" '^kvstash-engine serving '
+}
+
+# kvstash_cluster_stop: SIGTERM to the workers, then to the nodes; waits for each (10 s, then
+# SIGKILL).
+kvstash_cluster_stop() {
+  local group pid i
+  for group in WORKERS NODES; do
+    local -n pids="KVSTASH_CLUSTER_PIDS_$group"
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do
+      for ((i = 0; i < 100; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+      done
+      kill -KILL "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    done
+    pids=()
+  done
+}
