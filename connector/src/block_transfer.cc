@@ -149,7 +149,7 @@ BlockJobResult BlockTransfer::Execute(Pending& pending) {
   const auto start = Clock::now();
   const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
   if (job.kind == BlockJob::Kind::kStore) {
-    std::vector<transport::Bytes> blocks;
+    std::vector<std::span<const std::byte>> blocks;
     for (size_t i = 0; i < job.keys.size(); ++i)
       blocks.emplace_back(pending.staged.data() + i * block_bytes_, block_bytes_);
     r.status = options_.client->Put(job.keys, blocks);
@@ -161,7 +161,7 @@ BlockJobResult BlockTransfer::Execute(Pending& pending) {
     }
   } else {
     std::vector<std::byte> staged(job.keys.size() * block_bytes_);
-    std::vector<transport::MutableBytes> outs;
+    std::vector<std::span<std::byte>> outs;
     for (size_t i = 0; i < job.keys.size(); ++i)
       outs.emplace_back(staged.data() + i * block_bytes_, block_bytes_);
     std::vector<Result<size_t>> got = options_.client->Get(job.keys, outs);

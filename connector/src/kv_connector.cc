@@ -13,7 +13,7 @@ namespace kvstash::connector {
 // costs no round trip per key.
 class NodeOffloadManager : public OffloadManager {
  public:
-  explicit NodeOffloadManager(NodeClient* client) : client_(client) {}
+  explicit NodeOffloadManager(BlockStoreClient* client) : client_(client) {}
 
   void Prefetch(std::span<const BlockKey> keys) {
     known_.clear();
@@ -40,32 +40,53 @@ class NodeOffloadManager : public OffloadManager {
   struct Hasher {
     size_t operator()(const BlockKey& k) const { return k.hash.lo ^ (k.hash.hi * 31) ^ k.group; }
   };
-  NodeClient* client_;
+  BlockStoreClient* client_;
   std::unordered_map<BlockKey, KeyState, Hasher> known_;
 };
 
-Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions options) {
-  for (const OffloadGroupConfig& g : options.scheduler.groups) {
+namespace {
+
+Status CheckBlockSizeFactors(const OffloadSchedulerOptions& options) {
+  for (const OffloadGroupConfig& g : options.groups) {
     if (g.block_size_factor != 1)
       return UnimplementedError("offloaded blocks of {} engine blocks: only 1 is supported",
                                 g.block_size_factor);
   }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions options) {
+  KVSTASH_RETURN_IF_ERROR(CheckBlockSizeFactors(options.scheduler));
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<NodeClient> client, NodeClient::Create(options.client));
+  return Create(std::move(options), std::move(client), nullptr);
+}
+
+Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions options,
+                                                         std::unique_ptr<BlockStoreClient> client,
+                                                         std::unique_ptr<OffloadManager> manager) {
+  KVSTASH_RETURN_IF_ERROR(CheckBlockSizeFactors(options.scheduler));
+  if (client == nullptr) return InvalidArgumentError("the connector needs a block store client");
   BlockTransferOptions t;
   t.client = client.get();
   t.pool = options.pool;
   t.pages_per_block = 1;
   t.fingerprint = options.fingerprint;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockTransfer> transfer, BlockTransfer::Create(t));
-  auto manager = std::make_unique<NodeOffloadManager>(client.get());
-  NodeOffloadManager* raw = manager.get();
+  NodeOffloadManager* node_manager = nullptr;
+  if (manager == nullptr) {
+    auto own = std::make_unique<NodeOffloadManager>(client.get());
+    node_manager = own.get();
+    manager = std::move(own);
+  }
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<OffloadScheduler> scheduler,
                            OffloadScheduler::Create(options.scheduler, std::move(manager)));
   return std::unique_ptr<KvConnector>(
-      new KvConnector(std::move(client), std::move(scheduler), std::move(transfer), raw));
+      new KvConnector(std::move(client), std::move(scheduler), std::move(transfer), node_manager));
 }
 
-KvConnector::KvConnector(std::unique_ptr<NodeClient> client,
+KvConnector::KvConnector(std::unique_ptr<BlockStoreClient> client,
                          std::unique_ptr<OffloadScheduler> scheduler,
                          std::unique_ptr<BlockTransfer> transfer, NodeOffloadManager* manager)
     : client_(std::move(client)),
@@ -79,6 +100,8 @@ KvConnector::~KvConnector() {
 
 std::optional<size_t> KvConnector::GetNumNewMatchedTokens(const OffloadRequestView& request,
                                                           size_t num_computed_tokens) {
+  // Another manager answers lookups itself.
+  if (manager_ == nullptr) return scheduler_->GetNumNewMatchedTokens(request, num_computed_tokens);
   std::vector<BlockKey> keys;
   const auto groups = scheduler_->groups();
   for (uint32_t g = 0; g < groups.size(); ++g) {

@@ -14,6 +14,7 @@
 
 #include "daemon_process.h"
 #include "kvstash/common/hash.h"
+#include "kvstash/connector/node_client.h"
 
 namespace kvstash::connector {
 namespace {

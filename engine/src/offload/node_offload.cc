@@ -99,21 +99,40 @@ class NodeKvOffload : public KvOffload {
   const KvCacheManager* kv_;
 };
 
+// The connector's options for the engine of `context` (all but the nodes).
+connector::KvConnectorOptions ConnectorOptionsOf(const OffloadContext& context) {
+  connector::KvConnectorOptions c;
+  for (const AttentionSpec& spec : context.layout->groups)
+    c.scheduler.groups.push_back(OffloadGroupOf(spec));
+  c.scheduler.hash_block_size = context.kv_cache->hash_block_size();
+  c.scheduler.prefix_caching = context.prefix_caching;
+  c.pool = {reinterpret_cast<std::byte*>(context.pool.data()), context.layout->page_bytes(),
+            context.pool.size() / context.layout->page_floats};
+  c.fingerprint = context.fingerprint;
+  return c;
+}
+
 }  // namespace
 
 KvOffloadFactory NodeOffload(connector::NodeClientOptions client) {
   return [client](const OffloadContext& context) -> Result<std::unique_ptr<KvOffload>> {
-    connector::KvConnectorOptions c;
+    connector::KvConnectorOptions c = ConnectorOptionsOf(context);
     c.client = client;
-    for (const AttentionSpec& spec : context.layout->groups)
-      c.scheduler.groups.push_back(OffloadGroupOf(spec));
-    c.scheduler.hash_block_size = context.kv_cache->hash_block_size();
-    c.scheduler.prefix_caching = context.prefix_caching;
-    c.pool = {reinterpret_cast<std::byte*>(context.pool.data()), context.layout->page_bytes(),
-              context.pool.size() / context.layout->page_floats};
-    c.fingerprint = context.fingerprint;
     KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<connector::KvConnector> connector,
                              connector::KvConnector::Create(std::move(c)));
+    return std::unique_ptr<KvOffload>(
+        std::make_unique<NodeKvOffload>(std::move(connector), context.kv_cache));
+  };
+}
+
+KvOffloadFactory NodeOffload(ConnectorPartsFactory make_parts) {
+  return [make_parts = std::move(make_parts)](
+             const OffloadContext& context) -> Result<std::unique_ptr<KvOffload>> {
+    KVSTASH_ASSIGN_OR_RETURN(ConnectorParts parts, make_parts(context));
+    KVSTASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<connector::KvConnector> connector,
+        connector::KvConnector::Create(ConnectorOptionsOf(context), std::move(parts.client),
+                                       std::move(parts.manager)));
     return std::unique_ptr<KvOffload>(
         std::make_unique<NodeKvOffload>(std::move(connector), context.kv_cache));
   };

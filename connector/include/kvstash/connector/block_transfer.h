@@ -1,8 +1,9 @@
 #pragma once
 
 // BlockTransfer: the connector's worker side. Moves an engine's KV pages between its paged pool
-// and offload nodes off the engine's thread: a store job pushes offloaded blocks (each a run of
-// pool pages) to the nodes, a load job pulls them into the pool pages the engine allocated.
+// and offload nodes (a BlockStoreClient) off the engine's thread: a store job pushes offloaded
+// blocks (each a run of pool pages) to the nodes, a load job pulls them into the pool pages the
+// engine allocated.
 //
 // Every offloaded block travels with a trailer (BlockTrailer) naming its key, the engine's model
 // and layout fingerprint, and an xxh3 of its bytes; a load accepts a block only when all three
@@ -28,7 +29,7 @@
 #include <vector>
 
 #include "kvstash/common/status.h"
-#include "kvstash/connector/node_client.h"
+#include "kvstash/connector/block_store_client.h"
 
 namespace kvstash::connector {
 
@@ -80,7 +81,7 @@ struct BlockJobResult {
 };
 
 struct BlockTransferOptions {
-  NodeClient* client = nullptr;  // borrowed; outlives the transfer
+  BlockStoreClient* client = nullptr;  // borrowed; outlives the transfer (NodeClient, a fake)
   PoolView pool;
   size_t pages_per_block = 1;
   uint64_t fingerprint = 0;

@@ -2,7 +2,8 @@
 
 // KvConnector: what an engine process holds to share KV through offload nodes. It joins the
 // scheduler side (OffloadScheduler: which tokens to load, which blocks to store, fences) with
-// the worker side (BlockTransfer: the bytes, off the engine's thread) over a NodeClient.
+// the worker side (BlockTransfer: the bytes, off the engine's thread) over a NodeClient (or,
+// in tests, any BlockStoreClient).
 //
 // The engine drives it once per step (see engine::Engine): GetNumNewMatchedTokens and
 // UpdateStateAfterAlloc while scheduling, BeginStep before the forward pass (flushes, loads
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "kvstash/common/status.h"
+#include "kvstash/connector/block_store_client.h"
 #include "kvstash/connector/block_transfer.h"
 #include "kvstash/connector/node_client.h"
 #include "kvstash/connector/offload_scheduler.h"
@@ -25,7 +27,7 @@
 namespace kvstash::connector {
 
 struct KvConnectorOptions {
-  NodeClientOptions client;           // the nodes, namespace, token, deadlines
+  NodeClientOptions client;           // the nodes, namespace, token, deadlines (Create only)
   OffloadSchedulerOptions scheduler;  // the engine's KV-cache groups (block_size_factor 1)
   PoolView pool;                      // the engine's paged pool: one page per GPU block
   uint64_t fingerprint = 0;           // model, weights and layout (BlockTransfer)
@@ -42,6 +44,14 @@ class KvConnector {
   // Connects to the nodes. Unavailable when a node cannot be reached at start;
   // FailedPrecondition when a node's block size does not fit the engine's page.
   static Result<std::unique_ptr<KvConnector>> Create(KvConnectorOptions options);
+  // The same over `client` instead of a NodeClient of options.client (a fake store in tests),
+  // with `manager` as the scheduler side's manager; null: the nodes' own manager (recency and
+  // eviction on the nodes, lookups batched per request through `client`). FailedPrecondition
+  // when a node's block size does not fit the engine's page; Unimplemented for a
+  // block_size_factor other than 1.
+  static Result<std::unique_ptr<KvConnector>> Create(KvConnectorOptions options,
+                                                     std::unique_ptr<BlockStoreClient> client,
+                                                     std::unique_ptr<OffloadManager> manager);
   ~KvConnector();  // waits for every transfer in flight
 
   // Tokens beyond `num_computed_tokens` the nodes can provide (nullopt: ask again next step).
@@ -64,19 +74,19 @@ class KvConnector {
   void Drain();
 
   const KvConnectorStats& stats() const { return stats_; }
-  NodeClient& client() { return *client_; }
+  BlockStoreClient& client() { return *client_; }
 
  private:
-  KvConnector(std::unique_ptr<NodeClient> client, std::unique_ptr<OffloadScheduler> scheduler,
+  KvConnector(std::unique_ptr<BlockStoreClient> client, std::unique_ptr<OffloadScheduler> scheduler,
               std::unique_ptr<BlockTransfer> transfer, class NodeOffloadManager* manager);
   Status Submit(const TransferJob& job, BlockJob::Kind kind);
   // Acknowledges finished transfers to the scheduler; records load outcomes.
   void Collect();
 
-  std::unique_ptr<NodeClient> client_;
+  std::unique_ptr<BlockStoreClient> client_;
   std::unique_ptr<OffloadScheduler> scheduler_;
   std::unique_ptr<BlockTransfer> transfer_;
-  NodeOffloadManager* manager_;  // owned by scheduler_
+  NodeOffloadManager* manager_;  // owned by scheduler_; null when another manager was given
   std::vector<TransferJob> pending_stores_;
   std::unordered_map<JobId, bool> load_outcomes_;
   KvConnectorStats stats_;

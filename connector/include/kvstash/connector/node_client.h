@@ -7,7 +7,7 @@
 // that cannot be reached (down, slow past the deadline) is a miss for its keys, never an error
 // that stops the caller; unreachable() counts such answers.
 //
-// Thread-safe.
+// Thread-safe. The connector uses it through BlockStoreClient.
 
 #include <chrono>
 #include <cstdint>
@@ -22,15 +22,11 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
 #include "kvstash/connector/block_key.h"
+#include "kvstash/connector/block_store_client.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::connector {
 
-struct NodeAddress {
-  std::string host;
-  uint16_t port = 0;
-  std::string ToString() const { return host + ":" + std::to_string(port); }
-};
 // "HOST:PORT"; InvalidArgument naming the text otherwise.
 Result<NodeAddress> ParseNodeAddress(std::string_view text);
 
@@ -47,18 +43,18 @@ struct NodeClientOptions {
   std::shared_ptr<transport::ClientWorker> worker;
 };
 
-class NodeClient {
+class NodeClient : public BlockStoreClient {
  public:
   static Result<std::unique_ptr<NodeClient>> Create(NodeClientOptions options);
-  ~NodeClient();
+  ~NodeClient() override;
 
-  size_t node_count() const;
-  const NodeAddress& node(size_t i) const;
+  size_t node_count() const override;
+  const NodeAddress& node(size_t i) const override;
   // The node that holds `key`.
   size_t NodeOf(const BlockKey& key) const;
 
   // Per-key lookups in key order; an unreachable node's keys are misses.
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys);
+  std::vector<KeyState> Lookup(std::span<const BlockKey> keys) override;
   // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 
@@ -66,7 +62,7 @@ class NodeClient {
   // that prepares, sends and commits it, all blocks in flight at once. Keys a node already
   // holds are skipped. The first error, naming the node and the key; the other blocks are
   // still stored.
-  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks);
+  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) override;
 
   // Reads the block of `key` into `out` in one call (the node pins it for the transfer). A block
   // the node is promoting from SSD is asked for again until the timeout. NotFound when its node
@@ -74,12 +70,12 @@ class NodeClient {
   Result<size_t> Get(const BlockKey& key, transport::MutableBytes out);
   // Reads blocks[i] of keys[i] into outs[i], all in flight at once; per key, as Get.
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
-                                  std::span<const transport::MutableBytes> outs);
+                                  std::span<const transport::MutableBytes> outs) override;
 
   // The node's counters (wire.StatsReply).
   Result<std::map<std::string, uint64_t>> Stats(size_t node);
   // The node's block size (from its counters).
-  Result<uint64_t> BlockBytes(size_t node);
+  Result<uint64_t> BlockBytes(size_t node) override;
 
   uint64_t unreachable() const;
 
