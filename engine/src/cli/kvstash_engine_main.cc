@@ -275,6 +275,12 @@ int main(int argc, char** argv) {
   serve->add_option("--port", serve_flags.port, "port to listen on (0: any free port)")
       ->capture_default_str();
   serve
+      ->add_option("--max-line-bytes", serve_flags.max_line_bytes,
+                   "longest request line accepted; a longer one is answered with an error and "
+                   "its connection closed")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{64}, size_t{1} << 30));
+  serve
       ->add_option("--role", serve_flags.role,
                    "both: requests run to completion here; prefill: compute the prompt, push "
                    "every full block to --nodes, answer with the first generated token; decode: "
