@@ -216,7 +216,9 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   for (uint32_t b = 0; b < 16; ++b) {
     const bool dead = std::find(on_dead.begin(), on_dead.end(), b) != on_dead.end();
     EXPECT_EQ(r.ok[b], !dead) << b;
-    if (!dead) EXPECT_TRUE(Holds(30 + b, 50 + b));
+    if (!dead) {
+      EXPECT_TRUE(Holds(30 + b, 50 + b));
+    }
   }
   // A store to the dead node reports the failure and does not hang either.
   Fill(60, 9);
