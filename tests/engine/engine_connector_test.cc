@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "builtin_models.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/block_store_client.h"
 #include "kvstash/connector/block_transfer.h"
@@ -738,15 +739,7 @@ TEST_P(EngineConnectorFailureTest, BadLoadsAreRecomputedServedLoadsAreUsed) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Builtins, EngineConnectorFailureTest,
-                         ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
-                                           "tiny-state-hybrid"),
-                         [](const auto& param_info) {
-                           std::string s = param_info.param;
-                           for (char& c : s)
-                             if (c == '-') c = '_';
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineConnectorFailureTest, BuiltinModels(), BuiltinModelName);
 
 }  // namespace
 }  // namespace kvstash::engine

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "builtin_models.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
 
@@ -178,15 +179,7 @@ TEST_P(EngineOffloadTest, BadOrRefusedLoadsAreRecomputedAndNeverCached) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Builtins, EngineOffloadTest,
-                         ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
-                                           "tiny-state-hybrid"),
-                         [](const auto& param_info) {
-                           std::string s = param_info.param;
-                           for (char& c : s)
-                             if (c == '-') c = '_';
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineOffloadTest, BuiltinModels(), BuiltinModelName);
 
 TEST(EngineOffloadAskAgainTest, AskAgainForeverStillFinishes) {
   auto config = ModelConfig::Load("builtin:tiny-full");

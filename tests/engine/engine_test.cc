@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "builtin_models.h"
 #include "kvstash/common/hash.h"
 
 namespace kvstash::engine {
@@ -113,15 +114,7 @@ TEST_P(EngineModelTest, PreemptionAndResumeGiveTheSameTokens) {
   EXPECT_EQ(tight->kv_cache().num_free_blocks(), o.num_blocks - 1);  // everything came back
 }
 
-INSTANTIATE_TEST_SUITE_P(Builtins, EngineModelTest,
-                         ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
-                                           "tiny-state-hybrid"),
-                         [](const auto& param_info) {
-                           std::string s = param_info.param;
-                           for (char& c : s)
-                             if (c == '-') c = '_';
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineModelTest, BuiltinModels(), BuiltinModelName);
 
 TEST(EngineTest, AttentionPackingChangesNoTokenAndRefinesHits) {
   const auto prompts = SharedPrefixPrompts();
@@ -296,15 +289,7 @@ TEST_P(EngineRingTest, PreemptionAndResumeGiveTheSameTokens) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Builtins, EngineRingTest,
-                         ::testing::Values("tiny-full", "tiny-swa", "tiny-hybrid",
-                                           "tiny-state-hybrid"),
-                         [](const auto& param_info) {
-                           std::string s = param_info.param;
-                           for (char& c : s)
-                             if (c == '-') c = '_';
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineRingTest, BuiltinModels(), BuiltinModelName);
 
 // Without prefix caching a ring-mode sliding-window model holds no pool block at all: its KV is
 // in its rings, one per request and layer, while a 400-token prompt runs.
