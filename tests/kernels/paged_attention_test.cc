@@ -11,31 +11,12 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_test_util.h"
+
 namespace kvstash::kernels {
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-constexpr float kSentinel = -12345.0f;
-
-std::vector<float> RandomFloats(size_t count, std::mt19937& rng, float lo = -1.0f,
-                                float hi = 1.0f) {
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(count);
-  for (float& f : v) f = dist(rng);
-  return v;
-}
-
-// Largest |got - want| over the largest |want| (attention outputs are averages of value rows,
-// so the scale is that of the values).
-double MaxRelativeError(const std::vector<float>& got, const std::vector<double>& want) {
-  double err = 0.0, scale = 0.0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
-    err = std::max(err, std::abs(double{got[i]} - want[i]));
-    scale = std::max(scale, std::abs(want[i]));
-  }
-  return scale == 0.0 ? err : err / scale;
-}
 
 AttentionMask Causal() { return {}; }
 AttentionMask Window(uint32_t window) {
