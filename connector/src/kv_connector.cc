@@ -82,8 +82,11 @@ Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions opti
   }
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<OffloadScheduler> scheduler,
                            OffloadScheduler::Create(options.scheduler, std::move(manager)));
-  return std::unique_ptr<KvConnector>(
+  auto connector = std::unique_ptr<KvConnector>(
       new KvConnector(std::move(client), std::move(scheduler), std::move(transfer), node_manager));
+  connector->pages_to_host_ = std::move(options.pages_to_host);
+  connector->pages_to_device_ = std::move(options.pages_to_device);
+  return connector;
 }
 
 KvConnector::KvConnector(std::unique_ptr<BlockStoreClient> client,
@@ -142,6 +145,7 @@ Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
   for (const TransferJob& job : meta.load_jobs) {
     ++stats_.load_jobs;
     KVSTASH_RETURN_IF_ERROR(Submit(job, BlockJob::Kind::kLoad));
+    if (pages_to_device_) load_pages_[job.id] = job.gpu_blocks;
     loads.emplace_back(job.request, job.id);
   }
   pending_stores_ = std::move(meta.store_jobs);
@@ -150,6 +154,24 @@ Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
 
 Status KvConnector::EndStep() {
   Status first;
+  if (pages_to_host_ && !pending_stores_.empty()) {
+    std::vector<uint32_t> pages;
+    for (const TransferJob& job : pending_stores_)
+      pages.insert(pages.end(), job.gpu_blocks.begin(), job.gpu_blocks.end());
+    if (Status s = pages_to_host_(pages); !s.ok()) {
+      // Never store what the mirror held before: the stores are dropped (acknowledged, so
+      // nothing waits for them) and their blocks recomputed by whoever misses them.
+      CompletedJobs dropped;
+      for (const TransferJob& job : pending_stores_) {
+        dropped[job.id] = 1;
+        stats_.blocks_store_failed += job.gpu_blocks.size();
+      }
+      pending_stores_.clear();
+      if (Status a = scheduler_->UpdateConnectorOutput(dropped); !a.ok())
+        KVSTASH_LOG_ERROR("connector: dropping stores: {}", a.ToString());
+      return InternalError("stores dropped: their pages did not reach the host: {}", s.ToString());
+    }
+  }
   for (const TransferJob& job : pending_stores_) {
     ++stats_.store_jobs;
     Status s = Submit(job, BlockJob::Kind::kStore);
@@ -192,8 +214,19 @@ std::unordered_map<JobId, bool> KvConnector::FinishLoads(std::span<const JobId> 
   std::unordered_map<JobId, bool> out;
   for (JobId id : jobs) {
     auto it = load_outcomes_.find(id);
-    out[id] = it != load_outcomes_.end() && it->second;
+    bool ok = it != load_outcomes_.end() && it->second;
     if (it != load_outcomes_.end()) load_outcomes_.erase(it);
+    if (auto pages = load_pages_.find(id); pages != load_pages_.end()) {
+      if (ok) {
+        if (Status s = pages_to_device_(pages->second); !s.ok()) {
+          KVSTASH_LOG_WARN("connector: load {} arrived but did not reach the device: {}", id,
+                           s.ToString());
+          ok = false;
+        }
+      }
+      load_pages_.erase(pages);
+    }
+    out[id] = ok;
   }
   return out;
 }

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "kvstash/common/hash.h"
+#include "kvstash/common/logging.h"
 
 namespace kvstash::engine {
 
@@ -39,13 +40,25 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   SchedulerOptions sched = options.scheduler;
   // Another model's blocks then never share a hash (nor a node key) with this one's.
   sched.cache_salt = Hash128{fingerprint, 0}.ToHex();
-  ModelRunner runner(std::move(config), std::move(weights), std::move(layout), options.num_blocks);
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device,
+                           kernels::MakeDevice(options.device));
+  ModelRunner runner(std::move(config), std::move(weights), std::move(layout), options.num_blocks,
+                     std::move(device));
   std::unique_ptr<Engine> engine(new Engine(std::move(runner), std::move(kv), sched));
   engine->fingerprint_ = fingerprint;
   if (offload) {
     OffloadContext context;
     context.layout = &engine->runner_.layout();
-    context.pool = engine->runner_.pool();
+    ModelRunner* runner = &engine->runner_;
+    context.pool = runner->host_pool();
+    if (!runner->host_pool_is_pool()) {
+      context.pages_to_host = [runner](std::span<const uint32_t> b) {
+        return runner->PagesToHost(b);
+      };
+      context.pages_to_device = [runner](std::span<const uint32_t> b) {
+        return runner->PagesToDevice(b);
+      };
+    }
     context.kv_cache = &engine->kv_cache_;
     context.fingerprint = fingerprint;
     context.prefix_caching = options.prefix_caching;
@@ -66,6 +79,7 @@ Engine::Engine(ModelRunner runner, KvCacheManagerOptions kv_options, SchedulerOp
 
 Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_new_tokens,
                                      bool do_remote_decode) {
+  if (!device_error_.ok()) return device_error_;
   if (prompt.empty()) return InvalidArgumentError("empty prompt");
   if (max_new_tokens == 0) return InvalidArgumentError("max_new_tokens must be at least 1");
   for (size_t i = 0; i < prompt.size(); ++i) {
@@ -115,7 +129,18 @@ std::vector<RequestId> Engine::Step() {
         counters_.decode_tokens += s.num_tokens;
       }
     }
-    runner_.Forward(inputs_, logits_);
+    if (Status s = runner_.Forward(inputs_, logits_); !s.ok()) {
+      // A device fault leaves nothing on it to trust: every request fails, and so does every
+      // later one. Transfers in flight end in Drain.
+      KVSTASH_LOG_ERROR("engine: the {} device failed: {}", runner_.device().name(), s.ToString());
+      device_error_ = s;
+      for (RequestId id : scheduler_.FailAll(s)) {
+        runner_.ReleaseRequest(id);
+        if (offload_) offload_->RequestFinished(id);
+        done.push_back(id);
+      }
+      return done;
+    }
     const size_t vocab = config().vocab_size;
     sampled_.resize(out.seqs.size());
     for (size_t i = 0; i < out.seqs.size(); ++i) {

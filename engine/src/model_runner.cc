@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "kvstash/kernels/cpu_ops.h"
+#include "kvstash/common/logging.h"
 
 namespace kvstash::engine {
 namespace {
@@ -25,16 +25,9 @@ kernels::AttentionMask MaskOf(const LayerConfig& layer) {
   return mask;
 }
 
-template <typename T>
-void Grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
 // Grows with NaN: a read of ring or step-buffer memory never written shows up in the logits
 // instead of passing as zeros.
-void GrowPoisoned(std::vector<float>& v, size_t n) {
-  if (v.size() < n) v.resize(n, std::nanf(""));
-}
+void GrowPoisoned(kernels::DeviceBuffer& v, size_t n) { v.Grow(n, std::nanf("")); }
 
 }  // namespace
 
@@ -113,12 +106,45 @@ Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
 }
 
 ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout,
-                         size_t num_blocks)
-    : config_(std::move(config)),
+                         size_t num_blocks, std::shared_ptr<kernels::Device> device)
+    : device_(device != nullptr ? std::move(device)
+                                : std::shared_ptr<kernels::Device>(
+                                      std::move(kernels::MakeDevice("cpu")).value())),
+      config_(std::move(config)),
       weights_(std::move(weights)),
       layout_(std::move(layout)),
-      num_blocks_(num_blocks),
-      pool_(num_blocks * layout_.page_floats) {
+      num_blocks_(num_blocks) {
+  kernels::Device* d = device_.get();
+  for (kernels::DeviceBuffer* b : {&pool_, &x_, &h_, &qkv_, &attn_, &ff_gate_, &ff_up_, &state_,
+                                   &logits_, &ring_arena_, &step_pages_})
+    *b = kernels::DeviceBuffer(d);
+  // In device memory apart from the host, NaN: a page read before anything wrote it (a load
+  // that did not reach the device) shows up in the logits instead of passing as zeros.
+  pool_.Grow(num_blocks * layout_.page_floats, d->HostAccessible() ? 0.0f : std::nanf(""));
+  if (d->HostAccessible()) {
+    host_pool_ = pool_.data();
+  } else {
+    const size_t n = num_blocks * layout_.page_floats;
+    host_mirror_ = {d->AllocateHost(n), [device = device_](float* p) { device->FreeHost(p); }};
+    host_pool_ = host_mirror_.get();
+    std::fill(host_pool_, host_pool_ + n, std::nanf(""));  // so is a store of a stale page
+    auto upload = [&](const std::vector<float>& v) {
+      if (v.empty()) return;
+      kernels::DeviceBuffer b(d);
+      b.Grow(v.size());
+      d->Upload(b.data(), v.data(), v.size());
+      device_weight_[v.data()] = b.data();
+      weight_buffers_.push_back(std::move(b));
+    };
+    upload(weights_.embed);
+    upload(weights_.final_norm);
+    upload(weights_.lm_head);
+    for (const LayerWeights& w : weights_.layers) {
+      for (const std::vector<float>* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wgate_state, &w.wo,
+                                          &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down})
+        upload(*v);
+    }
+  }
   const size_t kvd = size_t{config_.num_kv_heads} * config_.head_dim;
   ring_of_layer_.assign(config_.layers.size(), -1);
   for (size_t l = 0; l < config_.layers.size(); ++l) {
@@ -136,6 +162,27 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
   }
 }
 
+const float* ModelRunner::W(const std::vector<float>& host) const {
+  if (device_weight_.empty()) return host.data();
+  auto it = device_weight_.find(host.data());
+  assert(it != device_weight_.end());
+  return it->second;
+}
+
+Status ModelRunner::PagesToHost(std::span<const uint32_t> blocks) {
+  if (host_pool_is_pool() || blocks.empty()) return Status::OK();
+  for (uint32_t b : blocks)
+    if (b >= num_blocks_) return InvalidArgumentError("block {} of a pool of {}", b, num_blocks_);
+  return device_->PagesToHost(pool_.data(), host_pool_, layout_.page_floats, blocks);
+}
+
+Status ModelRunner::PagesToDevice(std::span<const uint32_t> blocks) {
+  if (host_pool_is_pool() || blocks.empty()) return Status::OK();
+  for (uint32_t b : blocks)
+    if (b >= num_blocks_) return InvalidArgumentError("block {} of a pool of {}", b, num_blocks_);
+  return device_->PagesToDevice(pool_.data(), host_pool_, layout_.page_floats, blocks);
+}
+
 void ModelRunner::ReleaseRequest(RequestId id) {
   auto it = ring_slot_of_.find(id);
   if (it == ring_slot_of_.end()) return;
@@ -150,8 +197,8 @@ void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
     auto [it, fresh] = ring_slot_of_.try_emplace(seqs[i].request, 0);
     if (fresh) {
       if (free_ring_slots_.empty()) {
-        it->second = static_cast<uint32_t>(ring_arena_.size() / ring_slot_floats_);
-        GrowPoisoned(ring_arena_, ring_arena_.size() + ring_slot_floats_);
+        it->second = num_ring_slots_++;
+        GrowPoisoned(ring_arena_, num_ring_slots_ * ring_slot_floats_);
       } else {
         it->second = free_ring_slots_.back();
         free_ring_slots_.pop_back();
@@ -178,12 +225,13 @@ void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
     }
   }
   step_table_at_.push_back(step_tables_.size());
+  staged_step_tables_ = device_->Stage(step_tables_);
   GrowPoisoned(step_pages_, next_page * step_page_floats_);
 }
 
 kernels::PagedLayer ModelRunner::StepBufferLayer() const {
   kernels::PagedLayer paged;
-  paged.pool = const_cast<float*>(step_pages_.data());
+  paged.pool = step_pages_.data();
   paged.page_floats = step_page_floats_;
   paged.layer_offset = 0;
   paged.block_size = static_cast<uint32_t>(step_page_floats_ / config_.KvFloatsPerToken());
@@ -198,10 +246,14 @@ std::span<const uint32_t> ModelRunner::StepTable(size_t ring, size_t seq) const 
       .subspan(step_table_at_[at], step_table_at_[at + 1] - step_table_at_[at]);
 }
 
+const uint32_t* ModelRunner::StagedStepTable(size_t ring, size_t seq) const {
+  return staged_step_tables_ + step_table_at_[ring * step_slot_.size() + seq];
+}
+
 kernels::PagedLayer ModelRunner::PagedFor(size_t l) const {
   const KvLayout::LayerPlace& place = layout_.layers[l];
   kernels::PagedLayer paged;
-  paged.pool = const_cast<float*>(pool_.data());
+  paged.pool = pool_.data();
   paged.page_floats = layout_.page_floats;
   paged.layer_offset = place.offset;
   paged.block_size = layout_.groups[place.group].block_size;
@@ -210,48 +262,61 @@ kernels::PagedLayer ModelRunner::PagedFor(size_t l) const {
   return paged;
 }
 
-void ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& logits,
-                          bool all_positions) {
+Status ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& logits,
+                            bool all_positions) {
+  kernels::Device& d = *device_;
+  d.BeginStep();
   const size_t hidden = config_.hidden, vocab = config_.vocab_size;
   size_t total = 0;
   for (const SeqInput& s : seqs) total += s.tokens.size();
   const size_t qd = size_t{config_.num_heads} * config_.head_dim;
-  Grow(x_, total * hidden);
-  Grow(h_, total * std::max(hidden, qd));
-  Grow(qkv_, total * (3 * qd + config_.num_heads));
-  Grow(attn_, total * qd);
-  Grow(ff_gate_, total * config_.intermediate);
-  Grow(ff_up_, total * config_.intermediate);
-  Grow(state_, config_.StateFloats());
-  Grow(positions_, total);
+  x_.Grow(total * hidden);
+  h_.Grow(total * std::max(hidden, qd));
+  qkv_.Grow(total * (3 * qd + config_.num_heads));
+  attn_.Grow(total * qd);
+  ff_gate_.Grow(total * config_.intermediate);
+  ff_up_.Grow(total * config_.intermediate);
+  state_.Grow(config_.StateFloats());
+  positions_.resize(total);
+  tokens_.resize(total);
+
+  // This step's index arrays, on the device once.
+  const size_t groups = layout_.groups.size();
+  staged_tables_.assign(seqs.size() * groups, nullptr);
+  size_t row = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqInput& s = seqs[i];
+    for (size_t t = 0; t < s.tokens.size(); ++t, ++row) {
+      tokens_[row] = s.tokens[t];
+      positions_[row] = static_cast<uint32_t>(s.start_pos + t);
+    }
+    for (size_t g = 0; g < groups && g < s.tables->size(); ++g)
+      staged_tables_[i * groups + g] = d.Stage((*s.tables)[g]);
+  }
+  staged_positions_ = d.Stage(positions_);
+  const uint32_t* staged_tokens = d.Stage(tokens_);
   if (!ring_layers_.empty()) PrepareRings(seqs);
 
-  size_t row = 0;
-  for (const SeqInput& s : seqs) {
-    for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
-      const uint32_t token = std::min<uint32_t>(s.tokens[i], config_.vocab_size - 1);
-      std::memcpy(&x_[row * hidden], &weights_.embed[size_t{token} * hidden],
-                  hidden * sizeof(float));
-      positions_[row] = static_cast<uint32_t>(s.start_pos + i);
-    }
-  }
+  d.Embed(W(weights_.embed), vocab, hidden, staged_tokens, total, x_.data());
+  float* x = x_.data();
+  float* h = h_.data();
   for (size_t l = 0; l < config_.layers.size(); ++l) {
     const LayerWeights& w = weights_.layers[l];
-    kernels::RmsNorm(x_.data(), w.attn_norm.data(), h_.data(), total, hidden, config_.rms_eps);
+    d.RmsNorm(x, W(w.attn_norm), h, total, hidden, config_.rms_eps);
     if (config_.layers[l].kind == LKind::kState) {
       StateLayer(l, seqs);
     } else {
       AttentionLayer(l, seqs);
     }
-    kernels::MatMul(attn_.data(), w.wo.data(), h_.data(), total, qd, hidden);
-    kernels::AddInPlace(x_.data(), h_.data(), total * hidden);
-    kernels::RmsNorm(x_.data(), w.mlp_norm.data(), h_.data(), total, hidden, config_.rms_eps);
+    d.MatMul(attn_.data(), W(w.wo), h, total, qd, hidden);
+    d.AddInPlace(x, h, total * hidden);
+    d.RmsNorm(x, W(w.mlp_norm), h, total, hidden, config_.rms_eps);
     const size_t ff = config_.intermediate;
-    kernels::MatMul(h_.data(), w.w_gate.data(), ff_gate_.data(), total, hidden, ff);
-    kernels::MatMul(h_.data(), w.w_up.data(), ff_up_.data(), total, hidden, ff);
-    kernels::SiluMul(ff_gate_.data(), ff_up_.data(), ff_gate_.data(), total * ff);
-    kernels::MatMul(ff_gate_.data(), w.w_down.data(), h_.data(), total, ff, hidden);
-    kernels::AddInPlace(x_.data(), h_.data(), total * hidden);
+    d.MatMul(h, W(w.w_gate), ff_gate_.data(), total, hidden, ff);
+    d.MatMul(h, W(w.w_up), ff_up_.data(), total, hidden, ff);
+    d.SiluMul(ff_gate_.data(), ff_up_.data(), ff_gate_.data(), total * ff);
+    d.MatMul(ff_gate_.data(), W(w.w_down), h, total, ff, hidden);
+    d.AddInPlace(x, h, total * hidden);
   }
   // The rows whose logits are wanted, normed into h_, then one projection.
   size_t out_rows = 0;
@@ -259,17 +324,24 @@ void ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& lo
   for (const SeqInput& s : seqs) {
     const size_t n = s.tokens.size();
     const size_t first = all_positions ? 0 : n - 1;
-    for (size_t i = first; i < n; ++i)
-      std::memcpy(&h_[out_rows++ * hidden], &x_[(row + i) * hidden], hidden * sizeof(float));
+    d.Copy(h + out_rows * hidden, x + (row + first) * hidden, (n - first) * hidden);
+    out_rows += n - first;
     row += n;
   }
-  kernels::RmsNorm(h_.data(), weights_.final_norm.data(), h_.data(), out_rows, hidden,
-                   config_.rms_eps);
+  d.RmsNorm(h, W(weights_.final_norm), h, out_rows, hidden, config_.rms_eps);
   logits.resize(out_rows * vocab);
-  kernels::MatMul(h_.data(), weights_.lm_head.data(), logits.data(), out_rows, hidden, vocab);
+  if (d.HostAccessible()) {
+    d.MatMul(h, W(weights_.lm_head), logits.data(), out_rows, hidden, vocab);
+  } else {
+    logits_.Grow(out_rows * vocab);
+    d.MatMul(h, W(weights_.lm_head), logits_.data(), out_rows, hidden, vocab);
+    d.Download(logits.data(), logits_.data(), out_rows * vocab);
+  }
+  return d.Synchronize();
 }
 
 void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
+  kernels::Device& d = *device_;
   const LayerWeights& w = weights_.layers[l];
   const LayerConfig& layer = config_.layers[l];
   const bool share = layer.kind == LKind::kKvShare;
@@ -280,14 +352,13 @@ void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
   size_t total = 0;
   for (const SeqInput& s : seqs) total += s.tokens.size();
   float* qkv = qkv_.data();
-  kernels::MatMul(h_.data(), w.wq.data(), qkv, total, hidden, qd, 0, stride);
-  kernels::ApplyRope(qkv, stride, total, config_.num_heads, hd, positions_.data(),
-                     config_.rope_theta);
+  d.MatMul(h_.data(), W(w.wq), qkv, total, hidden, qd, 0, stride);
+  d.ApplyRope(qkv, stride, total, config_.num_heads, hd, staged_positions_, config_.rope_theta);
   if (!share) {
-    kernels::MatMul(h_.data(), w.wk.data(), qkv + qd, total, hidden, kvd, 0, stride);
-    kernels::MatMul(h_.data(), w.wv.data(), qkv + qd + kvd, total, hidden, kvd, 0, stride);
-    kernels::ApplyRope(qkv + qd, stride, total, config_.num_kv_heads, hd, positions_.data(),
-                       config_.rope_theta);
+    d.MatMul(h_.data(), W(w.wk), qkv + qd, total, hidden, kvd, 0, stride);
+    d.MatMul(h_.data(), W(w.wv), qkv + qd + kvd, total, hidden, kvd, 0, stride);
+    d.ApplyRope(qkv + qd, stride, total, config_.num_kv_heads, hd, staged_positions_,
+                config_.rope_theta);
   }
   if (ring_of_layer_[l] >= 0) {
     RingAttentionLayer(l, static_cast<size_t>(ring_of_layer_[l]), seqs);
@@ -296,26 +367,31 @@ void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
   const kernels::PagedLayer paged = PagedFor(target);
   const kernels::AttentionMask mask = MaskOf(config_.layers[target]);
   const size_t group = static_cast<size_t>(layout_.layers[target].group);
+  const size_t groups = layout_.groups.size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   size_t row = 0;
-  for (const SeqInput& s : seqs) {
-    const std::vector<BlockId>& table = (*s.tables)[group];
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqInput& s = seqs[i];
+    const uint32_t* table = staged_tables_[i * groups + group];
+    const size_t table_len = (*s.tables)[group].size();
     const size_t n = s.tokens.size();
     float* base = qkv + row * stride;
-    if (!share) kernels::WriteKv(paged, table, s.start_pos, n, base + qd, base + qd + kvd, stride);
-    kernels::PagedAttention(paged, table, base, stride, n, s.start_pos, config_.num_heads, mask,
-                            scale, attn_.data() + row * qd, qd);
+    if (!share)
+      d.WriteKv(paged, table, table_len, s.start_pos, n, base + qd, base + qd + kvd, stride);
+    d.PagedAttention(paged, table, table_len, base, stride, n, s.start_pos, config_.num_heads, mask,
+                     scale, attn_.data() + row * qd, qd);
     row += n;
   }
 }
 
 void ModelRunner::RingAttentionLayer(size_t l, size_t ring, std::span<const SeqInput> seqs) {
+  kernels::Device& d = *device_;
   const LayerConfig& layer = config_.layers[l];
   const bool share = layer.kind == LKind::kKvShare;
   const RingLayer& rl = ring_layers_[ring];
   const size_t hd = config_.head_dim;
   const size_t qd = config_.num_heads * hd, kvd = config_.num_kv_heads * hd;
-  const size_t stride = qd + 2 * kvd, row_bytes = kvd * sizeof(float);
+  const size_t stride = qd + 2 * kvd;
   const size_t window = rl.window;
   const kernels::PagedLayer pool = PagedFor(rl.layer);
   const kernels::PagedLayer buffer = StepBufferLayer();
@@ -330,6 +406,7 @@ void ModelRunner::RingAttentionLayer(size_t l, size_t ring, std::span<const SeqI
     const size_t n = s.tokens.size(), start = s.start_pos, end = start + n;
     const size_t first = mask.FirstKey(start);
     const std::span<const uint32_t> step_table = StepTable(ring, i);
+    const uint32_t* staged_step_table = StagedStepTable(ring, i);
     float* base = qkv + row * stride;
     if (!share) {
       float* ring_keys = ring_arena_.data() + step_slot_[i] * ring_slot_floats_ + rl.offset;
@@ -340,21 +417,22 @@ void ModelRunner::RingAttentionLayer(size_t l, size_t ring, std::span<const SeqI
         for (size_t p = first; p < start; ++p) {
           const BlockId block = table[p / bs];
           assert(block != kNullBlock);
-          std::memcpy(ring_keys + p % window * kvd, pool.KeyAt(block, p), row_bytes);
-          std::memcpy(ring_values + p % window * kvd, pool.ValueAt(block, p), row_bytes);
+          d.Copy(ring_keys + p % window * kvd, pool.KeyAt(block, p), kvd);
+          d.Copy(ring_values + p % window * kvd, pool.ValueAt(block, p), kvd);
         }
       }
       for (size_t p = first; p < start; ++p) {
         const uint32_t page = step_table[p / bs];
-        std::memcpy(buffer.KeyAt(page, p), ring_keys + p % window * kvd, row_bytes);
-        std::memcpy(buffer.ValueAt(page, p), ring_values + p % window * kvd, row_bytes);
+        d.Copy(buffer.KeyAt(page, p), ring_keys + p % window * kvd, kvd);
+        d.Copy(buffer.ValueAt(page, p), ring_values + p % window * kvd, kvd);
       }
-      kernels::WriteKv(buffer, step_table, start, n, base + qd, base + qd + kvd, stride);
+      d.WriteKv(buffer, staged_step_table, step_table.size(), start, n, base + qd, base + qd + kvd,
+                stride);
       // The new positions that stay in the window (the last W of the step's).
       for (size_t p = std::max(start, end > window ? end - window : 0); p < end; ++p) {
         const uint32_t page = step_table[p / bs];
-        std::memcpy(ring_keys + p % window * kvd, buffer.KeyAt(page, p), row_bytes);
-        std::memcpy(ring_values + p % window * kvd, buffer.ValueAt(page, p), row_bytes);
+        d.Copy(ring_keys + p % window * kvd, buffer.KeyAt(page, p), kvd);
+        d.Copy(ring_values + p % window * kvd, buffer.ValueAt(page, p), kvd);
       }
       // Blocks completed in this step that the manager caches: the pool's layout, so that a
       // hit reads them as a sliding window kept in the pool. Positions before the window (a
@@ -363,19 +441,18 @@ void ModelRunner::RingAttentionLayer(size_t l, size_t ring, std::span<const SeqI
         if (table[b] == kNullBlock) continue;
         const size_t from = std::max(b * bs, first);
         const size_t rows = (b + 1) * bs - from;
-        std::memcpy(pool.KeyAt(table[b], from), buffer.KeyAt(step_table[b], from),
-                    rows * row_bytes);
-        std::memcpy(pool.ValueAt(table[b], from), buffer.ValueAt(step_table[b], from),
-                    rows * row_bytes);
+        d.Copy(pool.KeyAt(table[b], from), buffer.KeyAt(step_table[b], from), rows * kvd);
+        d.Copy(pool.ValueAt(table[b], from), buffer.ValueAt(step_table[b], from), rows * kvd);
       }
     }
-    kernels::PagedAttention(buffer, step_table, base, stride, n, start, config_.num_heads, mask,
-                            scale, attn_.data() + row * qd, qd);
+    d.PagedAttention(buffer, staged_step_table, step_table.size(), base, stride, n, start,
+                     config_.num_heads, mask, scale, attn_.data() + row * qd, qd);
     row += n;
   }
 }
 
 void ModelRunner::StateLayer(size_t l, std::span<const SeqInput> seqs) {
+  kernels::Device& d = *device_;
   const LayerWeights& w = weights_.layers[l];
   const size_t hidden = config_.hidden, hd = config_.head_dim, heads = config_.num_heads;
   const size_t qd = heads * hd;
@@ -383,17 +460,17 @@ void ModelRunner::StateLayer(size_t l, std::span<const SeqInput> seqs) {
   size_t total = 0;
   for (const SeqInput& s : seqs) total += s.tokens.size();
   float* qkv = qkv_.data();
-  kernels::MatMul(h_.data(), w.wq.data(), qkv, total, hidden, qd, 0, stride);
-  kernels::MatMul(h_.data(), w.wk.data(), qkv + qd, total, hidden, qd, 0, stride);
-  kernels::MatMul(h_.data(), w.wv.data(), qkv + 2 * qd, total, hidden, qd, 0, stride);
-  kernels::MatMul(h_.data(), w.wgate_state.data(), qkv + 3 * qd, total, hidden, heads, 0, stride);
-  for (size_t r = 0; r < total; ++r)
-    for (size_t h = 0; h < heads; ++h) qkv[r * stride + 3 * qd + h] += config_.state_gate_bias;
+  d.MatMul(h_.data(), W(w.wq), qkv, total, hidden, qd, 0, stride);
+  d.MatMul(h_.data(), W(w.wk), qkv + qd, total, hidden, qd, 0, stride);
+  d.MatMul(h_.data(), W(w.wv), qkv + 2 * qd, total, hidden, qd, 0, stride);
+  d.MatMul(h_.data(), W(w.wgate_state), qkv + 3 * qd, total, hidden, heads, 0, stride);
+  d.AddConstant(qkv + 3 * qd, stride, total, heads, config_.state_gate_bias);
 
   const KvLayout::LayerPlace& place = layout_.layers[l];
   const size_t bs = layout_.groups[place.group].block_size;
   const size_t state_floats = config_.StateFloats();
   float* state = state_.data();
+  float* pool = pool_.data();
   size_t row = 0;
   for (const SeqInput& s : seqs) {
     const std::vector<BlockId>& table = (*s.tables)[place.group];
@@ -401,25 +478,23 @@ void ModelRunner::StateLayer(size_t l, std::span<const SeqInput> seqs) {
     // The state after start_pos tokens: the snapshot (or running state) in the block that
     // holds token start_pos - 1.
     if (s.start_pos == 0) {
-      std::fill(state, state + state_floats, 0.0f);
+      d.Fill(state, state_floats, 0.0f);
     } else {
       const BlockId from = table[(s.start_pos - 1) / bs];
       assert(from != kNullBlock);
-      std::memcpy(state, &pool_[from * layout_.page_floats + place.offset],
-                  state_floats * sizeof(float));
+      d.Copy(state, pool + from * layout_.page_floats + place.offset, state_floats);
     }
     // Scan block by block, leaving each block's end state in it: the snapshot a later request
     // starts from when this block is a prefix-cache hit.
     for (size_t t = s.start_pos; t < s.start_pos + n;) {
       const size_t end = std::min(s.start_pos + n, (t / bs + 1) * bs);
       float* base = qkv + (row + t - s.start_pos) * stride;
-      kernels::StateScan(state, base, base + qd, base + 2 * qd, stride, base + 3 * qd, stride,
-                         end - t, static_cast<uint32_t>(heads), static_cast<uint32_t>(hd),
-                         attn_.data() + (row + t - s.start_pos) * qd, qd);
+      d.StateScan(state, base, base + qd, base + 2 * qd, stride, base + 3 * qd, stride, end - t,
+                  static_cast<uint32_t>(heads), static_cast<uint32_t>(hd),
+                  attn_.data() + (row + t - s.start_pos) * qd, qd);
       const BlockId to = table[(end - 1) / bs];
       assert(to != kNullBlock);
-      std::memcpy(&pool_[to * layout_.page_floats + place.offset], state,
-                  state_floats * sizeof(float));
+      d.Copy(pool + to * layout_.page_floats + place.offset, state, state_floats);
       t = end;
     }
     row += n;

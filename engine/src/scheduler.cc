@@ -212,6 +212,20 @@ void Scheduler::LoadFinished(Request* r, bool ok) {
   waiting_.push_front(r);
 }
 
+std::vector<RequestId> Scheduler::FailAll(const Status& error) {
+  std::vector<RequestId> failed;
+  for (auto& [id, r] : requests_) {
+    if (r->state == Request::State::kFinished || r->state == Request::State::kFailed) continue;
+    kv_cache_->Free(id);
+    r->state = Request::State::kFailed;
+    r->error = error;
+    failed.push_back(id);
+  }
+  waiting_.clear();
+  running_.clear();
+  return failed;
+}
+
 std::vector<RequestId> Scheduler::Update(const SchedulerOutput& out,
                                          std::span<const uint32_t> sampled) {
   std::vector<RequestId> finished;

@@ -741,5 +741,42 @@ TEST_P(EngineConnectorFailureTest, BadLoadsAreRecomputedServedLoadsAreUsed) {
 
 INSTANTIATE_TEST_SUITE_P(Builtins, EngineConnectorFailureTest, BuiltinModels(), BuiltinModelName);
 
+// --- A pool apart from the host pages (a GPU's) -----------------------------------------------
+
+class EngineConnectorStagedTest : public ::testing::TestWithParam<std::string> {};
+
+// With the pool in device memory the connector moves a host mirror: stores must copy their
+// pages to it after the compute, loads copy theirs back before the request computes. The
+// "cpu-staged" device keeps the pool apart as a GPU does, so a missing or misordered copy
+// stores or computes from stale pages. Each direction is checked against a plain CPU engine on
+// the other side: blocks pushed from a staged engine serve a CPU engine, and blocks pushed from
+// a CPU engine serve a staged one, with the tokens of no offload.
+TEST_P(EngineConnectorStagedTest, BlocksCrossTheHostMirrorBothWays) {
+  const std::string model = GetParam();
+  const std::vector<uint32_t> prompt = Tokens(150, 23);
+  const std::vector<uint32_t> want = Reference(model, prompt, 6);
+  EngineOptions staged;
+  staged.device = "cpu-staged";
+  for (bool staged_pushes : {true, false}) {
+    SCOPED_TRACE(staged_pushes ? "staged pushes, cpu pulls" : "cpu pushes, staged pulls");
+    FakeNodeStore store;
+    {
+      std::unique_ptr<Engine> pusher =
+          MakeEngine(model, &store, nullptr, staged_pushes ? staged : EngineOptions{});
+      EXPECT_EQ(pusher->runner().host_pool_is_pool(), !staged_pushes);
+      EXPECT_EQ(RunRequest(*pusher, prompt, 1).tokens, Reference(model, prompt, 1));
+    }
+    std::unique_ptr<Engine> puller =
+        MakeEngine(model, &store, nullptr, staged_pushes ? EngineOptions{} : staged);
+    const Outcome o = RunRequest(*puller, prompt, 6);
+    EXPECT_EQ(o.tokens, want);
+    EXPECT_GT(o.external, 0u);
+    EXPECT_EQ(o.computed_prompt, prompt.size() - o.external);
+    EXPECT_EQ(puller->counters().load_failures, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Builtins, EngineConnectorStagedTest, BuiltinModels(), BuiltinModelName);
+
 }  // namespace
 }  // namespace kvstash::engine

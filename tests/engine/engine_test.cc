@@ -116,6 +116,28 @@ TEST_P(EngineModelTest, PreemptionAndResumeGiveTheSameTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Builtins, EngineModelTest, BuiltinModels(), BuiltinModelName);
 
+// "cpu-staged" keeps the pool, the weights and the scratch in memory apart from what the
+// runner reads on the host, as a GPU does: the same kernels must give the same tokens (bit for
+// bit), with prefix-cache hits, chunked prefill and the ring layout, and a missing copy
+// between the two shows up as different tokens.
+TEST_P(EngineModelTest, StagedDeviceGivesTheCpuTokens) {
+  const auto prompts = SharedPrefixPrompts();
+  for (bool ring : {false, true}) {
+    SCOPED_TRACE(ring ? "swa ring" : "pool layout");
+    EngineOptions o;
+    o.swa_ring = ring;
+    o.scheduler.max_num_batched_tokens = 40;
+    auto cpu = Make(GetParam(), o);
+    o.device = "cpu-staged";
+    auto staged = Make(GetParam(), o);
+    EXPECT_EQ(staged->runner().device().name(), "cpu-staged");
+    EXPECT_FALSE(staged->runner().host_pool_is_pool());
+    for (const auto& p : prompts)
+      EXPECT_EQ(GenerateAll(*staged, {p}, 10), GenerateAll(*cpu, {p}, 10));
+    EXPECT_EQ(GenerateAll(*staged, prompts, 10), GenerateAll(*cpu, prompts, 10));
+  }
+}
+
 TEST(EngineTest, AttentionPackingChangesNoTokenAndRefinesHits) {
   const auto prompts = SharedPrefixPrompts();
   Outputs want;
@@ -188,6 +210,27 @@ TEST(EngineTest, RequestLargerThanThePoolFailsInsteadOfSpinning) {
     }
   }
   EXPECT_EQ(e->kv_cache().num_free_blocks(), 4u);
+}
+
+TEST(EngineTest, UnknownOrMissingDevicesAreRefusedAtCreate) {
+  auto config = ModelConfig::Load("builtin:tiny-hybrid");
+  ASSERT_TRUE(config.ok());
+  EngineOptions o;
+  o.device = "tpu";
+  auto bad = Engine::Create(*config, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("cpu, cpu-staged or cuda"), std::string::npos);
+  // "cuda" works where a GPU is; elsewhere it says why not.
+  o.device = "cuda";
+  auto cuda = Engine::Create(*config, o);
+  if (!cuda.ok()) {
+    EXPECT_TRUE(cuda.status().code() == StatusCode::kUnimplemented ||
+                cuda.status().code() == StatusCode::kFailedPrecondition)
+        << cuda.status().ToString();
+  } else {
+    EXPECT_EQ((*cuda)->runner().device().name(), "cuda");
+  }
 }
 
 TEST(EngineTest, BadLayoutsAreRefusedAtCreate) {

@@ -163,14 +163,14 @@ std::vector<float> Paged(const ModelConfig& c, const ModelWeights& w, const KvLa
   KvCacheManager kv(o);
   ModelRunner runner(c, w, layout, o.num_blocks);
   // Poison the pool: a read of a page the request does not own shows up as NaN.
-  std::fill(runner.pool().begin(), runner.pool().end(), std::nanf(""));
+  runner.device().Fill(runner.device_pool(), runner.host_pool().size(), std::nanf(""));
   std::vector<float> all, logits;
   size_t done = 0, step = 0;
   while (done < tokens.size()) {
     const size_t n = std::min(chunks[step++ % chunks.size()], tokens.size() - done);
     EXPECT_TRUE(kv.AllocateSlots(1, {}, tokens.size(), done, n));
     SeqInput in{std::span<const uint32_t>(tokens).subspan(done, n), done, &kv.BlockTables(1)};
-    runner.Forward({&in, 1}, logits, /*all_positions=*/true);
+    EXPECT_TRUE(runner.Forward({&in, 1}, logits, /*all_positions=*/true).ok());
     all.insert(all.end(), logits.begin(), logits.end());
     done += n;
   }

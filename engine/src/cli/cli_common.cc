@@ -44,6 +44,13 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
                 "window's tokens outside the KV-cache pool (as some accelerators require); the "
                 "pool then holds only the blocks the prefix cache keeps, copied in the usual "
                 "layout, so prefix-cache hits still work");
+  app->add_option("--device", f.device,
+                  "where the model runs: cpu, cuda (the first visible GPU; the KV-cache pool in "
+                  "GPU memory, blocks to and from offload nodes through a pinned host mirror on "
+                  "a copy stream of their own), or cpu-staged (the CPU, with the pool kept apart "
+                  "from the host pages offload moves, as on a GPU: for testing that path)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda", "cpu-staged"}));
   app->add_option("--nodes", f.nodes,
                   "offload nodes (kvstashd) to share KV through, HOST:PORT[,HOST:PORT...]: "
                   "prompts load what the nodes hold and push the full blocks they compute. Each "
@@ -68,6 +75,7 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
   o.num_blocks = f.num_blocks;
   o.prefix_caching = !f.no_prefix_cache;
   o.swa_ring = f.swa_ring;
+  o.device = f.device;
   o.scheduler.max_num_batched_tokens = f.max_batched_tokens;
   o.scheduler.max_num_seqs = f.max_num_seqs;
   if (f.seed_set) o.seed = f.seed;

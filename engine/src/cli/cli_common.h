@@ -32,6 +32,7 @@ struct ModelFlags {
   size_t max_num_seqs = 16;
   bool no_prefix_cache = false;
   bool swa_ring = false;
+  std::string device = "cpu";
   std::string nodes;  // HOST:PORT[,HOST:PORT...]
   std::string key_namespace = "kvstash-engine";
   std::string auth_token_file;

@@ -109,6 +109,8 @@ connector::KvConnectorOptions ConnectorOptionsOf(const OffloadContext& context) 
   c.pool = {reinterpret_cast<std::byte*>(context.pool.data()), context.layout->page_bytes(),
             context.pool.size() / context.layout->page_floats};
   c.fingerprint = context.fingerprint;
+  c.pages_to_host = context.pages_to_host;
+  c.pages_to_device = context.pages_to_device;
   return c;
 }
 

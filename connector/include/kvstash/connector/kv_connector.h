@@ -14,7 +14,9 @@
 // Owned by the engine; called from the engine's thread only.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -31,6 +33,11 @@ struct KvConnectorOptions {
   OffloadSchedulerOptions scheduler;  // the engine's KV-cache groups (block_size_factor 1)
   PoolView pool;                      // the engine's paged pool: one page per GPU block
   uint64_t fingerprint = 0;           // model, weights and layout (BlockTransfer)
+  // Set when `pool` is a host mirror of pages in device memory (a GPU's paged cache): the
+  // pages of the step's stores go to the mirror (after the compute that wrote them) before
+  // they are read, and the pages of a load that arrived go back to the device before the
+  // request computes. An error fails those stores or that load. Empty: `pool` is the pool.
+  std::function<Status(std::span<const uint32_t>)> pages_to_host, pages_to_device;
 };
 
 struct KvConnectorStats {
@@ -89,6 +96,9 @@ class KvConnector {
   NodeOffloadManager* manager_;  // owned by scheduler_; null when another manager was given
   std::vector<TransferJob> pending_stores_;
   std::unordered_map<JobId, bool> load_outcomes_;
+  std::function<Status(std::span<const uint32_t>)> pages_to_host_, pages_to_device_;
+  // Submitted loads' pages, for pages_to_device.
+  std::unordered_map<JobId, std::vector<GpuBlockId>> load_pages_;
   KvConnectorStats stats_;
 };
 

@@ -32,6 +32,11 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   std::optional<uint64_t> seed;  // weights seed; default the config's
   std::string weights_path;      // a safetensors file instead of seeded weights
+  // Where the model runs (kernels::MakeDevice): "cpu", "cuda" (the first visible GPU), or
+  // "cpu-staged" (the CPU, with the pool apart from the host pages a connector moves, as on a
+  // GPU). The fingerprint does not depend on it: a block computed on one device serves the
+  // others (its floats may differ in the last bits).
+  std::string device = "cpu";
   // Shares KV through offload nodes (engine::NodeOffload in kvstash::engine_offload); empty:
   // the engine keeps its KV to itself.
   KvOffloadFactory offload;
@@ -48,7 +53,9 @@ struct EngineCounters {
 class Engine {
  public:
   // InvalidArgument for a layout that does not fit the model (block size, pack), NotFound or
-  // InvalidArgument for an unreadable weights file.
+  // InvalidArgument for an unreadable weights file; MakeDevice's errors for the device.
+  // A device that fails later (a GPU fault) fails every request in flight with its error, and
+  // every request after.
   static Result<std::unique_ptr<Engine>> Create(ModelConfig config, EngineOptions options);
   ~Engine();  // waits for transfers to and from the offload nodes
 
@@ -97,6 +104,7 @@ class Engine {
   std::vector<float> logits_;
   std::vector<uint32_t> sampled_;
   uint64_t fingerprint_ = 0;
+  Status device_error_;  // the device failed: nothing more runs
   std::unique_ptr<KvOffload> offload_;
   std::vector<RequestId> finished_since_step_;  // for the offload's next step
 };

@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "kvstash/common/status.h"
 #include "kvstash/engine/cache_hit.h"
 #include "kvstash/engine/model.h"
+#include "kvstash/kernels/device.h"
 #include "kvstash/kernels/paged_attention.h"
 
 namespace kvstash::engine {
@@ -63,8 +66,13 @@ struct SeqInput {
   RequestId request = 0;
 };
 
-// Owns the weights, the paged KV pool and the rings of ring layers (KvLayout's swa_ring). Not
-// thread-safe: one step at a time.
+// Owns the weights, the paged KV pool and the rings of ring layers (KvLayout's swa_ring), all in
+// the memory of its device (kernels::Device: the CPU, or a GPU with "cuda"), where the forward
+// pass runs. Not thread-safe: one step at a time.
+//
+// A connector reads and writes pages on the host: host_pool() is the pool itself on a device
+// whose memory is host memory, else a host mirror (pinned) that PagesToHost and PagesToDevice
+// keep in step with the pool, page by page, when asked.
 //
 // A ring layer's step, per request: a step buffer (runner-owned scratch) holds the positions
 // [max(0, s - W + 1), s + n) in the pool's page layout behind a synthetic block table (null
@@ -75,18 +83,30 @@ struct SeqInput {
 // when its table entry is not null (a block the manager caches).
 class ModelRunner {
  public:
-  ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout, size_t num_blocks);
+  // `device` null: the CPU. The weights are copied to a device whose memory is not the host's.
+  ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout, size_t num_blocks,
+              std::shared_ptr<kernels::Device> device = nullptr);
 
   const ModelConfig& config() const { return config_; }
   const KvLayout& layout() const { return layout_; }
   size_t num_blocks() const { return num_blocks_; }
-  // The pool: num_blocks pages of layout().page_floats floats (for block movement).
-  std::span<float> pool() { return pool_; }
+  kernels::Device& device() { return *device_; }
+  // The pool in device memory: num_blocks pages of layout().page_floats floats.
+  float* device_pool() { return pool_.data(); }
+  // The pages a connector moves (see the class comment), and whether they are the pool itself.
+  std::span<float> host_pool() { return {host_pool_, num_blocks_ * layout_.page_floats}; }
+  bool host_pool_is_pool() const { return host_pool_ == pool_.data(); }
+  // Copies these pages pool -> host_pool() once the steps run so far wrote them, and returns
+  // when they are there; host_pool() -> pool, before the next step reads them. No-ops when
+  // host_pool() is the pool. Internal naming the device's error.
+  Status PagesToHost(std::span<const uint32_t> blocks);
+  Status PagesToDevice(std::span<const uint32_t> blocks);
 
   // Runs one step. `logits` receives vocab_size floats per sequence for its last token, or,
-  // with all_positions, for each of its tokens (sequence after sequence).
-  void Forward(std::span<const SeqInput> seqs, std::vector<float>& logits,
-               bool all_positions = false);
+  // with all_positions, for each of its tokens (sequence after sequence). Internal naming the
+  // device's error when the device failed (a GPU fault: nothing later on it can be trusted).
+  Status Forward(std::span<const SeqInput> seqs, std::vector<float>& logits,
+                 bool all_positions = false);
 
   // Gives back the request's rings (it finished, failed or was preempted): its next step, if
   // any, starts fresh ones. No-op for a request without rings.
@@ -108,16 +128,33 @@ class ModelRunner {
   // Ring slots of this step's requests, and the step buffers' block tables.
   void PrepareRings(std::span<const SeqInput> seqs);
   kernels::PagedLayer StepBufferLayer() const;
+  // A ring's step-buffer table for one sequence: on the host, and staged on the device.
   std::span<const uint32_t> StepTable(size_t ring, size_t seq) const;
+  const uint32_t* StagedStepTable(size_t ring, size_t seq) const;
+  // A weight tensor in device memory.
+  const float* W(const std::vector<float>& host) const;
 
+  // First: the buffers below give their memory back to it.
+  std::shared_ptr<kernels::Device> device_;
   ModelConfig config_;
   ModelWeights weights_;
   KvLayout layout_;
   size_t num_blocks_;
-  std::vector<float> pool_;
+  // Weights copied to the device, by the host tensor's data (empty when the device's memory is
+  // the host's).
+  std::vector<kernels::DeviceBuffer> weight_buffers_;
+  std::unordered_map<const float*, const float*> device_weight_;
+  kernels::DeviceBuffer pool_;
+  float* host_pool_ = nullptr;  // pool_.data(), or host_mirror_
+  std::unique_ptr<float[], std::function<void(float*)>> host_mirror_;
   // Scratch, grown to the largest step seen: no allocation per token.
-  std::vector<float> x_, h_, qkv_, attn_, ff_gate_, ff_up_, state_;
-  std::vector<uint32_t> positions_;
+  kernels::DeviceBuffer x_, h_, qkv_, attn_, ff_gate_, ff_up_, state_, logits_;
+  std::vector<uint32_t> positions_, tokens_;
+  // This step's staged arrays: positions, tokens, and each sequence's table per group
+  // ([seq * groups + group]).
+  const uint32_t* staged_positions_ = nullptr;
+  std::vector<const uint32_t*> staged_tables_;
+  const uint32_t* staged_step_tables_ = nullptr;
 
   // Rings: one slot of ring_slot_floats_ per request, each ring layer's W keys then W values
   // at its offset (position p at row p % W). Slots are reused, so a request costs no
@@ -126,7 +163,8 @@ class ModelRunner {
   std::vector<int32_t> ring_of_layer_;  // per layer: its ring layer (a KV-sharing layer its
                                         // target's), or -1
   size_t ring_slot_floats_ = 0;
-  std::vector<float> ring_arena_;
+  kernels::DeviceBuffer ring_arena_;
+  uint32_t num_ring_slots_ = 0;
   std::vector<uint32_t> free_ring_slots_;
   std::unordered_map<RequestId, uint32_t> ring_slot_of_;
   // This step: per sequence its slot and whether the slot is new; the step buffers (page 0
@@ -134,7 +172,7 @@ class ModelRunner {
   std::vector<uint32_t> step_slot_;
   std::vector<uint8_t> step_fresh_;
   size_t step_page_floats_ = 0;
-  std::vector<float> step_pages_;
+  kernels::DeviceBuffer step_pages_;
   std::vector<uint32_t> step_tables_;
   std::vector<size_t> step_table_at_;  // [ring * seqs + seq], one past the end last
 };

@@ -47,7 +47,11 @@ class KvOffload : public ExternalKvSource {
 // What an offload implementation is built against.
 struct OffloadContext {
   const KvLayout* layout = nullptr;
-  std::span<float> pool;  // the paged pool: layout->page_floats per block
+  std::span<float> pool;  // the paged pool (or its host mirror): layout->page_floats per block
+  // Set when `pool` is a host mirror of a pool in device memory (ModelRunner::PagesToHost and
+  // PagesToDevice): pages to the mirror before a store reads them, back after a load wrote
+  // them. Empty when `pool` is the pool.
+  std::function<Status(std::span<const uint32_t>)> pages_to_host, pages_to_device;
   const KvCacheManager* kv_cache = nullptr;
   uint64_t fingerprint = 0;  // model, weights and layout
   bool prefix_caching = true;

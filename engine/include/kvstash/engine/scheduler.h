@@ -121,6 +121,8 @@ class Scheduler {
   // local prefix-cache hit, never asking the external source again. Either way it waits to
   // run.
   void LoadFinished(Request* request, bool ok);
+  // Fails every request not finished yet with `error` (their blocks freed). Returns their ids.
+  std::vector<RequestId> FailAll(const Status& error);
 
  private:
   void Preempt(Request* request);
