@@ -91,6 +91,35 @@ TEST(EngineCliTest, BadArgumentsExitTwoWithAReason) {
   EXPECT_NE(r.out.find("bench"), std::string::npos);
 }
 
+TEST(EngineCliTest, DeviceFlagRunsTheSameTokensOrSaysWhyNot) {
+  std::vector<uint32_t> prompt;
+  for (uint32_t i = 0; i < 50; ++i) prompt.push_back((i * 29 + 3) % 256);
+  auto config = ModelConfig::Load("builtin:tiny-hybrid");
+  ASSERT_TRUE(config.ok());
+  auto engine = Engine::Create(*config, {});
+  ASSERT_TRUE(engine.ok());
+  auto want = (*engine)->Generate({prompt}, 6);
+  ASSERT_TRUE(want.ok());
+  for (const std::string device : {"cpu", "cpu-staged", "cuda"}) {
+    const auto r =
+        RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:tiny-hybrid", "--prompt",
+                    Join(prompt), "--max-new-tokens", "6", "--device", device});
+    if (device == "cuda" && r.exit_code != 0) {
+      // No GPU here (or no CUDA in this build): a reason, not a crash.
+      EXPECT_EQ(r.exit_code, 1) << r.err;
+      EXPECT_NE(r.err.find("CUDA"), std::string::npos) << r.err;
+      continue;
+    }
+    ASSERT_EQ(r.exit_code, 0) << device << ": " << r.err;
+    const auto lines = Lines(r.out);
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.back(), Join((*want)[0]->output())) << device;
+  }
+  const auto r = RunProcess({KVSTASH_ENGINE_PATH, "generate", "--prompt", "1", "--device", "tpu"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--device"), std::string::npos) << r.err;
+}
+
 TEST(EngineCliTest, BenchPrintsRatesAndTheModelSize) {
   const auto r = RunProcess({KVSTASH_ENGINE_PATH, "bench", "--model", "builtin:tiny-hybrid",
                              "--batch", "2", "--prompt-len", "40", "--decode-tokens", "4"});
