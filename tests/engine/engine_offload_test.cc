@@ -66,7 +66,7 @@ class FakeOffload : public KvOffload {
         if (mode_ == Mode::kBadBlocks) {
           std::fill(dst, dst + page, std::nanf(""));  // what a torn transfer could leave
         } else {
-          std::memcpy(dst, donor_->runner().pool().data() + size_t{from} * page,
+          std::memcpy(dst, donor_->runner().host_pool().data() + size_t{from} * page,
                       page * sizeof(float));
         }
       }
