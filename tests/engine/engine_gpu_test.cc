@@ -12,6 +12,7 @@
 
 #include "builtin_models.h"
 #include "fake_node_store.h"
+#include "generate_util.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
 #include "kvstash/engine/node_offload.h"
@@ -22,7 +23,6 @@ namespace {
 
 using fakes::FakeNodeStore;
 using fakes::FakeStoreClient;
-using Outputs = std::vector<std::vector<uint32_t>>;
 
 std::vector<uint32_t> Tokens(size_t n, uint64_t seed) {
   std::vector<uint32_t> t(n);
@@ -45,15 +45,6 @@ std::unique_ptr<Engine> Make(const std::string& model, EngineOptions o,
   auto engine = Engine::Create(*config, std::move(o));
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   return engine.ok() ? std::move(engine).value() : nullptr;
-}
-
-Outputs Generate(Engine& e, const std::vector<std::vector<uint32_t>>& prompts, size_t max_new) {
-  auto results = e.Generate(prompts, max_new);
-  EXPECT_TRUE(results.ok()) << results.status().ToString();
-  Outputs out;
-  if (!results.ok()) return out;
-  for (const auto& r : *results) out.emplace_back(r->output().begin(), r->output().end());
-  return out;
 }
 
 // Prompts sharing prefixes of several lengths, and one long enough for many blocks.
@@ -96,10 +87,10 @@ TEST_P(EngineGpuTest, CudaGivesTheCpuTokens) {
         ASSERT_TRUE(r.ok()) << r.status().ToString();
         hits += (*r)[0]->num_cached_tokens;
         EXPECT_EQ(std::vector<uint32_t>((*r)[0]->output().begin(), (*r)[0]->output().end()),
-                  Generate(*cpu, {p}, 16)[0]);
+                  GenerateAll(*cpu, {p}, 16)[0]);
       }
       EXPECT_GT(hits, 0u);
-      EXPECT_EQ(Generate(*gpu, prompts, 16), Generate(*cpu, prompts, 16));
+      EXPECT_EQ(GenerateAll(*gpu, prompts, 16), GenerateAll(*cpu, prompts, 16));
     }
   }
 }
@@ -111,14 +102,14 @@ TEST_P(EngineGpuTest, BlocksCrossBetweenGpuAndCpuEngines) {
   const std::vector<uint32_t> prompt = Tokens(250, 9);
   EngineOptions cpu_options, gpu_options;
   gpu_options.device = "cuda";
-  const std::vector<uint32_t> want = Generate(*Make(GetParam(), cpu_options), {prompt}, 8)[0];
+  const std::vector<uint32_t> want = GenerateAll(*Make(GetParam(), cpu_options), {prompt}, 8)[0];
   for (bool gpu_pushes : {true, false}) {
     SCOPED_TRACE(gpu_pushes ? "gpu pushes, cpu pulls" : "cpu pushes, gpu pulls");
     FakeNodeStore store;
     {
       auto pusher = Make(GetParam(), gpu_pushes ? gpu_options : cpu_options, &store);
       ASSERT_NE(pusher, nullptr);
-      Generate(*pusher, {prompt}, 1);
+      GenerateAll(*pusher, {prompt}, 1);
       pusher->DrainOffload();
     }
     auto puller = Make(GetParam(), gpu_pushes ? cpu_options : gpu_options, &store);

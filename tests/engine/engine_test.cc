@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "builtin_models.h"
+#include "generate_util.h"
 #include "kvstash/common/hash.h"
 
 namespace kvstash::engine {
@@ -27,18 +28,6 @@ std::unique_ptr<Engine> Make(const std::string& model, EngineOptions o = {}) {
   auto engine = Engine::Create(*config, o);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   return std::move(engine).value();
-}
-
-using Outputs = std::vector<std::vector<uint32_t>>;
-
-// Runs the prompts, all queued at once, and returns each one's generated tokens.
-Outputs GenerateAll(Engine& e, const std::vector<std::vector<uint32_t>>& prompts, size_t max_new) {
-  auto results = e.Generate(prompts, max_new);
-  EXPECT_TRUE(results.ok()) << results.status().ToString();
-  Outputs out;
-  if (!results.ok()) return out;
-  for (const auto& r : *results) out.emplace_back(r->output().begin(), r->output().end());
-  return out;
 }
 
 // Prompts that share prefixes of various lengths (a conversation and its branches).
