@@ -113,6 +113,10 @@ class ArcPolicy final : public ReplacementPolicy {
     state->arc_target = target_;
   }
 
+  PolicySizes Sizes() const override {
+    return {t1_.size(), t2_.size(), ghosts_.size(kB1), ghosts_.size(kB2), target_};
+  }
+
   size_t MemoryBytes() const override {
     return sizeof(*this) + t1_.MemoryBytes() + t2_.MemoryBytes() + ghosts_.MemoryBytes() +
            hashes_.capacity() * sizeof(uint64_t);

@@ -444,6 +444,13 @@ class BlockManagerImpl final : public BlockManager {
     return bytes;
   }
 
+  EvictionPolicy policy() const override { return options_.policy; }
+
+  PolicySizes policy_sizes() const override {
+    MutexLock lock(&mu_);
+    return policy_->Sizes();
+  }
+
   BlockManagerState DebugState() const override {
     MutexLock lock(&mu_);
     BlockManagerState state;

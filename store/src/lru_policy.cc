@@ -46,6 +46,8 @@ class LruPolicy final : public ReplacementPolicy {
     for (uint32_t id : ids) state->lru.push_back({entries_[id].key, id, entries_[id].ref});
   }
 
+  PolicySizes Sizes() const override { return {list_.size(), 0, 0, 0, 0.0}; }
+
   size_t MemoryBytes() const override { return sizeof(*this) + list_.MemoryBytes(); }
 
   Status SetTarget(double /*target*/) override {

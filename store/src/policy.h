@@ -40,6 +40,7 @@ class ReplacementPolicy {
   virtual void EvictChosen(std::span<const uint32_t> ids) = 0;
   virtual void Clear() = 0;
   virtual void Describe(BlockManagerState* state) const = 0;
+  virtual PolicySizes Sizes() const = 0;
   virtual size_t MemoryBytes() const = 0;
   virtual Status SetTarget(double target) = 0;
 };

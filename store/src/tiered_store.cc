@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "kvstash/common/logging.h"
@@ -88,7 +89,13 @@ class TieredStore::IoPool {
 struct TieredStore::Counters {
   std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
       cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
-      failed_cascade_calls{0}, cpu_evictions{0}, quota_refusals{0};
+      failed_cascade_calls{0}, cpu_evictions{0}, quota_refusals{0}, promotions_deferred{0},
+      cascades_deferred{0};
+  // Blocks being promoted (their CPU slots being written), blocks being cascaded (their CPU
+  // copies pinned), and committed blocks whose cascade waits for their eviction. Under `mu`.
+  size_t promotions_in_flight = 0;
+  size_t cascades_in_flight = 0;
+  std::set<OffloadKey> deferred_cascades;
 
   // One lock for tier decisions: a key moves between the tiers' indexes atomically with
   // respect to lookups (it is never absent from both while in transit).
@@ -161,6 +168,12 @@ TieredStore::TieredStore(const TieredStoreOptions& options, std::unique_ptr<Bloc
     : block_bytes_(options.block_bytes),
       cascade_(options.cascade),
       staging_limit_(options.writeback_staging_blocks),
+      promotion_cap_(options.max_promotions_in_flight != 0
+                         ? options.max_promotions_in_flight
+                         : std::max<size_t>(64, options.cpu_capacity_blocks / 4)),
+      cascade_cap_(options.max_cascades_in_flight != 0
+                       ? options.max_cascades_in_flight
+                       : std::max<size_t>(64, options.cpu_capacity_blocks / 2)),
       cpu_(std::move(cpu)),
       slab_(std::move(slab)),
       ssd_(std::move(ssd)),
@@ -180,8 +193,15 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   if (cpu != LookupResult::kMiss || !ssd_) return cpu;
   const LookupResult ssd = ssd_->Lookup(key);
   if (ssd != LookupResult::kHit) return ssd;
-  // Only on SSD: reserve a CPU slot (the CPU tier now answers RETRY, so the block is promoted
-  // once however often it is looked up) and pin the SSD copy.
+  // Only on SSD. Promotions hold CPU slots until their read is done: past the cap, the block
+  // is asked for again (RETRY) without starting one, so that lookups faster than the disk
+  // never fill the CPU tier with slots being written and leave no room for stores.
+  if (counters_->promotions_in_flight >= promotion_cap_) {
+    counters_->promotions_deferred += 1;
+    return LookupResult::kRetry;
+  }
+  // Reserve a CPU slot (the CPU tier now answers RETRY, so the block is promoted once however
+  // often it is looked up) and pin the SSD copy.
   const OffloadKey keys[] = {key};
   StorePlan plan;
   if (!cpu_->PrepareStore(keys, &plan).ok()) {  // no CPU room
@@ -198,13 +218,8 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   deferred->promotion.cpu_slots.push_back(plan.slots[0]);
   deferred->promotion.ssd_slots.push_back(ssd_slots[0]);
   counters_->promotions_started += 1;
-  // Under write-through an evicted CPU block is already on SSD (unless its cascade failed);
-  // under write-back it goes there now, before the promotion overwrites its slot.
-  if (cascade_ == CascadeMode::kWriteBack) {
-    deferred->evicted.insert(deferred->evicted.end(), plan.evicted.begin(), plan.evicted.end());
-    deferred->evicted_slots.insert(deferred->evicted_slots.end(), plan.evicted_slots.begin(),
-                                   plan.evicted_slots.end());
-  }
+  counters_->promotions_in_flight += 1;
+  NoteEvictedLocked(plan, deferred);
   return LookupResult::kRetry;
 }
 
@@ -272,10 +287,24 @@ void TieredStore::RunPromotion(const Transfer& promotion) {
   cpu_->CompleteStore(good, true);
   cpu_->CompleteStore(bad, false);
   counters_->promotions_done += good.size();
+  counters_->promotions_in_flight -= promotion.keys.size();
   counters_->promotion_failures += bad.size();
 }
 
 // --- Write-back ------------------------------------------------------------------------------
+
+void TieredStore::NoteEvictedLocked(const StorePlan& plan, Deferred* deferred) {
+  // Under write-back an evicted block goes to SSD now, before its slot is reused; under
+  // write-through it is there already, unless its cascade was deferred (then it goes now).
+  for (size_t i = 0; i < plan.evicted.size(); ++i) {
+    if (cascade_ != CascadeMode::kWriteBack &&
+        counters_->deferred_cascades.erase(plan.evicted[i]) == 0) {
+      continue;
+    }
+    deferred->evicted.push_back(plan.evicted[i]);
+    deferred->evicted_slots.push_back(plan.evicted_slots[i]);
+  }
+}
 
 void TieredStore::PlanWriteBackLocked(Deferred* deferred) {
   if (deferred->evicted.empty()) return;
@@ -390,9 +419,8 @@ Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* pl
       return s;
     }
     counters_->cpu_evictions += plan->evicted.size();
-    if (ssd_ && cascade_ == CascadeMode::kWriteBack) {
-      deferred.evicted = plan->evicted;
-      deferred.evicted_slots = plan->evicted_slots;
+    if (ssd_) {
+      NoteEvictedLocked(*plan, &deferred);
       PlanWriteBackLocked(&deferred);
     }
   }
@@ -400,7 +428,8 @@ Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* pl
   return Status::OK();
 }
 
-void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade) {
+void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade,
+                                     bool bounded) {
   std::vector<OffloadKey> candidates;
   for (const OffloadKey& key : keys) {
     if (cpu_->Lookup(key) != LookupResult::kHit || ssd_->Lookup(key) != LookupResult::kMiss) {
@@ -410,6 +439,20 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
       candidates.push_back(key);
     }
   }
+  // A cascade pins its CPU copies until the disk has them. Past the cap (a disk slower than the
+  // stores) the rest wait for their eviction, as under write-back, instead of pinning the CPU
+  // tier full and leaving no room for stores.
+  if (bounded) {
+    const size_t room = counters_->cascades_in_flight < cascade_cap_
+                            ? cascade_cap_ - counters_->cascades_in_flight
+                            : 0;
+    while (candidates.size() > room) {
+      counters_->deferred_cascades.insert(candidates.back());
+      counters_->cascades_deferred += 1;
+      candidates.pop_back();
+    }
+  }
+  for (const OffloadKey& key : candidates) counters_->deferred_cascades.erase(key);
   if (candidates.empty()) return;
   std::vector<SlotId> cpu_slots;
   if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) return;  // pin overflow: skip
@@ -421,6 +464,7 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
     KVSTASH_LOG_WARN("cascade of {} blocks to SSD skipped: {}", candidates.size(), s.ToString());
     return;
   }
+  counters_->cascades_in_flight += candidates.size();
   cascade->keys = std::move(candidates);
   cascade->cpu_slots = std::move(cpu_slots);
   cascade->ssd_slots = std::move(plan.slots);
@@ -432,7 +476,7 @@ void TieredStore::CompleteStore(std::span<const OffloadKey> keys, bool success) 
     MutexLock lock(&counters_->mu);
     cpu_->CompleteStore(keys, success);
     if (success && ssd_ && cascade_ == CascadeMode::kWriteThrough) {
-      StartCascadeLocked(keys, &cascade);
+      StartCascadeLocked(keys, &cascade, /*bounded=*/true);
     }
   }
   if (!cascade.keys.empty()) {
@@ -444,14 +488,21 @@ void TieredStore::RunCascade(const Transfer& cascade) {
   std::vector<std::span<const std::byte>> sources;
   for (SlotId slot : cascade.cpu_slots) sources.push_back(slab_->Slot(slot));
   WriteToSsd(cascade, sources);
+  MutexLock lock(&counters_->mu);
   cpu_->CompleteLoad(cascade.keys).IgnoreError();
+  counters_->cascades_in_flight -= cascade.keys.size();
 }
 
 void TieredStore::WaitIdle() { io_->WaitIdle(); }
 
 Status TieredStore::Flush() {
   WaitIdle();
-  if (!ssd_ || cascade_ != CascadeMode::kWriteBack) return Status::OK();
+  if (!ssd_) return Status::OK();
+  if (cascade_ != CascadeMode::kWriteBack) {
+    // Write-through: only the cascades deferred past the cap are left to write.
+    MutexLock lock(&counters_->mu);
+    if (counters_->deferred_cascades.empty()) return Status::OK();
+  }
   const BlockManagerState state = cpu_->DebugState();
   std::vector<OffloadKey> keys;
   for (const auto* list : {&state.lru, &state.t1, &state.t2}) {
@@ -467,7 +518,7 @@ Status TieredStore::Flush() {
     Transfer cascade;
     {
       MutexLock lock(&counters_->mu);
-      StartCascadeLocked(batch, &cascade);
+      StartCascadeLocked(batch, &cascade, /*bounded=*/false);
     }
     if (!cascade.keys.empty()) RunCascade(cascade);
   }
@@ -482,6 +533,8 @@ TieredStoreStats TieredStore::stats() const {
   TieredStoreStats s;
   s.promotions_started = counters_->promotions_started;
   s.promotions_done = counters_->promotions_done;
+  s.promotions_deferred = counters_->promotions_deferred;
+  s.cascades_deferred = counters_->cascades_deferred;
   s.promotion_failures = counters_->promotion_failures;
   s.cascades_done = counters_->cascades_done;
   s.cascade_failures = counters_->cascade_failures;

@@ -256,6 +256,72 @@ TEST_F(TieredStoreTest, CascadingBlockIsPinnedAgainstEviction) {
   store->WaitIdle();
 }
 
+// A disk behind the stores never pins the CPU tier full: past max_cascades_in_flight a
+// committed block's cascade waits for its eviction, which writes it (as write-back), so stores
+// keep finding room and nothing committed is lost.
+TEST_F(TieredStoreTest, CascadesPastTheCapWaitForEvictionAndStoresKeepFindingRoom) {
+  TieredStoreOptions options = Options(4, 32);
+  options.max_cascades_in_flight = 1;
+  auto store = Open(options);
+  gate_.Close();
+  Store(*store, Keys({1}));        // cascading (held at the gate): pinned
+  Store(*store, Keys({2, 3, 4}));  // past the cap: not pinned, cascade deferred
+  EXPECT_EQ(store->stats().cascades_deferred, 3u);
+  // Without the cap all four would be pinned and this store refused.
+  Store(*store, Keys({5, 6}));  // evicts 2 and 3, which go to SSD now
+  gate_.Open();
+  store->WaitIdle();
+  EXPECT_EQ(store->stats().cascades_deferred, 5u);  // 5 and 6 came while 1 was still out
+  for (uint64_t k : {1, 2, 3}) ExpectSsdBlock(*store, k);
+  std::vector<std::byte> out;
+  for (uint64_t k : {4, 5, 6})
+    EXPECT_EQ(store->ssd()->Get(Key(k), &out).code(), StatusCode::kNotFound) << k;
+  // Flush (a node stopping) writes what is left.
+  ASSERT_TRUE(store->Flush().ok());
+  for (uint64_t k : {1, 2, 3, 4, 5, 6}) ExpectSsdBlock(*store, k);
+}
+
+// Lookups faster than the disk never fill the CPU tier with promotions: past
+// max_promotions_in_flight a lookup of an SSD-only block answers RETRY without starting one.
+TEST_F(TieredStoreTest, PromotionsPastTheCapAnswerRetryWithoutReservingSlots) {
+  TieredStoreOptions options = Options(4, 32);
+  options.max_promotions_in_flight = 2;
+  auto store = Open(options);
+  Store(*store, Keys({1, 2, 3, 4}));
+  store->WaitIdle();
+  Store(*store, Keys({11, 12, 13, 14}));  // 1..4 now only on SSD
+  store->WaitIdle();
+  gate_.Close();
+  for (uint64_t k : {1, 2, 3, 4}) EXPECT_EQ(store->Lookup(Key(k)), LookupResult::kRetry) << k;
+  EXPECT_EQ(store->stats().promotions_started, 2u);
+  EXPECT_EQ(store->stats().promotions_deferred, 2u);
+  // Two CPU slots are being written; the other two still take a store.
+  Store(*store, Keys({21, 22}));
+  gate_.Open();
+  store->WaitIdle();
+  // A later lookup starts what was deferred.
+  for (uint64_t k : {3, 4}) EXPECT_EQ(store->Lookup(Key(k)), LookupResult::kRetry) << k;
+  store->WaitIdle();
+  for (uint64_t k : {3, 4}) EXPECT_EQ(store->Lookup(Key(k)), LookupResult::kHit) << k;
+}
+
+// Recency on SSD follows the same rule as in the CPU tier: a touched block outlives blocks
+// written after it that nobody used.
+TEST_F(TieredStoreTest, TouchKeepsABlockOnSsdOverNewerUntouchedOnes) {
+  auto store = Open(Options(2, 4));
+  Store(*store, Keys({1, 2}));
+  store->WaitIdle();
+  Store(*store, Keys({3, 4}));  // SSD full, 1 and 2 only there, 1 the least recently written
+  store->WaitIdle();
+  store->Touch(Keys({1}));
+  Store(*store, Keys({5}));  // the SSD tier evicts its least recent: 2, not 1
+  store->WaitIdle();
+  std::vector<std::byte> out;
+  EXPECT_TRUE(store->ssd()->Get(Key(1), &out).ok());
+  EXPECT_EQ(store->ssd()->Get(Key(2), &out).code(), StatusCode::kNotFound);
+  ExpectSsdBlock(*store, 5);
+}
+
 // A CPU quota bounds a namespace's stores and promotions alike: a promotion into a namespace at
 // its quota evicts that namespace's own CPU block (still on SSD), and one that cannot is a miss.
 TEST_F(TieredStoreTest, CpuQuotaBoundsStoresAndPromotions) {

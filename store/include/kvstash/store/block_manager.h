@@ -105,6 +105,14 @@ struct BlockManagerState {
   size_t fresh_slots_used = 0;     // slots 0..n-1 have been handed out at least once
 };
 
+// The sizes of the policy's lists, read in O(1) (metrics). LRU has one list, counted in t1.
+struct PolicySizes {
+  size_t t1 = 0;            // LRU: every block; ARC: blocks seen once (recency list)
+  size_t t2 = 0;            // ARC: blocks used again since they were stored (frequency list)
+  size_t b1 = 0, b2 = 0;    // ARC: ghost keys of blocks evicted from T1 and T2
+  double arc_target = 0.0;  // ARC: p, the target size of T1
+};
+
 // Answers lookups for the blocks of one tier and decides where new blocks go and what is evicted.
 // It holds metadata only (keys, slots, ref counts, recency); block bytes live in the tier.
 //
@@ -190,6 +198,8 @@ class BlockManager {
   // Bytes of memory held by the manager's own structures.
   virtual size_t MetadataBytes() const = 0;
   virtual BlockManagerState DebugState() const = 0;
+  virtual EvictionPolicy policy() const = 0;
+  virtual PolicySizes policy_sizes() const = 0;
   // Tests: sets ARC's p. FailedPrecondition under LRU, InvalidArgument outside [0, capacity].
   virtual Status SetArcTargetForTesting(double target) = 0;
 };

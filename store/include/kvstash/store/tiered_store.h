@@ -53,6 +53,15 @@ struct TieredStoreOptions {
   CascadeMode cascade = CascadeMode::kWriteThrough;
   // Threads that move blocks between the tiers.
   size_t io_threads = 2;
+  // Blocks being promoted from SSD at once (their CPU slots are being written meanwhile); a
+  // lookup past it answers RETRY without starting another. 0: a quarter of the CPU tier (at
+  // least 64).
+  size_t max_promotions_in_flight = 0;
+  // Write-through: blocks being written to SSD at once (their CPU copies pinned meanwhile); a
+  // block committed past it is written when the CPU tier evicts it (or at Flush), as under
+  // write-back. 0: half the CPU tier (at least 64). Together with the promotions' cap, this
+  // keeps a quarter of the tier for stores and reads however far behind the disk is.
+  size_t max_cascades_in_flight = 0;
   // Write-back: blocks evicted from the CPU tier are copied to this many staging buffers and
   // written in the background; when all are busy the evicting call writes them itself.
   size_t writeback_staging_blocks = 16;
@@ -65,10 +74,16 @@ struct TieredStoreStats {
   uint64_t promotions_started = 0;  // blocks
   uint64_t promotions_done = 0;
   uint64_t promotion_failures = 0;  // unreadable on SSD: dropped, a miss
-  uint64_t cascades_done = 0;       // blocks written to SSD after a commit or an eviction
-  uint64_t cascade_failures = 0;    // blocks the SSD tier could not take (full, no space)
-  uint64_t writebacks_staged = 0;   // write-back blocks copied to staging
-  uint64_t writebacks_inline = 0;   // write-back blocks written by the evicting call
+  // Lookups of SSD-only blocks answered RETRY without a promotion, max_promotions_in_flight
+  // being reached.
+  uint64_t promotions_deferred = 0;
+  // Write-through: committed blocks whose cascade waited for their eviction, the disk being
+  // behind by max_cascades_in_flight blocks.
+  uint64_t cascades_deferred = 0;
+  uint64_t cascades_done = 0;      // blocks written to SSD after a commit or an eviction
+  uint64_t cascade_failures = 0;   // blocks the SSD tier could not take (full, no space)
+  uint64_t writebacks_staged = 0;  // write-back blocks copied to staging
+  uint64_t writebacks_inline = 0;  // write-back blocks written by the evicting call
   // Blocks the CPU tier evicted to make room for stores and promotions (under write-back they
   // go to SSD; the SSD tier counts its own evictions in SsdTierStats).
   uint64_t cpu_evictions = 0;
@@ -79,10 +94,12 @@ struct TieredStoreStats {
 
 // The store of one offload node, with the tiering of reference §5 adapted to one node:
 //   - stores land in the CPU tier (PrepareStore, write the slot, CompleteStore);
-//   - a committed block reaches SSD at once (write-through) or when evicted (write-back);
+//   - a committed block reaches SSD at once (write-through; when evicted if the disk is
+//     max_cascades_in_flight blocks behind) or when evicted (write-back);
 //   - a lookup that finds a block only on SSD answers RETRY and starts promoting it to the
 //     CPU tier in the background, one job per lookup call; once the promotion is done,
-//     lookups answer HIT;
+//     lookups answer HIT (at most max_promotions_in_flight at once: past it a lookup answers
+//     RETRY and a later one starts the promotion);
 //   - a block read by a promotion (its SSD copy) or a cascade (its CPU copy) is pinned, and a
 //     promotion's CPU slot is being written, so neither can be evicted under the I/O.
 // Loads (PrepareLoad .. CompleteLoad) read CPU-resident blocks only.
@@ -161,12 +178,18 @@ class TieredStore {
   void WriteToSsd(const Transfer& transfer, std::span<const std::span<const std::byte>> sources);
   // Write-through: the CPU copies of `keys` are pinned; writes them to SSD and unpins.
   void RunCascade(const Transfer& cascade);
-  // Under write-through, starts the cascade of committed `keys` the SSD tier lacks.
-  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade);
+  // Under write-through, starts the cascade of committed `keys` the SSD tier lacks; `bounded`:
+  // past max_cascades_in_flight the rest are deferred to their eviction.
+  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade, bool bounded);
+  // The blocks a CPU-tier eviction of `plan` must write to SSD first (write-back: all; write-
+  // through: those whose cascade was deferred), into deferred->evicted.
+  void NoteEvictedLocked(const StorePlan& plan, Deferred* deferred);
 
   const size_t block_bytes_;
   const CascadeMode cascade_;
   const size_t staging_limit_;
+  const size_t promotion_cap_;
+  const size_t cascade_cap_;
   std::unique_ptr<BlockManager> cpu_;
   std::unique_ptr<BlockSlab> slab_;
   std::unique_ptr<SsdTier> ssd_;
