@@ -1,5 +1,7 @@
 #include "kvstash/connector/block_transfer.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -13,6 +15,7 @@ using Clock = std::chrono::steady_clock;
 
 struct BlockTransfer::Pending {
   BlockJob job;
+  bool touch = false;  // a touch of job.keys, not a transfer
   // A store's blocks, encoded at submit: pages then trailer, block_bytes each.
   std::vector<std::byte> staged;
 };
@@ -30,6 +33,14 @@ Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOption
   const size_t block_bytes = OffloadedBlockBytes(options.pages_per_block, options.pool.page_bytes);
   for (size_t i = 0; i < options.client->node_count(); ++i) {
     auto bytes = options.client->BlockBytes(i);
+    const StatusCode code = bytes.status().code();
+    if (!bytes.ok() && code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) {
+      // Refused (a wrong token, a namespace not served, another protocol): an error in the
+      // set-up, not a node that happens to be down, so the engine must not start on misses.
+      return Status(code,
+                    fmt::format("offload node {} refused this engine: {}",
+                                options.client->node(i).ToString(), bytes.status().message()));
+    }
     if (!bytes.ok()) {
       // Down or slow now: its keys are misses (the engine recomputes them), never an error
       // that stops the engine. Its size is checked by every block that comes back from it.
@@ -100,6 +111,19 @@ Status BlockTransfer::Submit(BlockJob job) {
   return Status::OK();
 }
 
+void BlockTransfer::SubmitTouch(std::vector<BlockKey> keys) {
+  if (keys.empty()) return;
+  auto pending = std::make_unique<Pending>();
+  pending->touch = true;
+  pending->job.keys = std::move(keys);
+  {
+    std::lock_guard lock(mu_);
+    ++touches_in_flight_;
+    stores_.push_back(std::move(pending));
+  }
+  cv_.notify_all();
+}
+
 std::vector<BlockJobResult> BlockTransfer::Poll() {
   std::lock_guard lock(mu_);
   return std::exchange(finished_, {});
@@ -116,7 +140,7 @@ void BlockTransfer::Wait(std::span<const uint64_t> ids) {
 
 void BlockTransfer::WaitAll() {
   std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return in_flight_.empty(); });
+  cv_.wait(lock, [&] { return in_flight_.empty() && touches_in_flight_ == 0; });
 }
 
 void BlockTransfer::Run() {
@@ -129,6 +153,16 @@ void BlockTransfer::Run() {
       if (queue.empty()) return;  // stopping with nothing left
       next = std::move(queue.front());
       queue.pop_front();
+    }
+    if (next->touch) {
+      // Asynchronous: the client sends it and counts its outcome; nothing waits for the nodes.
+      options_.client->Touch(next->job.keys);
+      {
+        std::lock_guard lock(mu_);
+        --touches_in_flight_;
+      }
+      cv_.notify_all();
+      continue;
     }
     BlockJobResult result = Execute(*next);
     {

@@ -2,15 +2,28 @@
 
 #include <chrono>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "kvstash/common/logging.h"
 
 namespace kvstash::connector {
 
 // The scheduler side's manager over the nodes. A node keeps its own recency and evicts on its
-// own, so loads, completions and touches need nothing here; lookups are answered from one
-// batched lookup of the request's keys (Prefetch), so the per-key scan of the scheduler side
-// costs no round trip per key.
+// own, so loads and completions need nothing here; lookups are answered from one batched lookup
+// of the request's keys (Prefetch), so the per-key scan of the scheduler side costs no round
+// trip per key.
+//
+// Touches are what a node learns of use (reference §7.3, §7.6: touch after the lookup and
+// after the store decision, the first key most recent). They are gathered per step and sent
+// asynchronously by the transfer thread, never on a request's path (TakeStepTouches):
+//   - the lookups' touches go before the step's stores: a hit moves up (ARC: to T2), and a key
+//     the request is about to store again is a ghost hit that adapts ARC;
+//   - the store decisions' touches go after the step's stores have ended, without the keys
+//     offered for store in this step: a node inserts a new block as most recent itself (and
+//     ARC keeps it in T1 until a second use), and counts the store of a block it already holds
+//     as a touch. So the request's earlier blocks end more recent than its new ones, as in
+//     vLLM, and LRU evicts a sequence from its tail.
+// Called from the engine's thread only.
 class NodeOffloadManager : public OffloadManager {
  public:
   explicit NodeOffloadManager(BlockStoreClient* client) : client_(client) {}
@@ -30,18 +43,61 @@ class NodeOffloadManager : public OffloadManager {
   void CompleteLoad(std::span<const BlockKey>) override {}
   // Nodes skip a block they already hold without moving its bytes, so every key is offered.
   std::optional<std::vector<BlockKey>> PrepareStore(std::span<const BlockKey> keys) override {
+    offered_.insert(keys.begin(), keys.end());
     return std::vector<BlockKey>(keys.begin(), keys.end());
   }
   void CompleteStore(std::span<const BlockKey>) override {}
-  void Touch(std::span<const BlockKey>) override {}
+  void Touch(std::span<const BlockKey> keys) override {
+    if (keys.empty()) return;
+    (deciding_stores_ ? store_touches_ : lookup_touches_).emplace_back(keys.begin(), keys.end());
+  }
   void ResetCache() override { known_.clear(); }
+
+  // The scheduler decides the step's stores next: touches from here on are store touches.
+  void BeginStoreDecisions() { deciding_stores_ = true; }
+
+  struct StepTouches {
+    std::vector<BlockKey> before_stores, after_stores;
+  };
+  // The step's touches, each list as one touch equivalent to the calls in order (the last
+  // call's keys first, a key where it first appears), and starts the next step.
+  StepTouches TakeStepTouches() {
+    StepTouches out;
+    out.before_stores = Merge(lookup_touches_, nullptr);
+    out.after_stores = Merge(store_touches_, &offered_);
+    lookup_touches_.clear();
+    store_touches_.clear();
+    offered_.clear();
+    deciding_stores_ = false;
+    return out;
+  }
 
  private:
   struct Hasher {
     size_t operator()(const BlockKey& k) const { return k.hash.lo ^ (k.hash.hi * 31) ^ k.group; }
   };
+  using KeySet = std::unordered_set<BlockKey, Hasher>;
+
+  // touch(c1); ...; touch(cn) leaves the same order as one touch of cn ++ c(n-1) ++ ... ++ c1
+  // with each key kept where it first appears: a touch makes its first key the most recent.
+  static std::vector<BlockKey> Merge(const std::vector<std::vector<BlockKey>>& calls,
+                                     const KeySet* without) {
+    std::vector<BlockKey> out;
+    KeySet seen;
+    for (auto call = calls.rbegin(); call != calls.rend(); ++call) {
+      for (const BlockKey& key : *call) {
+        if (without != nullptr && without->contains(key)) continue;
+        if (seen.insert(key).second) out.push_back(key);
+      }
+    }
+    return out;
+  }
+
   BlockStoreClient* client_;
   std::unordered_map<BlockKey, KeyState, Hasher> known_;
+  bool deciding_stores_ = false;
+  std::vector<std::vector<BlockKey>> lookup_touches_, store_touches_;
+  KeySet offered_;  // keys offered for store in this step
 };
 
 namespace {
@@ -137,6 +193,7 @@ Status KvConnector::Submit(const TransferJob& job, BlockJob::Kind kind) {
 Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
     const SchedulerStepView& step) {
   Collect();
+  if (manager_ != nullptr) manager_->BeginStoreDecisions();
   KVSTASH_ASSIGN_OR_RETURN(ConnectorMeta meta, scheduler_->BuildConnectorMeta(step));
   // Stores copy their pages when submitted, so a flush only has to wait for the job to end.
   transfer_->Wait(meta.jobs_to_flush);
@@ -152,7 +209,26 @@ Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
   return loads;
 }
 
+void KvConnector::SubmitTouches(bool before_stores) {
+  if (manager_ == nullptr) return;
+  if (!before_stores) {
+    transfer_->SubmitTouch(std::exchange(after_store_touches_, {}));
+    return;
+  }
+  NodeOffloadManager::StepTouches touches = manager_->TakeStepTouches();
+  transfer_->SubmitTouch(std::move(touches.before_stores));
+  after_store_touches_ = std::move(touches.after_stores);
+}
+
 Status KvConnector::EndStep() {
+  // The step's lookup touches go before its stores, its store touches after them.
+  SubmitTouches(/*before_stores=*/true);
+  Status first = EndStepStores();
+  SubmitTouches(/*before_stores=*/false);
+  return first;
+}
+
+Status KvConnector::EndStepStores() {
   Status first;
   if (pages_to_host_ && !pending_stores_.empty()) {
     std::vector<uint32_t> pages;
@@ -186,6 +262,7 @@ void KvConnector::Collect() {
   CompletedJobs done;
   for (BlockJobResult& r : transfer_->Poll()) {
     done[r.id] = 1;
+    if (!r.status.ok()) NoteFailure(r);
     const size_t ok = r.num_ok();
     if (r.kind == BlockJob::Kind::kLoad) {
       stats_.blocks_loaded += ok;
@@ -231,9 +308,36 @@ std::unordered_map<JobId, bool> KvConnector::FinishLoads(std::span<const JobId> 
   return out;
 }
 
+void KvConnector::NoteFailure(const BlockJobResult& r) {
+  // Counted per block in the stats; logged once per kind of job and error code, as a node
+  // that fails once usually fails the same way for every block.
+  const bool load = r.kind == BlockJob::Kind::kLoad;
+  if (!logged_failures_.insert({load, static_cast<int>(r.status.code())}).second) return;
+  KVSTASH_LOG_WARN(
+      "connector: {} job {}: {} of {} block(s) failed, first: {} ({}; logged once per error "
+      "code, counted in blocks_{}_failed)",
+      load ? "load" : "store", r.id, r.ok.size() - r.num_ok(), r.ok.size(), r.status.ToString(),
+      load ? "the engine recomputes them" : "they are not offloaded", load ? "load" : "store");
+}
+
+KvConnectorStats KvConnector::stats() const {
+  KvConnectorStats s = stats_;
+  const BlockStoreCounters c = client_->counters();
+  s.node_calls = c.calls;
+  s.node_unreachable = c.unreachable;
+  s.node_refusals = c.refused;
+  s.touched_keys = c.touched_keys;
+  return s;
+}
+
 void KvConnector::RequestFinished(RequestId id) { scheduler_->RequestFinished(id); }
 
 void KvConnector::Drain() {
+  // Touches of lookups not followed by a step still go out.
+  if (manager_ != nullptr) {
+    SubmitTouches(/*before_stores=*/true);
+    SubmitTouches(/*before_stores=*/false);
+  }
   transfer_->WaitAll();
   Collect();
 }

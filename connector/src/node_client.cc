@@ -5,9 +5,14 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <condition_variable>
 #include <future>
+#include <mutex>
+#include <set>
 #include <thread>
 
+#include "kvstash/common/logging.h"
+#include "kvstash/common/mutex.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/store/lookup.h"
 
@@ -17,6 +22,7 @@ namespace {
 using transport::Bytes;
 using transport::CallOptions;
 using transport::RpcClient;
+using transport::ServerLimits;
 
 wire::Key ToWire(const BlockKey& key) {
   wire::Key out;
@@ -38,17 +44,59 @@ Status ParseReply(const Outcome& outcome, Reply* reply) {
   if (!outcome.status.ok()) return outcome.status;
   if (reply != nullptr &&
       !reply->ParseFromArray(outcome.reply.data(), static_cast<int>(outcome.reply.size()))) {
-    return InternalError("unparseable reply from the node");
+    return InternalError("unparseable reply of {} bytes", outcome.reply.size());
   }
   return Status::OK();
 }
 
+// Down, slow past the deadline, or cut off while the call was out: the node did not answer.
 bool Unreachable(const Status& status) {
   return status.code() == StatusCode::kUnavailable ||
-         status.code() == StatusCode::kDeadlineExceeded;
+         status.code() == StatusCode::kDeadlineExceeded || status.code() == StatusCode::kCancelled;
+}
+
+// A status naming the node it came from.
+Status AtNode(const std::string& node, const Status& status) {
+  return Status(status.code(), fmt::format("node {}: {}", node, status.message()));
+}
+
+// Indices of a node's keys in one call: [begin, end) of its list.
+struct Chunk {
+  size_t node = 0;
+  size_t begin = 0, end = 0;
+};
+
+// Splits each node's key list into calls of at most `per_call[n]` keys. The chunks of a node
+// come last chunk first, so that a node that applies them in arrival order (touches) applies
+// the first keys last.
+std::vector<Chunk> SplitLastFirst(const std::vector<std::vector<size_t>>& by_node,
+                                  const std::vector<size_t>& per_call) {
+  std::vector<Chunk> chunks;
+  for (size_t n = 0; n < by_node.size(); ++n) {
+    const size_t count = by_node[n].size();
+    if (count == 0 || per_call[n] == 0) continue;
+    const size_t calls = (count + per_call[n] - 1) / per_call[n];
+    for (size_t c = calls; c-- > 0;) {
+      chunks.push_back({n, c * per_call[n], std::min(count, (c + 1) * per_call[n])});
+    }
+  }
+  return chunks;
 }
 
 }  // namespace
+
+size_t KeysPerCall(const ServerLimits& limits) {
+  // A node that states no key limit gets the daemon's default.
+  size_t keys = limits.max_keys_per_request == 0 ? 4096 : limits.max_keys_per_request;
+  if (limits.max_message_bytes != 0) {
+    constexpr size_t kRequestOverhead = 64;  // the request's and the Lookup's own fields
+    const size_t room = limits.max_message_bytes > kRequestOverhead
+                            ? static_cast<size_t>(limits.max_message_bytes) - kRequestOverhead
+                            : 0;
+    keys = std::min(keys, room / kKeyWireBytes);
+  }
+  return std::max<size_t>(keys, 1);
+}
 
 Result<NodeAddress> ParseNodeAddress(std::string_view text) {
   const size_t colon = text.rfind(':');
@@ -68,11 +116,83 @@ Result<NodeAddress> ParseNodeAddress(std::string_view text) {
   return address;
 }
 
+// Every call's outcome goes through Record: counters, and the logs that say when a node went
+// down, came back, or refused something. Shared with the callbacks of asynchronous calls.
+// Thread-safe.
+class Accounting {
+ public:
+  explicit Accounting(std::vector<std::string> names)
+      : names_(std::move(names)), nodes_(std::make_unique<Node[]>(names_.size())) {}
+
+  void CallStarted() { calls_.fetch_add(1, std::memory_order_relaxed); }
+  void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
+
+  // Records the outcome of a call to `node`: OK, or an answer (NotFound, Aborted) that is not
+  // an error, marks the node up; Unavailable, DeadlineExceeded or Cancelled count it
+  // unreachable; anything else is a refusal.
+  void Record(size_t node, const Status& status) {
+    const StatusCode code = status.code();
+    Node& n = nodes_[node];
+    if (Unreachable(status)) {
+      unreachable_.fetch_add(1, std::memory_order_relaxed);
+      if (n.state.exchange(kDown) != kDown) {
+        KVSTASH_LOG_WARN(
+            "offload node {} is unreachable ({}); its keys read as misses until it "
+            "answers",
+            names_[node], status.ToString());
+      }
+      return;
+    }
+    if (n.state.exchange(kUp) == kDown) {
+      KVSTASH_LOG_INFO("offload node {} answers again", names_[node]);
+    }
+    if (status.ok() || code == StatusCode::kNotFound || code == StatusCode::kAborted) return;
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    bool first = false;
+    {
+      MutexLock lock(&n.mu);
+      first = n.logged_codes.insert(static_cast<int>(code)).second;
+    }
+    if (first) {
+      KVSTASH_LOG_ERROR(
+          "offload node {} refused a call: {} (logged once per node and code; "
+          "every refusal is counted)",
+          names_[node], status.ToString());
+    }
+  }
+
+  BlockStoreCounters counters() const {
+    BlockStoreCounters c;
+    c.calls = calls_.load(std::memory_order_relaxed);
+    c.unreachable = unreachable_.load(std::memory_order_relaxed);
+    c.refused = refused_.load(std::memory_order_relaxed);
+    c.touched_keys = touched_keys_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+ private:
+  enum : int { kUnknown = 0, kUp = 1, kDown = 2 };
+  struct Node {
+    std::atomic<int> state{kUnknown};
+    Mutex mu;
+    std::set<int> logged_codes GUARDED_BY(mu);
+  };
+  const std::vector<std::string> names_;
+  std::unique_ptr<Node[]> nodes_;
+  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0};
+};
+
 class NodeClient::Impl {
  public:
   static constexpr std::chrono::microseconds kMaxPause{10000};
 
   explicit Impl(NodeClientOptions options) : options_(std::move(options)) {}
+
+  ~Impl() {
+    // Touches in flight end by their deadline; their callbacks use this object.
+    std::unique_lock lock(async_mu_);
+    async_cv_.wait(lock, [this] { return async_in_flight_ == 0; });
+  }
 
   Status Init() {
     if (options_.nodes.empty()) return InvalidArgumentError("no nodes given");
@@ -80,6 +200,7 @@ class NodeClient::Impl {
       KVSTASH_ASSIGN_OR_RETURN(options_.worker,
                                transport::ClientWorker::Create(options_.transport));
     }
+    std::vector<std::string> names;
     for (const NodeAddress& node : options_.nodes) {
       transport::ClientOptions client;
       client.host = node.host;
@@ -91,15 +212,16 @@ class NodeClient::Impl {
       client.worker = options_.worker;
       KVSTASH_ASSIGN_OR_RETURN(auto rpc, RpcClient::Create(client));
       clients_.push_back(std::move(rpc));
-      const std::string name = node.ToString();
-      node_hashes_.push_back(Xxh3Hash64(std::as_bytes(std::span(name))));
+      names.push_back(node.ToString());
+      node_hashes_.push_back(Xxh3Hash64(std::as_bytes(std::span(names.back()))));
     }
+    accounting_ = std::make_shared<Accounting>(std::move(names));
     return Status::OK();
   }
 
   size_t node_count() const { return clients_.size(); }
   const NodeAddress& node(size_t i) const { return options_.nodes.at(i); }
-  uint64_t unreachable() const { return unreachable_.load(); }
+  BlockStoreCounters counters() const { return accounting_->counters(); }
 
   size_t NodeOf(const BlockKey& key) const {
     size_t best = 0;
@@ -115,81 +237,177 @@ class NodeClient::Impl {
     return best;
   }
 
+  std::string node_name(size_t node) const { return options_.nodes[node].ToString(); }
+
+  // The limits of each node in `wanted` (by node index), connecting to those not yet connected,
+  // all at once. A node that cannot be connected gets its error (recorded here).
+  std::vector<Result<ServerLimits>> LimitsOf(const std::vector<bool>& wanted) {
+    std::vector<Result<ServerLimits>> limits(clients_.size(), Result<ServerLimits>(ServerLimits{}));
+    std::vector<std::pair<size_t, std::future<Status>>> connecting;
+    for (size_t n = 0; n < clients_.size(); ++n) {
+      if (!wanted[n]) continue;
+      if (auto known = clients_[n]->server_limits()) {
+        limits[n] = *known;
+        continue;
+      }
+      auto promise = std::make_shared<std::promise<Status>>();
+      connecting.emplace_back(n, promise->get_future());
+      clients_[n]->ConnectAsync([promise](const Status& s) { promise->set_value(s); });
+    }
+    for (auto& [n, future] : connecting) {
+      const Status connected = future.get();
+      std::optional<ServerLimits> known = clients_[n]->server_limits();
+      if (connected.ok() && known) {
+        limits[n] = *known;
+      } else {
+        const Status error =
+            connected.ok() ? InternalError("connected without a hello") : connected;
+        accounting_->Record(n, error);
+        limits[n] = AtNode(node_name(n), error);
+      }
+    }
+    return limits;
+  }
+
+  Result<ServerLimits> Limits(size_t node) {
+    if (node >= clients_.size()) return OutOfRangeError("no node {}", node);
+    std::vector<bool> wanted(clients_.size(), false);
+    wanted[node] = true;
+    return std::move(LimitsOf(wanted)[node]);
+  }
+
+  // Starts a call; `done` runs once on the progress thread with its outcome.
+  template <typename Request>
+  void StartWith(size_t node, wire::Method method, const Request& request, CallOptions options,
+                 std::function<void(Outcome)> done) {
+    options.deadline = transport::Clock::now() + options_.timeout;
+    const std::string bytes = request.SerializeAsString();
+    accounting_->CallStarted();
+    clients_[node]->Call(
+        static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
+        [done = std::move(done)](const transport::Response& response) {
+          done(Outcome{response.status,
+                       std::vector<std::byte>(response.message.begin(), response.message.end()),
+                       response.payload_bytes});
+        });
+  }
+
   // Starts a call; the future holds its outcome.
   template <typename Request>
   std::future<Outcome> Start(size_t node, wire::Method method, const Request& request,
                              CallOptions options = {}) {
     auto promise = std::make_shared<std::promise<Outcome>>();
     std::future<Outcome> future = promise->get_future();
-    options.deadline = transport::Clock::now() + options_.timeout;
-    const std::string bytes = request.SerializeAsString();
-    clients_[node]->Call(
-        static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
-        [promise](const transport::Response& response) {
-          promise->set_value(
-              Outcome{response.status,
-                      std::vector<std::byte>(response.message.begin(), response.message.end()),
-                      response.payload_bytes});
-        });
+    StartWith(node, method, request, options,
+              [promise](Outcome outcome) { promise->set_value(std::move(outcome)); });
     return future;
   }
 
-  template <typename Request, typename Reply>
-  Status CallSync(size_t node, wire::Method method, const Request& request, Reply* reply,
-                  CallOptions options = {}, size_t* payload = nullptr) {
-    Outcome outcome = Start(node, method, request, options).get();
-    if (payload != nullptr) *payload = outcome.payload_bytes;
-    Status status = ParseReply(outcome, reply);
-    if (!status.ok()) {
-      if (Unreachable(status)) unreachable_.fetch_add(1, std::memory_order_relaxed);
-      return Status(status.code(), fmt::format("node {}: {}", node_name(node), status.message()));
+  // The keys of `keys` by node, in key order within each node; which nodes have any.
+  void ByNode(std::span<const BlockKey> keys, std::vector<std::vector<size_t>>* by_node,
+              std::vector<bool>* wanted) const {
+    by_node->assign(clients_.size(), {});
+    wanted->assign(clients_.size(), false);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const size_t n = NodeOf(keys[i]);
+      (*by_node)[n].push_back(i);
+      (*wanted)[n] = true;
     }
-    return status;
   }
 
-  std::string node_name(size_t node) const { return options_.nodes[node].ToString(); }
-
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys) {
+  // Per-key lookups; *refusal gets the first error that is not an unreachable node.
+  std::vector<KeyState> Lookup(std::span<const BlockKey> keys, Status* refusal) {
     std::vector<KeyState> states(keys.size(), KeyState::kMiss);
-    std::vector<std::vector<size_t>> by_node(clients_.size());
-    for (size_t i = 0; i < keys.size(); ++i) by_node[NodeOf(keys[i])].push_back(i);
-    std::vector<std::pair<size_t, std::future<Outcome>>> calls;
-    for (size_t n = 0; n < by_node.size(); ++n) {
-      if (by_node[n].empty()) continue;
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+    std::vector<size_t> per_call(clients_.size(), 0);
+    for (size_t n = 0; n < clients_.size(); ++n) {
+      if (!wanted[n]) continue;
+      if (limits[n].ok()) {
+        per_call[n] = KeysPerCall(*limits[n]);
+      } else if (!Unreachable(limits[n].status()) && refusal->ok()) {
+        *refusal = limits[n].status();
+      }
+    }
+    const std::vector<Chunk> chunks = SplitLastFirst(by_node, per_call);
+    std::vector<std::future<Outcome>> calls;
+    calls.reserve(chunks.size());
+    for (const Chunk& c : chunks) {
       wire::LookupRequest request;
       wire::Lookup* lookup = request.add_lookups();
       lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
-      for (size_t i : by_node[n]) *lookup->add_keys() = ToWire(keys[i]);
-      calls.emplace_back(n, Start(n, wire::METHOD_LOOKUP, request));
+      for (size_t j = c.begin; j < c.end; ++j)
+        *lookup->add_keys() = ToWire(keys[by_node[c.node][j]]);
+      calls.push_back(Start(c.node, wire::METHOD_LOOKUP, request));
     }
-    for (auto& [n, future] : calls) {
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const Chunk& c = chunks[k];
+      const size_t count = c.end - c.begin;
       wire::LookupReply reply;
-      const Status status = ParseReply(future.get(), &reply);
-      if (!status.ok() || reply.answers_size() != 1 ||
-          reply.answers(0).results_size() != static_cast<int>(by_node[n].size())) {
-        if (!status.ok() && Unreachable(status)) unreachable_.fetch_add(1);
-        continue;  // misses
+      Status status = ParseReply(calls[k].get(), &reply);
+      if (status.ok() && (reply.answers_size() != 1 ||
+                          reply.answers(0).results_size() != static_cast<int>(count))) {
+        status = InternalError(
+            "{} answer(s) with {} result(s) to a lookup of {} keys", reply.answers_size(),
+            reply.answers_size() > 0 ? reply.answers(0).results_size() : 0, count);
       }
-      for (size_t j = 0; j < by_node[n].size(); ++j) {
+      accounting_->Record(c.node, status);
+      if (!status.ok()) {
+        if (!Unreachable(status) && refusal->ok()) *refusal = AtNode(node_name(c.node), status);
+        continue;  // misses, counted and logged
+      }
+      for (size_t j = 0; j < count; ++j) {
         const int r = reply.answers(0).results(static_cast<int>(j));
-        states[by_node[n][j]] = r == wire::LOOKUP_HIT     ? KeyState::kHit
-                                : r == wire::LOOKUP_RETRY ? KeyState::kRetry
-                                                          : KeyState::kMiss;
+        states[by_node[c.node][c.begin + j]] = r == wire::LOOKUP_HIT     ? KeyState::kHit
+                                               : r == wire::LOOKUP_RETRY ? KeyState::kRetry
+                                                                         : KeyState::kMiss;
       }
     }
     return states;
   }
 
   // One PutBlock call per block (prepare and commit included), all in flight at once across
-  // the nodes; the caller waits for the last.
+  // the nodes, last key first; the caller waits for the last.
   Status Put(std::span<const BlockKey> keys, std::span<const Bytes> blocks) {
     if (keys.size() != blocks.size()) {
       return InvalidArgumentError("{} keys for {} blocks", keys.size(), blocks.size());
     }
-    std::vector<std::pair<size_t, std::future<Outcome>>> puts;
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+    Status first;
+    auto fail = [&](size_t n, size_t i, const Status& status) {
+      if (first.ok()) {
+        first = Status(status.code(), fmt::format("node {}: block {}: {}", node_name(n),
+                                                  keys[i].ToString(), status.message()));
+      }
+    };
+    std::vector<std::tuple<size_t, size_t, std::future<Outcome>>> puts;  // node, key, call
     puts.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
+    for (size_t i = keys.size(); i-- > 0;) {
       const size_t n = NodeOf(keys[i]);
+      if (!limits[n].ok()) {
+        fail(n, i, limits[n].status());
+        continue;
+      }
+      // What the node would refuse is refused here, without moving the bytes.
+      Status refused;
+      if (limits[n]->block_bytes != 0 && blocks[i].size() != limits[n]->block_bytes) {
+        refused = InvalidArgumentError("a block of {} bytes; the node's block size is {}",
+                                       blocks[i].size(), limits[n]->block_bytes);
+      } else if (limits[n]->max_payload_bytes != 0 &&
+                 blocks[i].size() > limits[n]->max_payload_bytes) {
+        refused = InvalidArgumentError("a block of {} bytes; the largest payload is {}",
+                                       blocks[i].size(), limits[n]->max_payload_bytes);
+      }
+      if (!refused.ok()) {
+        accounting_->Record(n, refused);
+        fail(n, i, refused);
+        continue;
+      }
       wire::PutBlockRequest put;
       *put.mutable_key() = ToWire(keys[i]);
       put.set_length(blocks[i].size());
@@ -198,18 +416,12 @@ class NodeClient::Impl {
       put.set_commit(true);
       CallOptions options;
       options.send_payload = blocks[i];
-      puts.emplace_back(n, Start(n, wire::METHOD_PUT_BLOCK, put, options));
+      puts.emplace_back(n, i, Start(n, wire::METHOD_PUT_BLOCK, put, options));
     }
-    Status first;
-    for (size_t i = 0; i < puts.size(); ++i) {
-      auto& [n, future] = puts[i];
+    for (auto& [n, i, future] : puts) {
       const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
-      if (status.ok()) continue;
-      if (Unreachable(status)) unreachable_.fetch_add(1, std::memory_order_relaxed);
-      if (first.ok()) {
-        first = Status(status.code(), fmt::format("node {}: block {}: {}", node_name(n),
-                                                  keys[i].ToString(), status.message()));
-      }
+      accounting_->Record(n, status);
+      if (!status.ok()) fail(n, i, status);
     }
     return first;
   }
@@ -225,8 +437,21 @@ class NodeClient::Impl {
       }
       return results;
     }
-    std::vector<size_t> pending(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) pending[i] = i;
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+    std::vector<size_t> pending;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const size_t n = NodeOf(keys[i]);
+      if (limits[n].ok()) {
+        pending.push_back(i);
+      } else {
+        results[i] =
+            Status(limits[n].status().code(),
+                   fmt::format("{}: block {}", limits[n].status().message(), keys[i].ToString()));
+      }
+    }
     const auto give_up = transport::Clock::now() + options_.timeout;
     for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
       std::vector<std::future<Outcome>> calls;
@@ -245,6 +470,7 @@ class NodeClient::Impl {
         const size_t n = NodeOf(keys[i]);
         const Outcome outcome = calls[j].get();
         const Status& got = outcome.status;
+        accounting_->Record(n, got);
         if (got.ok()) {
           results[i] = outcome.payload_bytes;
         } else if (got.code() == StatusCode::kNotFound) {
@@ -254,7 +480,6 @@ class NodeClient::Impl {
                    transport::Clock::now() + pause <= give_up) {
           again.push_back(i);
         } else {
-          if (Unreachable(got)) unreachable_.fetch_add(1, std::memory_order_relaxed);
           results[i] = Status(got.code(), fmt::format("node {}: block {}: {}", node_name(n),
                                                       keys[i].ToString(), got.message()));
         }
@@ -265,10 +490,72 @@ class NodeClient::Impl {
     }
   }
 
+  // The touch calls of `keys`: per node, split to its limits, each node's chunks last first
+  // (a node applies them in arrival order, so its first keys end most recent). `start` starts
+  // each call; nodes that cannot be reached are skipped (recorded by LimitsOf).
+  template <typename StartFn>
+  Status StartTouches(std::span<const BlockKey> keys, StartFn start) {
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+    Status first;
+    std::vector<size_t> per_call(clients_.size(), 0);
+    for (size_t n = 0; n < clients_.size(); ++n) {
+      if (!wanted[n]) continue;
+      if (limits[n].ok()) {
+        per_call[n] = KeysPerCall(*limits[n]);
+      } else if (first.ok()) {
+        first = limits[n].status();
+      }
+    }
+    for (const Chunk& c : SplitLastFirst(by_node, per_call)) {
+      wire::TouchRequest request;
+      for (size_t j = c.begin; j < c.end; ++j)
+        *request.add_keys() = ToWire(keys[by_node[c.node][j]]);
+      accounting_->Touched(c.end - c.begin);
+      start(c.node, request);
+    }
+    return first;
+  }
+
+  void Touch(std::span<const BlockKey> keys) {
+    if (keys.empty()) return;
+    (void)StartTouches(keys, [this](size_t node, const wire::TouchRequest& request) {
+      {
+        std::lock_guard lock(async_mu_);
+        ++async_in_flight_;
+      }
+      StartWith(node, wire::METHOD_TOUCH, request, {}, [this, node](Outcome outcome) {
+        accounting_->Record(node, ParseReply(outcome, (wire::TouchReply*)nullptr));
+        // Under the lock: the destructor cannot go on until this callback is done with *this.
+        std::lock_guard lock(async_mu_);
+        --async_in_flight_;
+        async_cv_.notify_all();
+      });
+    });
+  }
+
+  Status TouchSync(std::span<const BlockKey> keys) {
+    std::vector<std::pair<size_t, std::future<Outcome>>> calls;
+    Status first = StartTouches(keys, [&](size_t node, const wire::TouchRequest& request) {
+      calls.emplace_back(node, Start(node, wire::METHOD_TOUCH, request));
+    });
+    for (auto& [n, future] : calls) {
+      const Status status = ParseReply(future.get(), (wire::TouchReply*)nullptr);
+      accounting_->Record(n, status);
+      if (!status.ok() && first.ok()) first = AtNode(node_name(n), status);
+    }
+    return first;
+  }
+
   Result<std::map<std::string, uint64_t>> Stats(size_t node) {
     if (node >= clients_.size()) return OutOfRangeError("no node {}", node);
     wire::StatsReply reply;
-    KVSTASH_RETURN_IF_ERROR(CallSync(node, wire::METHOD_STATS, wire::StatsRequest(), &reply));
+    const Status status =
+        ParseReply(Start(node, wire::METHOD_STATS, wire::StatsRequest()).get(), &reply);
+    accounting_->Record(node, status);
+    if (!status.ok()) return AtNode(node_name(node), status);
     return std::map<std::string, uint64_t>(reply.counters().begin(), reply.counters().end());
   }
 
@@ -276,7 +563,11 @@ class NodeClient::Impl {
   NodeClientOptions options_;
   std::vector<std::unique_ptr<RpcClient>> clients_;
   std::vector<uint64_t> node_hashes_;
-  std::atomic<uint64_t> unreachable_{0};
+  std::shared_ptr<Accounting> accounting_;
+  // Asynchronous touches still out.
+  std::mutex async_mu_;
+  std::condition_variable async_cv_;
+  size_t async_in_flight_ = 0;
 };
 
 Result<std::unique_ptr<NodeClient>> NodeClient::Create(NodeClientOptions options) {
@@ -291,12 +582,22 @@ NodeClient::~NodeClient() = default;
 size_t NodeClient::node_count() const { return impl_->node_count(); }
 const NodeAddress& NodeClient::node(size_t i) const { return impl_->node(i); }
 size_t NodeClient::NodeOf(const BlockKey& key) const { return impl_->NodeOf(key); }
+Result<transport::ServerLimits> NodeClient::Limits(size_t node) { return impl_->Limits(node); }
+
 std::vector<KeyState> NodeClient::Lookup(std::span<const BlockKey> keys) {
-  return impl_->Lookup(keys);
+  Status refusal;
+  return impl_->Lookup(keys, &refusal);  // counted and logged by the client
+}
+
+Result<std::vector<KeyState>> NodeClient::LookupStrict(std::span<const BlockKey> keys) {
+  Status refusal;
+  std::vector<KeyState> states = impl_->Lookup(keys, &refusal);
+  if (!refusal.ok()) return refusal;
+  return states;
 }
 
 std::optional<size_t> NodeClient::LookupPrefix(std::span<const BlockKey> keys) {
-  const std::vector<KeyState> states = impl_->Lookup(keys);
+  const std::vector<KeyState> states = Lookup(keys);
   return store::MaximalPrefix(states.size(), [&](size_t i) {
     switch (states[i]) {
       case KeyState::kHit:
@@ -320,15 +621,20 @@ std::vector<Result<size_t>> NodeClient::Get(std::span<const BlockKey> keys,
                                             std::span<const transport::MutableBytes> outs) {
   return impl_->Get(keys, outs);
 }
+void NodeClient::Touch(std::span<const BlockKey> keys) { impl_->Touch(keys); }
+Status NodeClient::TouchSync(std::span<const BlockKey> keys) { return impl_->TouchSync(keys); }
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(size_t node) {
   return impl_->Stats(node);
 }
 Result<uint64_t> NodeClient::BlockBytes(size_t node) {
-  KVSTASH_ASSIGN_OR_RETURN(auto counters, impl_->Stats(node));
-  auto it = counters.find("cpu.block_bytes");
-  if (it == counters.end()) return InternalError("node {} reports no block size", node);
-  return it->second;
+  KVSTASH_ASSIGN_OR_RETURN(const transport::ServerLimits limits, impl_->Limits(node));
+  if (limits.block_bytes == 0) {
+    return FailedPreconditionError("node {} stores no blocks (a bare transport)",
+                                   impl_->node_name(node));
+  }
+  return limits.block_bytes;
 }
-uint64_t NodeClient::unreachable() const { return impl_->unreachable(); }
+BlockStoreCounters NodeClient::counters() const { return impl_->counters(); }
+uint64_t NodeClient::unreachable() const { return impl_->counters().unreachable; }
 
 }  // namespace kvstash::connector

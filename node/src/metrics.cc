@@ -121,6 +121,15 @@ const std::vector<Export>& Exports() {
        "Block capacity, by tier",
        {{{{"tier", "cpu"}}, "cpu.capacity_blocks"}, {{{"tier", "ssd"}}, "ssd.capacity_blocks"}}},
       {"kvstash_block_bytes", MetricType::Gauge, "Bytes of every block", {{{}, "cpu.block_bytes"}}},
+      {"kvstash_cpu_arc_blocks",
+       MetricType::Gauge,
+       "ARC's lists in the CPU tier (0 under LRU): t1 holds blocks seen once, t2 blocks used "
+       "again since they were stored",
+       {{{{"list", "t1"}}, "cpu.arc_t1_blocks"}, {{{"list", "t2"}}, "cpu.arc_t2_blocks"}}},
+      {"kvstash_touched_keys_total",
+       MetricType::Counter,
+       "Keys clients marked used (touches, and stores of blocks the node held)",
+       {{{}, "node.touched_keys"}}},
       {"kvstash_lookup_keys_total", MetricType::Counter,
        "Lookup results, by lookup kind and result. per_key: each key's result. prefix and "
        "window: a scan counts its hit_length keys as hits and its other keys as misses, or, "

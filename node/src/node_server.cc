@@ -259,10 +259,12 @@ class NodeServer::Impl {
         {"node.stores_aborted_on_close", n.stores_aborted_on_close},
         {"node.leases_expired", n.leases_expired},
         {"node.pins_released_on_expiry", n.pins_released_on_expiry},
+        {"node.touched_keys", touched_keys_.load(std::memory_order_relaxed)},
         {"cpu.capacity_blocks", store_->cpu().capacity()},
         {"cpu.resident_blocks", cpu_blocks},
         {"cpu.resident_bytes", cpu_blocks * store_->block_bytes()},
         {"cpu.block_bytes", store_->block_bytes()},
+        {"cpu.policy_arc", store_->cpu().policy() == store::EvictionPolicy::kArc ? 1u : 0u},
         {"ssd.capacity_blocks", store_->ssd() != nullptr ? store_->ssd()->capacity_blocks() : 0},
         {"ssd.resident_blocks", ssd_blocks},
         {"ssd.resident_bytes", ssd_blocks * store_->block_bytes()},
@@ -271,6 +273,8 @@ class NodeServer::Impl {
         {"store.cpu_evictions", t.cpu_evictions},
         {"store.promotions_done", t.promotions_done},
         {"store.promotion_failures", t.promotion_failures},
+        {"store.promotions_deferred", t.promotions_deferred},
+        {"store.cascades_deferred", t.cascades_deferred},
         {"store.cascades_done", t.cascades_done},
         {"store.cascade_failures", t.cascade_failures},
         {"store.quota_refusals", t.quota_refusals},
@@ -280,6 +284,15 @@ class NodeServer::Impl {
         {"transport.mapped_payloads", x.mapped_payloads},
         {"transport.refused", x.refused},
     };
+    if (store_->cpu().policy() == store::EvictionPolicy::kArc) {
+      // ARC's lists: T2 grows as blocks are used again (a touch, a store of a held block).
+      const store::PolicySizes arc = store_->cpu().policy_sizes();
+      counters["cpu.arc_t1_blocks"] = arc.t1;
+      counters["cpu.arc_t2_blocks"] = arc.t2;
+      counters["cpu.arc_b1_ghosts"] = arc.b1;
+      counters["cpu.arc_b2_ghosts"] = arc.b2;
+      counters["cpu.arc_target_t1_blocks"] = static_cast<uint64_t>(arc.arc_target);
+    }
     // By lookup kind: node.lookup_hits.per_key, node.lookup_retries.window, ...
     const LookupCounts* kinds[kLookupKinds] = {&n.per_key, &n.prefix, &n.window};
     for (size_t kind = 0; kind < kLookupKinds; ++kind) {
@@ -588,7 +601,16 @@ class NodeServer::Impl {
       session.prepared[plan.keys_to_store[i]] = Prepared{plan.slots[i]};
     }
     wire::PrepareStoreReply reply;
-    for (const OffloadKey& key : keys) reply.add_store(to_store.count(key) != 0);
+    std::vector<OffloadKey> held;  // a store of a block held already is a use of it
+    for (const OffloadKey& key : keys) {
+      const bool store = to_store.count(key) != 0;
+      reply.add_store(store);
+      if (!store) held.push_back(key);
+    }
+    if (!held.empty()) {
+      store_->Touch(held);
+      touched_keys_.fetch_add(held.size(), std::memory_order_relaxed);
+    }
     // Only this namespace's evictions are the client's business.
     for (const OffloadKey& key : plan.evicted) {
       if (key.namespace_id == session.ns) ToWire(key, reply.add_evicted());
@@ -623,7 +645,11 @@ class NodeServer::Impl {
         if (evicted.namespace_id == session.ns) ToWire(evicted, reply.add_evicted());
       }
       if (plan.keys_to_store.empty()) {
-        reply.set_skipped(true);  // held or being stored already; the bytes are not taken
+        // Held or being stored already: the bytes are not taken, and the store counts as a use
+        // of the block (as the connector's touch after a store, reference §7.6).
+        store_->Touch(std::span(&key, 1));
+        touched_keys_.fetch_add(1, std::memory_order_relaxed);
+        reply.set_skipped(true);
         ReplyWith(call, reply);
         return;
       }
@@ -814,6 +840,7 @@ class NodeServer::Impl {
     std::vector<OffloadKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
     store_->Touch(keys);
+    touched_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
     ReplyWith(call, wire::TouchReply());
   }
 
@@ -959,7 +986,7 @@ class NodeServer::Impl {
   std::atomic<uint64_t> lookups_{0}, blocks_stored_{0}, blocks_aborted_{0}, blocks_loaded_{0},
       bytes_in_{0}, bytes_out_{0}, checksum_failures_{0}, sessions_closed_{0},
       pins_released_on_close_{0}, stores_aborted_on_close_{0}, leases_expired_{0},
-      pins_released_on_expiry_{0};
+      pins_released_on_expiry_{0}, touched_keys_{0};
 };
 
 Result<std::unique_ptr<NodeServer>> NodeServer::Start(NodeOptions options) {

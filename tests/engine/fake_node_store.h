@@ -91,11 +91,22 @@ class FakeNodeStore {
     std::lock_guard lock(mu_);
     return get_calls_;
   }
+  // Every touch call, in order, with the number of blocks held when it came (so a test sees
+  // whether it came before or after a store).
+  struct TouchCall {
+    std::vector<BlockKey> keys;
+    size_t blocks_held = 0;
+  };
+  std::vector<TouchCall> touches() const {
+    std::lock_guard lock(mu_);
+    return touches_;
+  }
   void ClearLog() {
     std::lock_guard lock(mu_);
     put_keys_.clear();
     get_keys_.clear();
     get_calls_ = 0;
+    touches_.clear();
   }
 
   std::vector<KeyState> Lookup(std::span<const BlockKey> keys) const {
@@ -126,6 +137,11 @@ class FakeNodeStore {
       blocks_[keys[i]].assign(blocks[i].begin(), blocks[i].end());
     }
     return first;
+  }
+
+  void Touch(std::span<const BlockKey> keys) {
+    std::lock_guard lock(mu_);
+    touches_.push_back({std::vector<BlockKey>(keys.begin(), keys.end()), blocks_.size()});
   }
 
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
@@ -159,6 +175,7 @@ class FakeNodeStore {
   std::map<BlockKey, std::vector<std::byte>, KeyLess> blocks_;
   std::vector<BlockKey> put_keys_, get_keys_;
   size_t get_calls_ = 0;
+  std::vector<TouchCall> touches_;
 };
 
 // The connector's view of a FakeNodeStore: one node.
@@ -179,6 +196,8 @@ class FakeStoreClient : public connector::BlockStoreClient {
                                   std::span<const std::span<std::byte>> outs) override {
     return store_->Get(keys, outs);
   }
+  void Touch(std::span<const BlockKey> keys) override { store_->Touch(keys); }
+  connector::BlockStoreCounters counters() const override { return {}; }
 
  private:
   FakeNodeStore* store_;

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <fstream>
 #include <limits>
 #include <thread>
 
@@ -19,6 +20,18 @@
 extern char** environ;
 
 namespace kvstash::cli {
+
+Result<std::string> ResolveToken(const std::string& token, const std::string& token_file) {
+  if (!token.empty() && !token_file.empty()) {
+    return InvalidArgumentError("--token and --token-file: give one, not both");
+  }
+  if (token_file.empty()) return token;
+  std::ifstream in(token_file);
+  if (!in) return NotFoundError("--token-file: cannot read '{}'", token_file);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
 
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
   const double seconds = std::chrono::duration<double>(elapsed).count();

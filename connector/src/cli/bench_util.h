@@ -17,6 +17,10 @@
 
 namespace kvstash::cli {
 
+// The auth token of --token or --token-file (the file's first line). InvalidArgument when
+// both are given, NotFound when the file cannot be read.
+Result<std::string> ResolveToken(const std::string& token, const std::string& token_file);
+
 // GB/s (1e9 bytes/s) for `bytes` moved in `elapsed`; 0 for an empty interval.
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed);
 

@@ -11,7 +11,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;  // the operation failed (I/O, unreachable node, ...)
 inline constexpr int kExitUsage = 2;    // bad arguments or malformed input
 
-// `kvstash put|get|lookup|stats --node HOST:PORT ...`.
+// `kvstash put|get|lookup|touch|stats --node HOST:PORT ...`.
 void AddNodeCommands(CLI::App& app, int* exit_code);
 
 // `kvstash trace [FILE]`.

@@ -1,4 +1,4 @@
-// `kvstash put|get|lookup|stats --node HOST:PORT ...`: talk to offload nodes by hand.
+// `kvstash put|get|lookup|touch|stats --node HOST:PORT ...`: talk to offload nodes by hand.
 
 #include <fmt/format.h>
 
@@ -6,6 +6,7 @@
 #include <iostream>
 #include <iterator>
 
+#include "bench_util.h"
 #include "commands.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/node_client.h"
@@ -62,15 +63,7 @@ Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
     KVSTASH_ASSIGN_OR_RETURN(auto address, connector::ParseNodeAddress(node));
     options.nodes.push_back(address);
   }
-  if (!flags.token.empty() && !flags.token_file.empty()) {
-    return InvalidArgumentError("--token and --token-file: give one, not both");
-  }
-  options.auth_token = flags.token;
-  if (!flags.token_file.empty()) {
-    std::ifstream in(flags.token_file);
-    if (!in) return NotFoundError("--token-file: cannot read '{}'", flags.token_file);
-    std::getline(in, options.auth_token);
-  }
+  KVSTASH_ASSIGN_OR_RETURN(options.auth_token, ResolveToken(flags.token, flags.token_file));
   if (flags.timeout_ms < 1) {
     return InvalidArgumentError("--timeout-ms: {} is not a positive count", flags.timeout_ms);
   }
@@ -163,9 +156,22 @@ int RunLookup(const NodeFlags& flags) {
   if (!keys.ok()) return Fail("lookup", kExitUsage, keys.status().message());
   auto client = Connect(flags);
   if (!client.ok()) return Fail("lookup", ExitFor(client.status()), client.status().message());
-  const std::vector<KeyState> states = (*client)->Lookup(*keys);
+  // A refusal (over a limit, a wrong token) is an error, never a column of misses.
+  auto looked_up = (*client)->LookupStrict(*keys);
+  if (!looked_up.ok()) return Fail("lookup", kExitFailure, looked_up.status().message());
+  const std::vector<KeyState>& states = *looked_up;
   std::optional<size_t> prefix;
-  if (flags.prefix) prefix = (*client)->LookupPrefix(*keys);
+  if (flags.prefix) {
+    prefix = 0;
+    for (KeyState s : states) {
+      if (s == KeyState::kMiss) break;
+      if (s == KeyState::kRetry) {
+        prefix.reset();
+        break;
+      }
+      ++*prefix;
+    }
+  }
   if (flags.json) {
     nlohmann::json doc = {{"keys", nlohmann::json::array()}};
     for (size_t i = 0; i < keys->size(); ++i) {
@@ -191,6 +197,18 @@ int RunLookup(const NodeFlags& flags) {
     std::cerr << "kvstash lookup: warning: some nodes could not be reached; their keys show as "
                  "miss\n";
   }
+  return kExitOk;
+}
+
+int RunTouch(const NodeFlags& flags) {
+  auto keys = Keys(flags);
+  if (!keys.ok()) return Fail("touch", kExitUsage, keys.status().message());
+  auto client = Connect(flags);
+  if (!client.ok()) return Fail("touch", ExitFor(client.status()), client.status().message());
+  if (const Status touched = (*client)->TouchSync(*keys); !touched.ok()) {
+    return Fail("touch", kExitFailure, touched.message());
+  }
+  std::cout << fmt::format("touched {} key(s), the first most recent\n", keys->size());
   return kExitOk;
 }
 
@@ -241,12 +259,20 @@ void AddNodeCommands(CLI::App& app, int* exit_code) {
   CLI::App* lookup = app.add_subcommand(
       "lookup",
       "Look keys up (hit, miss, or retry while a block is being written or promoted "
-      "from SSD); a node that cannot be reached answers miss, with a warning");
+      "from SSD); a node that cannot be reached answers miss, with a warning; a node that "
+      "refuses the lookup (too many keys, a wrong token) is an error (exit 1)");
   AddConnectionFlags(lookup, *flags, true);
   lookup->add_flag("--prefix", flags->prefix,
                    "Also print how many leading keys are hits (the maximal prefix)");
   lookup->add_flag("--json", flags->json, "One JSON object on stdout");
   lookup->callback([flags, exit_code] { *exit_code = RunLookup(*flags); });
+
+  CLI::App* touch = app.add_subcommand(
+      "touch",
+      "Mark blocks used, the first key most recent (LRU moves them to the most recent end, "
+      "ARC to its frequent list); keys a node does not hold are ignored");
+  AddConnectionFlags(touch, *flags, true);
+  touch->callback([flags, exit_code] { *exit_code = RunTouch(*flags); });
 
   CLI::App* stats = app.add_subcommand("stats", "Print each node's counters");
   AddConnectionFlags(stats, *flags, false);

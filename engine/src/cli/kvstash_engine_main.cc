@@ -66,10 +66,15 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
     if (show_ttft) std::printf(" ttft_ms=%.3f", ttft_ms);
     if (const KvOffload* offload = e.offload()) {
       const OffloadStats s = offload->stats();
-      std::printf(" node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu",
-                  r->num_external_tokens, static_cast<unsigned long long>(s.bytes_loaded),
-                  static_cast<unsigned long long>(s.bytes_stored),
-                  static_cast<unsigned long long>(e.counters().load_failures));
+      std::printf(
+          " node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu "
+          "node_unreachable=%llu node_refusals=%llu touched_keys=%llu",
+          r->num_external_tokens, static_cast<unsigned long long>(s.bytes_loaded),
+          static_cast<unsigned long long>(s.bytes_stored),
+          static_cast<unsigned long long>(e.counters().load_failures),
+          static_cast<unsigned long long>(s.node_unreachable),
+          static_cast<unsigned long long>(s.node_refusals),
+          static_cast<unsigned long long>(s.touched_keys));
     }
     std::printf("\n");
   }
@@ -216,7 +221,10 @@ int main(int argc, char** argv) {
                 "also print prompt_tokens=.. cached_tokens=.. computed_tokens=.. (prompt tokens "
                 "the prefix cache held, and prompt tokens run through the model); with --nodes "
                 "also node_tokens=.. (prompt tokens loaded from the nodes), the bytes loaded and "
-                "stored, and loads that fell back to recomputing");
+                "stored, loads that fell back to recomputing, node_unreachable=.. (calls to "
+                "nodes that were down or late: their blocks are misses), node_refusals=.. "
+                "(calls a node refused: an error, logged) and touched_keys=.. (keys whose use "
+                "the nodes were told of)");
 
   ModelFlags chat_flags;
   chat_flags.model = "builtin:tiny-state-hybrid";

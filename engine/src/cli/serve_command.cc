@@ -254,6 +254,9 @@ class Server {
       t["stored_bytes"] = s.bytes_stored;
       t["blocks_loaded"] = s.blocks_loaded;
       t["blocks_stored"] = s.blocks_stored;
+      t["node_unreachable"] = s.node_unreachable;
+      t["node_refusals"] = s.node_refusals;
+      t["touched_keys"] = s.touched_keys;
     } else {
       t["loaded_bytes"] = 0;
       t["stored_bytes"] = 0;

@@ -90,8 +90,17 @@ class NodeKvOffload : public KvOffload {
   void RequestFinished(RequestId id) override { connector_->RequestFinished(id); }
   void Drain() override { connector_->Drain(); }
   OffloadStats stats() const override {
-    const connector::KvConnectorStats& c = connector_->stats();
-    return {c.bytes_loaded, c.bytes_stored, c.blocks_loaded, c.blocks_stored, c.blocks_load_failed};
+    const connector::KvConnectorStats c = connector_->stats();
+    OffloadStats s;
+    s.bytes_loaded = c.bytes_loaded;
+    s.bytes_stored = c.bytes_stored;
+    s.blocks_loaded = c.blocks_loaded;
+    s.blocks_stored = c.blocks_stored;
+    s.blocks_load_failed = c.blocks_load_failed;
+    s.node_unreachable = c.node_unreachable;
+    s.node_refusals = c.node_refusals;
+    s.touched_keys = c.touched_keys;
+    return s;
   }
 
  private:

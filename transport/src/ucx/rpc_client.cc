@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <queue>
@@ -11,6 +12,7 @@
 
 #include "bootstrap.h"
 #include "kvstash/common/logging.h"
+#include "kvstash/common/mutex.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
@@ -229,6 +231,22 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     return s;
   }
   uint64_t connection_id() const { return connection_id_.load(); }
+
+  std::optional<ServerLimits> server_limits() const {
+    MutexLock lock(&limits_mu_);
+    return limits_;
+  }
+
+  void ConnectAsync(std::function<void(const Status&)> done) {
+    worker_->Run([this, done = std::move(done)]() mutable {
+      if (state_ == State::kConnected) {
+        done(Status::OK());
+        return;
+      }
+      connect_waiters_.push_back(std::move(done));
+      if (state_ == State::kIdle) StartConnect();
+    });
+  }
 
  private:
   enum class State { kIdle, kConnecting, kConnected };
@@ -857,6 +875,24 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       return;
     }
     connection_id_ = reply.connection_id();
+    {
+      // The server's limits, within this client's own (a larger message or payload would be
+      // refused here before it is sent).
+      const TransportOptions& own = worker_->options();
+      ServerLimits limits;
+      limits.block_bytes = reply.block_bytes();
+      limits.max_keys_per_request = reply.max_keys_per_request();
+      limits.max_message_bytes =
+          reply.max_message_bytes() == 0
+              ? own.max_message_bytes
+              : std::min<uint64_t>(reply.max_message_bytes(), own.max_message_bytes);
+      limits.max_payload_bytes =
+          reply.max_payload_bytes() == 0
+              ? own.max_payload_bytes
+              : std::min<uint64_t>(reply.max_payload_bytes(), own.max_payload_bytes);
+      MutexLock lock(&limits_mu_);
+      limits_ = limits;
+    }
     ProbeMapping(reply);
     state_ = State::kConnected;
     connect_timer_->cancel();
@@ -1024,6 +1060,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   bool in_shutdown_ = false;
 
   std::atomic<uint64_t> connection_id_{0};
+  mutable Mutex limits_mu_;
+  std::optional<ServerLimits> limits_ GUARDED_BY(limits_mu_);
   std::atomic<uint64_t> calls_started_{0}, calls_failed_{0}, connects_{0}, disconnects_{0},
       malformed_{0}, late_replies_{0}, mapped_payloads_{0};
 };
@@ -1172,6 +1210,12 @@ void RpcClient::RunOnProgressThread(std::function<void()> fn) {
 TransportStats RpcClient::stats() const { return impl_->stats(); }
 
 uint64_t RpcClient::connection_id() const { return impl_->connection_id(); }
+
+std::optional<ServerLimits> RpcClient::server_limits() const { return impl_->server_limits(); }
+
+void RpcClient::ConnectAsync(std::function<void(const Status&)> done) {
+  impl_->ConnectAsync(std::move(done));
+}
 
 Status RpcClient::SendRawForTesting(Bytes header, Bytes data) {
   KVSTASH_RETURN_IF_ERROR(impl_->Connect());

@@ -538,6 +538,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     reply.set_block_bytes(options_.block_bytes);
     reply.set_max_keys_per_request(options_.max_keys_per_request);
     reply.set_max_message_bytes(worker_->options().max_message_bytes);
+    reply.set_max_payload_bytes(worker_->options().max_payload_bytes);
     Status refused;
     if (!hello.ParseFromString(body)) {
       refused = InvalidArgumentError("unparseable hello of {} bytes", body.size());

@@ -18,6 +18,19 @@
 
 namespace kvstash::connector {
 
+// What a client's calls to the nodes met since it was created. Monotonic. Nothing here is a
+// miss: a block a node does not hold is an answer, not an error.
+struct BlockStoreCounters {
+  uint64_t calls = 0;  // calls sent (a batch over a node's limits is split into several)
+  // Calls to a node that was down or slower than the deadline: their keys read as misses.
+  uint64_t unreachable = 0;
+  // Calls that failed otherwise: refused by the node (over a limit, a bad request, a wrong
+  // token, a quota) or answered with a reply that does not parse. Errors, logged; a lookup's
+  // keys read as misses for the caller to go on, but never silently.
+  uint64_t refused = 0;
+  uint64_t touched_keys = 0;  // keys sent in touches
+};
+
 struct NodeAddress {
   std::string host;
   uint16_t port = 0;
@@ -33,8 +46,14 @@ class BlockStoreClient {
   // The node's block size; an error when the node does not answer.
   virtual Result<uint64_t> BlockBytes(size_t node) = 0;
 
-  // Per-key lookups in key order; a key whose node cannot be reached is a miss.
+  // Per-key lookups in key order. A key whose node cannot be reached, or whose node refused the
+  // call, is a miss; either is counted (counters()) and logged.
   virtual std::vector<KeyState> Lookup(std::span<const BlockKey> keys) = 0;
+  // Marks the keys used on their nodes, the first key most recent (reference §3: LRU moves them
+  // to the most recent end, ARC to T2; keys a node does not hold are ignored, or count as ghost
+  // hits). Asynchronous: returns once the calls are sent, and their outcome is counted and
+  // logged as any call's. Calls still in flight are waited for when the client is destroyed.
+  virtual void Touch(std::span<const BlockKey> keys) = 0;
   // Stores blocks[i] under keys[i], each exactly its node's block size; keys already held are
   // skipped. The first error; the other blocks are still stored.
   virtual Status Put(std::span<const BlockKey> keys,
@@ -43,6 +62,8 @@ class BlockStoreClient {
   // Unavailable when its node cannot be reached.
   virtual std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                           std::span<const std::span<std::byte>> outs) = 0;
+
+  virtual BlockStoreCounters counters() const = 0;
 };
 
 }  // namespace kvstash::connector

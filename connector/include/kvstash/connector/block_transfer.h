@@ -13,7 +13,9 @@
 // Stores copy their pages out of the pool when submitted (at memory speed), so the engine may
 // reuse a page as soon as Submit returns: the fence of a store is its copy. Loads write pool
 // pages from the transfer thread: the engine must not touch a load's pages until the job is
-// reported finished. Loads run before queued stores.
+// reported finished. Loads run before queued stores. Touches (recency for the nodes) queue with
+// the stores, in order: one is sent once the stores queued before it have ended, so a node
+// sees it after their blocks are in.
 //
 // Thread-safe: Submit, Poll and Wait may be called from any thread; one transfer thread.
 
@@ -101,6 +103,9 @@ class BlockTransfer {
   // Queues a job (a store copies its pages first). InvalidArgument, and nothing queued, for a
   // page outside the pool or a block with the wrong page count.
   Status Submit(BlockJob job);
+  // Queues a touch of `keys` (BlockStoreClient::Touch, the first key most recent) behind the
+  // stores queued so far. It has no result; WaitAll waits for it to be sent.
+  void SubmitTouch(std::vector<BlockKey> keys);
   // Results of the jobs finished since the last call.
   std::vector<BlockJobResult> Poll();
   // Blocks until each of these jobs has finished (unknown or polled ids count as finished),
@@ -120,6 +125,7 @@ class BlockTransfer {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Pending>> loads_, stores_;
   std::vector<uint64_t> in_flight_;  // queued or running ids
+  size_t touches_in_flight_ = 0;     // queued or being sent
   std::vector<BlockJobResult> finished_;
   bool stop_ = false;
   std::thread thread_;

@@ -16,8 +16,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -44,6 +46,9 @@ struct KvConnectorStats {
   uint64_t load_jobs = 0, blocks_loaded = 0, blocks_load_failed = 0, bytes_loaded = 0;
   uint64_t store_jobs = 0, blocks_stored = 0, blocks_store_failed = 0, bytes_stored = 0;
   double load_seconds = 0;  // time spent waiting for loads
+  // The node client's counters (BlockStoreCounters): calls, calls to nodes that were down or
+  // late (misses), calls the nodes refused (errors), keys touched.
+  uint64_t node_calls = 0, node_unreachable = 0, node_refusals = 0, touched_keys = 0;
 };
 
 class KvConnector {
@@ -80,7 +85,7 @@ class KvConnector {
   // Waits for every transfer and acknowledges it (before the process exits).
   void Drain();
 
-  const KvConnectorStats& stats() const { return stats_; }
+  KvConnectorStats stats() const;
   BlockStoreClient& client() { return *client_; }
 
  private:
@@ -89,6 +94,13 @@ class KvConnector {
   Status Submit(const TransferJob& job, BlockJob::Kind kind);
   // Acknowledges finished transfers to the scheduler; records load outcomes.
   void Collect();
+  // Logs a job's failure, once per kind of job and error code.
+  void NoteFailure(const BlockJobResult& r);
+  // EndStep's stores.
+  Status EndStepStores();
+  // Hands the step's touches to the transfer: those of its lookups (taking the step's touches
+  // from the manager) before its stores, those of its store decisions after them.
+  void SubmitTouches(bool before_stores);
 
   std::unique_ptr<BlockStoreClient> client_;
   std::unique_ptr<OffloadScheduler> scheduler_;
@@ -100,6 +112,9 @@ class KvConnector {
   // Submitted loads' pages, for pages_to_device.
   std::unordered_map<JobId, std::vector<GpuBlockId>> load_pages_;
   KvConnectorStats stats_;
+  std::set<std::pair<bool, int>> logged_failures_;  // (load, status code) logged once
+  // The step's store touches, between EndStep's stores and their submission.
+  std::vector<BlockKey> after_store_touches_;
 };
 
 }  // namespace kvstash::connector

@@ -3,9 +3,18 @@
 // NodeClient: an engine-side client of one or many offload nodes. Each block key lives on one
 // node, chosen by rendezvous hashing (highest hash of key and node address), so every client
 // places a key on the same node and adding or losing a node moves only that node's keys.
-// Batched calls fan out to the nodes concerned in parallel and come back in key order. A node
-// that cannot be reached (down, slow past the deadline) is a miss for its keys, never an error
-// that stops the caller; unreachable() counts such answers.
+//
+// Batched calls fan out to the nodes concerned in parallel and come back in key order. Every
+// node states its limits at hello (keys per request, message and payload bytes, block size);
+// a batch over them is split into calls within them, all in flight at once, so a long prompt is
+// never refused for its length.
+//
+// Errors are never silent misses. A node that cannot be reached (down, slow past the deadline)
+// reads as a miss for its keys: counted, and logged once each time a node goes down or comes
+// back. A call a node refuses (a limit, a bad request, a wrong token, a quota) is an error:
+// counted, and logged once per node and error code with the node's message (which names the
+// value and the limit); a lookup's refused keys still read as misses so that an engine goes on,
+// and LookupStrict returns the refusal.
 //
 // Thread-safe. The connector uses it through BlockStoreClient.
 
@@ -43,9 +52,15 @@ struct NodeClientOptions {
   std::shared_ptr<transport::ClientWorker> worker;
 };
 
+// Keys of one request a node with these limits accepts: its key limit, and as many keys as
+// its message limit holds (each key costs at most kKeyWireBytes). At least 1.
+inline constexpr size_t kKeyWireBytes = 32;
+size_t KeysPerCall(const transport::ServerLimits& limits);
+
 class NodeClient : public BlockStoreClient {
  public:
   static Result<std::unique_ptr<NodeClient>> Create(NodeClientOptions options);
+  // Waits for touches still in flight (each bounded by the call timeout).
   ~NodeClient() override;
 
   size_t node_count() const override;
@@ -53,15 +68,25 @@ class NodeClient : public BlockStoreClient {
   // The node that holds `key`.
   size_t NodeOf(const BlockKey& key) const;
 
-  // Per-key lookups in key order; an unreachable node's keys are misses.
+  // The node's limits as it stated them at hello (connecting first when needed). Unavailable
+  // when it cannot be reached; the hello's refusal (Unauthenticated, PermissionDenied,
+  // FailedPrecondition) otherwise.
+  Result<transport::ServerLimits> Limits(size_t node);
+
+  // Per-key lookups in key order (see BlockStoreClient::Lookup).
   std::vector<KeyState> Lookup(std::span<const BlockKey> keys) override;
+  // The same, but a node's refusal (or a reply that does not parse) is returned as the error,
+  // naming the node; keys of unreachable nodes still read as misses.
+  Result<std::vector<KeyState>> LookupStrict(std::span<const BlockKey> keys);
   // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 
   // Stores blocks[i] under keys[i] (each exactly its node's block size): one call per block
-  // that prepares, sends and commits it, all blocks in flight at once. Keys a node already
-  // holds are skipped. The first error, naming the node and the key; the other blocks are
-  // still stored.
+  // that prepares, sends and commits it, all blocks in flight at once. A node that already
+  // holds a block skips it without taking the bytes, and counts the store as a use of the block
+  // (a touch). The blocks are sent last key first, so that a node inserts the first key last:
+  // among one call's new blocks the first is the most recent, as a touch would leave them.
+  // The first error, naming the node and the key; the other blocks are still stored.
   Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) override;
 
   // Reads the block of `key` into `out` in one call (the node pins it for the transfer). A block
@@ -72,11 +97,17 @@ class NodeClient : public BlockStoreClient {
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const transport::MutableBytes> outs) override;
 
+  // Asynchronous touch (see BlockStoreClient::Touch), split to each node's limits.
+  void Touch(std::span<const BlockKey> keys) override;
+  // The same, waiting for the nodes' answers: the first error, naming the node.
+  Status TouchSync(std::span<const BlockKey> keys);
+
   // The node's counters (wire.StatsReply).
   Result<std::map<std::string, uint64_t>> Stats(size_t node);
-  // The node's block size (from its counters).
+  // The node's block size, as stated at hello.
   Result<uint64_t> BlockBytes(size_t node) override;
 
+  BlockStoreCounters counters() const override;
   uint64_t unreachable() const;
 
   class Impl;

@@ -24,6 +24,9 @@ namespace kvstash::engine {
 struct OffloadStats {
   uint64_t bytes_loaded = 0, bytes_stored = 0;
   uint64_t blocks_loaded = 0, blocks_stored = 0, blocks_load_failed = 0;
+  // Calls to nodes that were down or late (their blocks are misses), calls a node refused (an
+  // error: a limit, a wrong token, a quota), keys touched on the nodes.
+  uint64_t node_unreachable = 0, node_refusals = 0, touched_keys = 0;
 };
 
 class KvOffload : public ExternalKvSource {

@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -120,6 +121,15 @@ struct CallOptions {
 
 class ClientWorker;
 
+// What a server states at hello (wire.HelloReply): the limits every call to it must keep. A
+// client splits its batches to fit them instead of having them refused.
+struct ServerLimits {
+  uint64_t block_bytes = 0;           // the node's block size; 0: a bare transport, no store
+  uint32_t max_keys_per_request = 0;  // keys in one request
+  uint64_t max_message_bytes = 0;     // bytes of one request message (the protobuf part)
+  uint64_t max_payload_bytes = 0;     // bytes of one request payload
+};
+
 struct ClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
@@ -180,6 +190,13 @@ class RpcClient {
   void RunOnProgressThread(std::function<void()> fn);
   TransportStats stats() const;
   uint64_t connection_id() const;
+  // The limits the server stated at the latest hello, tightened by this client's own
+  // (TransportOptions); nullopt before the first connection. A server restarted with other
+  // limits is seen at the reconnection. Thread-safe.
+  std::optional<ServerLimits> server_limits() const;
+  // Starts connecting unless connected or connecting; `done` runs once on the progress thread
+  // with the outcome (OK at once when connected). For connecting to many servers in parallel.
+  void ConnectAsync(std::function<void(const Status&)> done);
 
   // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
   // first. No reply is matched to it.

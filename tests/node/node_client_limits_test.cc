@@ -1,0 +1,272 @@
+// NodeClient against real `kvstashd` processes, on what makes the nodes work as a cache:
+//   - every node's limits are learnt at hello, and a batch over them (keys per request, message
+//     bytes) is split into calls within them, so a long request hits instead of being refused;
+//   - touches reach the nodes, the first key most recent, and a store of a block a node holds
+//     counts as a use: LRU keeps a used block over newer idle ones, ARC moves it to T2, and a
+//     lookup alone changes nothing;
+//   - an error is never a silent miss: a refusal is counted as such (and LookupStrict returns
+//     it), an unreachable node is counted apart, and a block the node would refuse for its size
+//     is refused before its bytes move.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "block_pattern.h"
+#include "daemon_process.h"
+#include "kvstash/connector/node_client.h"
+
+namespace kvstash {
+namespace {
+
+using connector::BlockKey;
+using connector::KeyState;
+using connector::NodeClient;
+using ::kvstash::testing::Daemon;
+using ::kvstash::testing::FillPattern;
+using ::kvstash::testing::MatchesPattern;
+using ::testing::HasSubstr;
+
+constexpr size_t kBlock = 64 << 10;  // the Daemon's test size; 4 MiB of CPU tier: 64 blocks
+
+BlockKey Key(uint64_t k) {
+  BlockKey key;
+  key.hash.lo = k;
+  key.hash.hi = 0x11117e57;
+  return key;
+}
+
+std::vector<BlockKey> Keys(uint64_t first, uint64_t count) {
+  std::vector<BlockKey> keys;
+  for (uint64_t k = first; k < first + count; ++k) keys.push_back(Key(k));
+  return keys;
+}
+
+std::unique_ptr<NodeClient> Client(const std::vector<std::unique_ptr<Daemon>>& daemons,
+                                   std::string token = "") {
+  connector::NodeClientOptions options;
+  for (const auto& d : daemons) options.nodes.push_back({"127.0.0.1", d->port()});
+  options.timeout = std::chrono::milliseconds(3000);
+  options.auth_token = std::move(token);
+  auto client = NodeClient::Create(options);
+  EXPECT_TRUE(client.ok()) << client.status().ToString();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// Stores each key's pattern block; every put must succeed.
+void PutAll(NodeClient& client, const std::vector<BlockKey>& keys) {
+  std::vector<std::vector<std::byte>> blocks;
+  std::vector<transport::Bytes> views;
+  for (const BlockKey& k : keys) {
+    blocks.emplace_back(kBlock);
+    FillPattern(k.hash.lo, blocks.back());
+  }
+  for (const auto& b : blocks) views.emplace_back(b);
+  const Status put = client.Put(keys, views);
+  ASSERT_TRUE(put.ok()) << put.ToString();
+}
+
+uint64_t Counter(NodeClient& client, size_t node, const std::string& name) {
+  auto stats = client.Stats(node);
+  EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+  if (!stats.ok() || !stats->contains(name)) return ~uint64_t{0};
+  return stats->at(name);
+}
+
+std::vector<std::unique_ptr<Daemon>> StartNodes(int count, std::vector<std::string> args) {
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  // The test sizes (64 KiB blocks, 4 MiB of CPU tier) unless the test sets the tier.
+  const bool sizes = std::find(args.begin(), args.end(), "--cpu-bytes") == args.end();
+  if (!sizes) args.insert(args.begin(), {"--block-bytes", "64KiB"});
+  for (int i = 0; i < count; ++i) {
+    daemons.push_back(std::make_unique<Daemon>(args, sizes));
+    EXPECT_NE(daemons.back()->port(), 0);
+  }
+  return daemons;
+}
+
+TEST(KeysPerCallTest, TheKeyLimitAndTheMessageLimitBothBound) {
+  transport::ServerLimits limits;
+  limits.max_keys_per_request = 32;
+  limits.max_message_bytes = 4 << 20;
+  EXPECT_EQ(connector::KeysPerCall(limits), 32u);
+  limits.max_keys_per_request = 4096;
+  limits.max_message_bytes = 4096;
+  EXPECT_EQ(connector::KeysPerCall(limits), (4096u - 64) / connector::kKeyWireBytes);
+  limits.max_message_bytes = 10;
+  EXPECT_EQ(connector::KeysPerCall(limits), 1u);  // never 0
+  EXPECT_EQ(connector::KeysPerCall(transport::ServerLimits{}), 4096u);
+}
+
+TEST(NodeClientLimitsTest, LimitsComeFromTheHello) {
+  auto daemons = StartNodes(1, {"--max-keys-per-request", "32", "--max-message-bytes", "8KiB",
+                                "--max-payload-bytes", "1MiB"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  auto limits = client->Limits(0);
+  ASSERT_TRUE(limits.ok()) << limits.status().ToString();
+  EXPECT_EQ(limits->block_bytes, kBlock);
+  EXPECT_EQ(limits->max_keys_per_request, 32u);
+  EXPECT_EQ(limits->max_message_bytes, 8u << 10);
+  EXPECT_EQ(limits->max_payload_bytes, 1u << 20);
+  EXPECT_EQ(*client->BlockBytes(0), kBlock);
+}
+
+// A request of more keys than a node takes in one call, on one node and on two.
+class NodeClientSplitTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(NodeClientSplitTest, BatchesOverTheLimitsAreSplitAndEveryKeyHits) {
+  // 8 keys per request, and a message limit of 4 KiB (about 125 keys) that does not bind.
+  auto daemons = StartNodes(GetParam(), {"--max-keys-per-request", "8"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  const std::vector<BlockKey> keys = Keys(0, 40);
+  PutAll(*client, keys);
+  const uint64_t calls_before = client->counters().calls;
+
+  const std::vector<KeyState> states = client->Lookup(keys);
+  EXPECT_EQ(std::count(states.begin(), states.end(), KeyState::kHit), 40);
+  // At least 40 / 8 lookup calls went out (more with two nodes: each gets its own).
+  EXPECT_GE(client->counters().calls - calls_before, 5u);
+  auto strict = client->LookupStrict(keys);
+  ASSERT_TRUE(strict.ok()) << strict.status().ToString();
+  EXPECT_EQ(client->LookupPrefix(keys), 40u);
+
+  ASSERT_TRUE(client->TouchSync(keys).ok());
+  uint64_t touched = 0;
+  for (int n = 0; n < GetParam(); ++n) touched += Counter(*client, n, "node.touched_keys");
+  EXPECT_EQ(touched, 40u);
+  EXPECT_EQ(client->counters().touched_keys, 40u);
+
+  std::vector<std::vector<std::byte>> bufs(keys.size(), std::vector<std::byte>(kBlock));
+  std::vector<transport::MutableBytes> outs(bufs.begin(), bufs.end());
+  const auto got = client->Get(keys, outs);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status().ToString();
+    EXPECT_TRUE(MatchesPattern(keys[i].hash.lo, bufs[i])) << i;
+  }
+  EXPECT_EQ(client->counters().refused, 0u);
+  EXPECT_EQ(client->counters().unreachable, 0u);
+}
+
+TEST_P(NodeClientSplitTest, TheMessageLimitSplitsToo) {
+  // 4 KiB messages hold about 125 keys; the key limit (4096) does not bind.
+  auto daemons = StartNodes(GetParam(), {"--max-message-bytes", "4KiB", "--cpu-bytes", "32MiB"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  const std::vector<BlockKey> keys = Keys(100, 400);
+  PutAll(*client, keys);
+  auto strict = client->LookupStrict(keys);
+  ASSERT_TRUE(strict.ok()) << strict.status().ToString();
+  EXPECT_EQ(std::count(strict->begin(), strict->end(), KeyState::kHit), 400);
+  EXPECT_TRUE(client->TouchSync(keys).ok());
+  EXPECT_EQ(client->counters().refused, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, NodeClientSplitTest, ::testing::Values(1, 2));
+
+TEST(NodeClientRecencyTest, TouchedAndReStoredBlocksOutliveNewerIdleOnes) {
+  auto daemons = StartNodes(1, {"--cpu-policy", "lru"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  ASSERT_EQ(Counter(*client, 0, "cpu.capacity_blocks"), 64u);
+  // Full. A call's new blocks go in with its first key most recent: key 63 is the least recent.
+  PutAll(*client, Keys(0, 64));
+  // A lookup is not a use.
+  (void)client->Lookup(Keys(60, 4));
+  // Key 63 is touched (asynchronously: the next call on the connection comes after it) and
+  // key 62 stored again (the node holds it: a use). Keys 61 and 60 are now the least recent.
+  client->Touch(Keys(63, 1));
+  PutAll(*client, Keys(62, 1));
+  PutAll(*client, Keys(1000, 2));  // evicts two blocks
+  const std::vector<KeyState> states = client->Lookup(Keys(59, 5));
+  EXPECT_EQ(states, (std::vector<KeyState>{KeyState::kHit, KeyState::kMiss, KeyState::kMiss,
+                                           KeyState::kHit, KeyState::kHit}));
+}
+
+TEST(NodeClientRecencyTest, TouchesOfOneCallLeaveTheFirstKeyMostRecentAcrossSplitCalls) {
+  // 4 keys per request: a touch of 12 keys goes as 3 calls, whose order must not matter.
+  auto daemons = StartNodes(1, {"--max-keys-per-request", "4"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  PutAll(*client, Keys(0, 64));
+  std::vector<BlockKey> touch = Keys(0, 12);  // 0 most recent, then 1, ..., 11
+  ASSERT_TRUE(client->TouchSync(touch).ok());
+  // 52 new blocks evict keys 12..63; 11 more evict 11, 10, ... 1: key 0 stays.
+  PutAll(*client, Keys(1000, 52));
+  PutAll(*client, Keys(2000, 11));
+  const std::vector<KeyState> states = client->Lookup(Keys(0, 12));
+  EXPECT_EQ(states[0], KeyState::kHit);
+  for (int k = 1; k < 12; ++k) EXPECT_EQ(states[k], KeyState::kMiss) << k;
+}
+
+TEST(NodeClientRecencyTest, ArcMovesABlockToT2OnItsSecondUseAndALookupIsNone) {
+  auto daemons = StartNodes(1, {"--cpu-policy", "arc"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  PutAll(*client, Keys(0, 4));
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t1_blocks"), 4u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t2_blocks"), 0u);
+  (void)client->Lookup(Keys(0, 4));
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t2_blocks"), 0u);
+  ASSERT_TRUE(client->TouchSync(Keys(0, 1)).ok());
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t2_blocks"), 1u);
+  PutAll(*client, Keys(1, 1));  // a store of a held block is its second use too
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t2_blocks"), 2u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.arc_t1_blocks"), 2u);
+}
+
+TEST(NodeClientErrorsTest, ARefusalIsCountedAndReturnedNeverASilentMiss) {
+  const std::filesystem::path token_file =
+      std::filesystem::temp_directory_path() / ("kvstash-token-" + std::to_string(::getpid()));
+  std::ofstream(token_file) << "right-token\n";
+  auto daemons = StartNodes(1, {"--auth-token-file", token_file.string()});
+  auto wrong = Client(daemons, "wrong-token");
+  ASSERT_NE(wrong, nullptr);
+  const std::vector<KeyState> states = wrong->Lookup(Keys(0, 3));
+  EXPECT_EQ(states, std::vector<KeyState>(3, KeyState::kMiss));  // the engine goes on ...
+  EXPECT_GE(wrong->counters().refused, 1u);                      // ... but it is counted
+  EXPECT_EQ(wrong->counters().unreachable, 0u);
+  auto strict = wrong->LookupStrict(Keys(0, 3));
+  EXPECT_EQ(strict.status().code(), StatusCode::kUnauthenticated) << strict.status().ToString();
+  std::filesystem::remove(token_file);
+}
+
+TEST(NodeClientErrorsTest, ABlockOfTheWrongSizeIsRefusedBeforeItsBytesMove) {
+  auto daemons = StartNodes(1, {});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  std::vector<std::byte> small(kBlock / 2);
+  const transport::Bytes view = small;
+  const BlockKey key = Key(7);
+  const Status put = client->Put(std::span(&key, 1), std::span(&view, 1));
+  EXPECT_EQ(put.code(), StatusCode::kInvalidArgument) << put.ToString();
+  EXPECT_THAT(std::string(put.message()), HasSubstr(std::to_string(kBlock)));
+  EXPECT_EQ(client->counters().refused, 1u);
+  EXPECT_EQ(Counter(*client, 0, "node.bytes_in"), 0u);
+}
+
+TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
+  auto daemons = StartNodes(2, {});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  const std::vector<BlockKey> keys = Keys(0, 16);
+  PutAll(*client, keys);
+  daemons[1]->process().Kill(SIGKILL);
+  auto strict = client->LookupStrict(keys);
+  ASSERT_TRUE(strict.ok()) << strict.status().ToString();  // down is not a refusal
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ((*strict)[i], client->NodeOf(keys[i]) == 1 ? KeyState::kMiss : KeyState::kHit) << i;
+  }
+  EXPECT_GE(client->counters().unreachable, 1u);
+  EXPECT_EQ(client->counters().refused, 0u);
+  // Touches of a dead node's keys are counted, never thrown.
+  EXPECT_EQ(client->TouchSync(keys).code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace kvstash
