@@ -188,8 +188,10 @@ class NodeClient::Impl {
 
   explicit Impl(NodeClientOptions options) : options_(std::move(options)) {}
 
-  ~Impl() {
-    // Touches in flight end by their deadline; their callbacks use this object.
+  // Touches in flight end by their deadline; their callbacks use this object.
+  ~Impl() { WaitForTouches(); }
+
+  void WaitForTouches() {
     std::unique_lock lock(async_mu_);
     async_cv_.wait(lock, [this] { return async_in_flight_ == 0; });
   }
@@ -623,6 +625,7 @@ std::vector<Result<size_t>> NodeClient::Get(std::span<const BlockKey> keys,
 }
 void NodeClient::Touch(std::span<const BlockKey> keys) { impl_->Touch(keys); }
 Status NodeClient::TouchSync(std::span<const BlockKey> keys) { return impl_->TouchSync(keys); }
+void NodeClient::WaitForTouches() { impl_->WaitForTouches(); }
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(size_t node) {
   return impl_->Stats(node);
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "daemon_process.h"
+#include "generate_process.h"
 #include "kvstash/engine/model.h"
 #include "subprocess.h"
 
@@ -23,53 +24,6 @@ namespace {
 
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::RunProcess;
-
-// The built-ins' page (4096 bytes) plus the block trailer.
-constexpr const char* kNodeBlockBytes = "4152";
-
-struct WorkerRun {
-  int exit_code = -1;
-  std::vector<uint32_t> tokens;  // the last line
-  std::map<std::string, uint64_t> stats;
-  std::string err;
-};
-
-std::string Prompt(size_t n, uint64_t seed) {
-  std::string s;
-  for (size_t i = 0; i < n; ++i) s += (i ? " " : "") + std::to_string((i * 37 + seed * 11) % 256);
-  return s;
-}
-
-std::string Join(const std::vector<uint32_t>& t) {
-  std::string s;
-  for (size_t i = 0; i < t.size(); ++i) s += (i ? " " : "") + std::to_string(t[i]);
-  return s;
-}
-
-WorkerRun Generate(const std::string& model, const std::string& prompt, const std::string& role,
-                   const std::string& nodes, std::vector<std::string> extra = {}) {
-  std::vector<std::string> argv = {KVSTASH_ENGINE_PATH, "generate", "--model",
-                                   "builtin:" + model,  "--prompt", prompt,
-                                   "--max-new-tokens",  "8",        "--stats"};
-  if (!nodes.empty()) argv.insert(argv.end(), {"--nodes", nodes, "--role", role});
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  const auto r = RunProcess(argv);
-  WorkerRun run;
-  run.exit_code = r.exit_code;
-  run.err = r.err;
-  std::istringstream in(r.out);
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  if (lines.size() < 2) return run;
-  std::istringstream last(lines.back());
-  for (uint32_t t; last >> t;) run.tokens.push_back(t);
-  std::istringstream stats(lines[lines.size() - 2]);
-  for (std::string kv; stats >> kv;) {
-    const size_t eq = kv.find('=');
-    if (eq != std::string::npos) run.stats[kv.substr(0, eq)] = std::stoull(kv.substr(eq + 1));
-  }
-  return run;
-}
 
 class DisaggTest : public ::testing::Test {
  protected:

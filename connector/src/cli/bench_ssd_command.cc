@@ -480,6 +480,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
 
   AddBenchTransportCommand(*bench, exit_code);
   AddBenchNodeCommand(*bench, exit_code);
+  AddBenchReplayCommand(*bench, exit_code);
 }
 
 }  // namespace kvstash::cli

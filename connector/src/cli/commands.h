@@ -23,6 +23,9 @@ void AddBenchCommand(CLI::App& app, int* exit_code);
 // `kvstash bench node ...`, a subcommand of `bench` (AddBenchCommand registers it).
 void AddBenchNodeCommand(CLI::App& bench, int* exit_code);
 
+// `kvstash bench replay ...`, a subcommand of `bench` (AddBenchCommand registers it).
+void AddBenchReplayCommand(CLI::App& bench, int* exit_code);
+
 // `kvstash bench transport ...`, a subcommand of `bench` (AddBenchCommand registers it).
 void AddBenchTransportCommand(CLI::App& bench, int* exit_code);
 

@@ -101,6 +101,8 @@ class NodeClient : public BlockStoreClient {
   void Touch(std::span<const BlockKey> keys) override;
   // The same, waiting for the nodes' answers: the first error, naming the node.
   Status TouchSync(std::span<const BlockKey> keys);
+  // Waits for the asynchronous touches in flight to be answered (counters() then has them).
+  void WaitForTouches();
 
   // The node's counters (wire.StatsReply).
   Result<std::map<std::string, uint64_t>> Stats(size_t node);

@@ -1,0 +1,638 @@
+// `kvstash bench replay`: replays a request trace in Mooncake's public format against live
+// offload nodes and measures them as a cache: block and token hit ratios next to what the
+// node's own policy would reach in-process on the same trace at the same capacity (the model)
+// and what an unbounded cache would (the trace's own reuse), with throughput and latencies.
+//
+// Per request, as an engine's connector drives the nodes (reference §7.3, §7.6):
+//   1. a lookup of the request's block keys; the hit is the run of leading hits;
+//   2. a touch of every key (the lookup's touch, the first key most recent);
+//   3. a read of the hit blocks, each checked against the content its id defines;
+//   4. a store of the blocks after the hit (a node skips, and touches, those it holds);
+//   5. a touch of the hit blocks (the store decision's touch, without the keys just offered).
+// Touches are sent asynchronously, as the connector sends them.
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+
+#include "bench_util.h"
+#include "commands.h"
+#include "kvstash/common/hash.h"
+#include "kvstash/connector/node_client.h"
+#include "kvstash/store/block_manager.h"
+
+namespace kvstash::cli {
+namespace {
+
+using connector::BlockKey;
+using connector::KeyState;
+using connector::NodeClient;
+using Clock = std::chrono::steady_clock;
+
+struct BenchReplayFlags {
+  std::string trace;
+  std::vector<std::string> nodes;
+  std::string key_namespace = "replay";
+  std::string token;
+  std::string token_file;
+  std::string tls;
+  int concurrency = 1;
+  double speed = 0;   // 0: as fast as possible
+  int64_t limit = 0;  // 0: every request
+  int block_tokens = 512;
+  int timeout_ms = 5000;
+  bool json = false;
+};
+
+// One request of the trace.
+struct TraceRequest {
+  double timestamp_ms = 0;
+  uint64_t input_length = 0;
+  uint64_t output_length = 0;
+  std::vector<uint64_t> hash_ids;
+};
+
+// Reads a trace: one JSON object per line with timestamp (ms), input_length, output_length and
+// hash_ids (block ids; equal leading ids are a shared prefix). Blank lines are skipped.
+// InvalidArgument naming the line for a malformed one; NotFound when the file cannot be read.
+Result<std::vector<TraceRequest>> ReadTrace(const std::string& path, int64_t limit) {
+  std::ifstream in(path);
+  if (!in) return NotFoundError("cannot read trace '{}'", path);
+  std::vector<TraceRequest> requests;
+  std::string line;
+  for (size_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (limit > 0 && static_cast<int64_t>(requests.size()) >= limit) break;
+    const Json doc = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+    auto bad = [&](std::string_view why) {
+      return InvalidArgumentError("{}:{}: {}", path, number, why);
+    };
+    if (doc.is_discarded()) return bad("not a JSON object");
+    if (!doc.is_object()) return bad("not a JSON object");
+    TraceRequest r;
+    for (const char* field : {"timestamp", "input_length", "output_length", "hash_ids"}) {
+      if (!doc.contains(field)) return bad(fmt::format("no \"{}\"", field));
+    }
+    if (!doc["timestamp"].is_number() || doc["timestamp"].get<double>() < 0) {
+      return bad("\"timestamp\" is not a number of milliseconds >= 0");
+    }
+    r.timestamp_ms = doc["timestamp"].get<double>();
+    for (const char* field : {"input_length", "output_length"}) {
+      if (!doc[field].is_number_unsigned()) {
+        return bad(fmt::format("\"{}\" is not a count >= 0", field));
+      }
+    }
+    r.input_length = doc["input_length"].get<uint64_t>();
+    r.output_length = doc["output_length"].get<uint64_t>();
+    if (!doc["hash_ids"].is_array()) return bad("\"hash_ids\" is not a list");
+    r.hash_ids.reserve(doc["hash_ids"].size());
+    for (const Json& id : doc["hash_ids"]) {
+      if (!id.is_number_unsigned()) return bad("\"hash_ids\" holds something not an id >= 0");
+      r.hash_ids.push_back(id.get<uint64_t>());
+    }
+    requests.push_back(std::move(r));
+  }
+  if (in.bad()) return InternalError("reading trace '{}' failed", path);
+  return requests;
+}
+
+// Replayed blocks' keys: the block id, tagged so that they never meet an engine's keys.
+constexpr uint64_t kReplayTag = 0x6b76737265706c79ULL;  // "kvsreply"
+BlockKey KeyOf(uint64_t id) { return BlockKey{Hash128{id, kReplayTag}, 0}; }
+
+// A block's content: 64-bit words start + i * step, start drawn from the id. A block read back
+// under another id, shifted, torn or with any byte changed does not match.
+constexpr uint64_t kStep = 0x9e3779b97f4a7c15ULL;
+uint64_t ContentStart(uint64_t id) { return Mix64(id ^ 0x7265706c61790000ULL); }
+void FillContent(uint64_t id, std::span<std::byte> block) {
+  uint64_t word = ContentStart(id);
+  size_t at = 0;
+  for (; at + 8 <= block.size(); at += 8, word += kStep) std::memcpy(&block[at], &word, 8);
+  for (size_t i = 0; at < block.size(); ++at, ++i) block[at] = std::byte(word >> (8 * i));
+}
+bool ContentMatches(uint64_t id, std::span<const std::byte> block) {
+  uint64_t word = ContentStart(id);
+  size_t at = 0;
+  uint64_t diff = 0;
+  for (; at + 8 <= block.size(); at += 8, word += kStep) {
+    uint64_t got;
+    std::memcpy(&got, &block[at], 8);
+    diff |= got ^ word;
+  }
+  for (size_t i = 0; at < block.size(); ++at, ++i) {
+    diff |= static_cast<uint64_t>(block[at] ^ std::byte(word >> (8 * i)));
+  }
+  return diff == 0;
+}
+
+// What every replaying thread adds up; the progress line reads it while they run.
+struct Totals {
+  std::atomic<uint64_t> requests{0}, block_refs{0}, blocks_hit{0}, tokens{0}, tokens_hit{0};
+  std::atomic<uint64_t> blocks_read{0}, blocks_stored{0}, read_misses{0}, retries{0};
+  std::atomic<uint64_t> errors{0}, mismatches{0};
+};
+
+// Per-thread latencies, merged at the end.
+struct Latencies {
+  std::vector<double> lookup_us, read_us, store_us;
+};
+
+// The leading run of hits; with a RETRY (a block being written or promoted from SSD) in it, the
+// lookup is asked again, as the connector defers a request, up to `give_up`.
+size_t LeadingHits(const std::vector<KeyState>& states, bool* retry) {
+  size_t hits = 0;
+  *retry = false;
+  for (KeyState s : states) {
+    if (s == KeyState::kMiss) break;
+    if (s == KeyState::kRetry) {
+      *retry = true;
+      break;
+    }
+    ++hits;
+  }
+  return hits;
+}
+
+class Replayer {
+ public:
+  Replayer(const BenchReplayFlags& flags, const std::vector<TraceRequest>& trace,
+           uint64_t block_bytes, Totals* totals)
+      : flags_(flags), trace_(trace), block_bytes_(block_bytes), totals_(totals) {}
+
+  // Replays requests taken in file order from `next` until none is left (with --speed, each
+  // no earlier than its timestamp, scaled, after `start`). Returns the thread's latencies.
+  Latencies Run(NodeClient& client, std::atomic<size_t>* next, Clock::time_point start) {
+    Latencies latencies;
+    std::vector<std::byte> scratch;
+    for (size_t i; (i = next->fetch_add(1)) < trace_.size();) {
+      if (flags_.speed > 0) {
+        const auto due =
+            start +
+            std::chrono::duration_cast<Clock::duration>(
+                std::chrono::duration<double, std::milli>(trace_[i].timestamp_ms / flags_.speed));
+        std::this_thread::sleep_until(due);
+      }
+      ReplayOne(client, trace_[i], &latencies, &scratch);
+    }
+    return latencies;
+  }
+
+ private:
+  static double Micros(Clock::time_point since) {
+    return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
+  }
+
+  void ReplayOne(NodeClient& client, const TraceRequest& r, Latencies* latencies,
+                 std::vector<std::byte>* scratch) {
+    const size_t n = r.hash_ids.size();
+    std::vector<BlockKey> keys(n);
+    for (size_t i = 0; i < n; ++i) keys[i] = KeyOf(r.hash_ids[i]);
+
+    // 1. Lookup (asked again while a block of the leading run is being written or promoted).
+    const auto lookup_start = Clock::now();
+    const auto give_up = lookup_start + std::chrono::milliseconds(flags_.timeout_ms);
+    std::vector<KeyState> states;
+    size_t hit = 0;
+    for (auto pause = std::chrono::microseconds(100);;
+         pause = std::min(pause * 2, std::chrono::microseconds(10000))) {
+      states = client.Lookup(keys);
+      bool retry = false;
+      hit = LeadingHits(states, &retry);
+      if (!retry) break;
+      totals_->retries.fetch_add(1, std::memory_order_relaxed);
+      if (Clock::now() + pause > give_up) break;  // the run ends at the RETRY
+      std::this_thread::sleep_for(pause);
+    }
+    latencies->lookup_us.push_back(Micros(lookup_start));
+
+    // 2. The lookup's touch: every key, the first most recent.
+    client.Touch(keys);
+
+    // 3. Read the hits and check them.
+    if (hit > 0) {
+      scratch->resize(hit * block_bytes_);
+      std::vector<transport::MutableBytes> outs;
+      for (size_t i = 0; i < hit; ++i) {
+        outs.push_back(std::span(*scratch).subspan(i * block_bytes_, block_bytes_));
+      }
+      const auto read_start = Clock::now();
+      const std::vector<Result<size_t>> got =
+          client.Get(std::span(keys).first(hit), std::span<const transport::MutableBytes>(outs));
+      latencies->read_us.push_back(Micros(read_start));
+      uint64_t read = 0;
+      for (size_t i = 0; i < hit; ++i) {
+        if (!got[i].ok()) {
+          // Evicted since the lookup (by another thread's stores): a miss, not an error. Any
+          // other failure is counted by the client as a call error.
+          if (got[i].status().code() == StatusCode::kNotFound) {
+            totals_->read_misses.fetch_add(1, std::memory_order_relaxed);
+          }
+          continue;
+        }
+        ++read;
+        if (*got[i] != block_bytes_ || !ContentMatches(r.hash_ids[i], outs[i])) {
+          if (totals_->mismatches.fetch_add(1) == 0) {
+            std::cerr << fmt::format("\nkvstash bench replay: block {} read back wrong\n",
+                                     r.hash_ids[i]);
+          }
+        }
+      }
+      totals_->blocks_read.fetch_add(read, std::memory_order_relaxed);
+    }
+
+    // 4. Store the rest: the node skips (and touches) those it holds.
+    if (hit < n) {
+      const size_t rest = n - hit;
+      scratch->resize(rest * block_bytes_);
+      std::vector<transport::Bytes> blocks;
+      uint64_t new_blocks = 0;
+      for (size_t i = 0; i < rest; ++i) {
+        auto block = std::span(*scratch).subspan(i * block_bytes_, block_bytes_);
+        FillContent(r.hash_ids[hit + i], block);
+        blocks.push_back(block);
+        if (states[hit + i] == KeyState::kMiss) ++new_blocks;
+      }
+      const auto store_start = Clock::now();
+      const Status put = client.Put(std::span(keys).subspan(hit), blocks);
+      latencies->store_us.push_back(Micros(store_start));
+      if (put.ok()) totals_->blocks_stored.fetch_add(new_blocks, std::memory_order_relaxed);
+      // A failed put was counted by the client (a refusal or an unreachable node).
+    }
+
+    // 5. The store decision's touch: the request's blocks without those just offered.
+    if (hit > 0) client.Touch(std::span(keys).first(hit));
+
+    const uint64_t hit_tokens =
+        std::min<uint64_t>(r.input_length, hit * static_cast<uint64_t>(flags_.block_tokens));
+    totals_->block_refs.fetch_add(n, std::memory_order_relaxed);
+    totals_->blocks_hit.fetch_add(hit, std::memory_order_relaxed);
+    totals_->tokens.fetch_add(r.input_length, std::memory_order_relaxed);
+    totals_->tokens_hit.fetch_add(hit_tokens, std::memory_order_relaxed);
+    totals_->requests.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  const BenchReplayFlags& flags_;
+  const std::vector<TraceRequest>& trace_;
+  const uint64_t block_bytes_;
+  Totals* totals_;
+};
+
+// One node as the model sees it: its capacity and policy.
+struct NodeShape {
+  size_t capacity_blocks = 0;
+  store::EvictionPolicy policy = store::EvictionPolicy::kLru;
+  bool has_ssd = false;
+};
+
+// The trace replayed in-process through each node's block manager (its policy, its capacity,
+// the keys placed as the client places them), with the operations the replay sends in the order
+// a node applies them, sequentially. The block hit ratio; an error for a manager that cannot
+// be made.
+Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeClient& client,
+                             const std::vector<NodeShape>& shapes) {
+  std::vector<std::unique_ptr<store::BlockManager>> managers;
+  for (const NodeShape& shape : shapes) {
+    store::BlockManagerOptions options;
+    options.capacity_blocks = shape.capacity_blocks;
+    options.policy = shape.policy;
+    KVSTASH_ASSIGN_OR_RETURN(auto manager, store::BlockManager::Create(options));
+    managers.push_back(std::move(manager));
+  }
+  auto key_of = [](uint64_t id) {
+    store::OffloadKey key;
+    key.hash = KeyOf(id).hash;
+    return key;
+  };
+  uint64_t refs = 0, hits = 0;
+  std::vector<std::vector<store::OffloadKey>> by_node(managers.size());
+  auto touch = [&](std::span<const uint64_t> ids) {
+    for (auto& keys : by_node) keys.clear();
+    for (uint64_t id : ids) by_node[client.NodeOf(KeyOf(id))].push_back(key_of(id));
+    for (size_t n = 0; n < managers.size(); ++n) {
+      if (!by_node[n].empty()) managers[n]->Touch(by_node[n]);
+    }
+  };
+  for (const TraceRequest& r : trace) {
+    const std::span<const uint64_t> ids = r.hash_ids;
+    size_t hit = 0;
+    while (hit < ids.size()) {
+      const store::OffloadKey key = key_of(ids[hit]);
+      if (managers[client.NodeOf(KeyOf(ids[hit]))]->Lookup(key) != store::LookupResult::kHit) break;
+      ++hit;
+    }
+    refs += ids.size();
+    hits += hit;
+    touch(ids);
+    // Puts go last key first (NodeClient::Put); each prepares one key.
+    for (size_t i = ids.size(); i-- > hit;) {
+      const store::OffloadKey key = key_of(ids[i]);
+      store::BlockManager& m = *managers[client.NodeOf(KeyOf(ids[i]))];
+      store::StorePlan plan;
+      if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable
+      if (plan.keys_to_store.empty()) {
+        m.Touch(std::span(&key, 1));  // a store of a held block is a use
+      } else {
+        m.CompleteStore(std::span(&key, 1), true);
+      }
+    }
+    touch(ids.first(hit));
+  }
+  return refs == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(refs);
+}
+
+// The hit ratio of a cache that never evicts: the leading run of ids seen before.
+double InfiniteCacheHitRatio(const std::vector<TraceRequest>& trace) {
+  std::unordered_set<uint64_t> seen;
+  uint64_t refs = 0, hits = 0;
+  for (const TraceRequest& r : trace) {
+    size_t hit = 0;
+    while (hit < r.hash_ids.size() && seen.contains(r.hash_ids[hit])) ++hit;
+    refs += r.hash_ids.size();
+    hits += hit;
+    seen.insert(r.hash_ids.begin(), r.hash_ids.end());
+  }
+  return refs == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(refs);
+}
+
+connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const std::string& token,
+                                           std::shared_ptr<transport::ClientWorker> worker) {
+  connector::NodeClientOptions options;
+  for (const std::string& node : flags.nodes) {
+    options.nodes.push_back(*connector::ParseNodeAddress(node));
+  }
+  options.key_namespace = flags.key_namespace;
+  options.auth_token = token;
+  options.transport.tls = flags.tls;
+  options.timeout = std::chrono::milliseconds(flags.timeout_ms);
+  options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  options.worker = std::move(worker);
+  return options;
+}
+
+int RunBenchReplay(const BenchReplayFlags& flags) {
+  auto fail = [](int code, std::string_view message) {
+    std::cerr << "kvstash bench replay: " << message << "\n";
+    return code;
+  };
+  for (const std::string& node : flags.nodes) {
+    if (auto a = connector::ParseNodeAddress(node); !a.ok()) {
+      return fail(kExitUsage, a.status().message());
+    }
+  }
+  if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
+    return fail(kExitUsage, fmt::format("--speed: {} is not a factor >= 0", flags.speed));
+  }
+  if (flags.timeout_ms < 1) {
+    return fail(kExitUsage, fmt::format("--timeout-ms: {} is not positive", flags.timeout_ms));
+  }
+  auto token = ResolveToken(flags.token, flags.token_file);
+  if (!token.ok()) {
+    return fail(token.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
+                token.status().message());
+  }
+  auto trace = ReadTrace(flags.trace, flags.limit);
+  if (!trace.ok()) {
+    return fail(trace.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
+                trace.status().message());
+  }
+
+  transport::TransportOptions transport;
+  transport.tls = flags.tls;
+  auto worker = transport::ClientWorker::Create(transport);
+  if (!worker.ok()) return fail(kExitFailure, worker.status().message());
+  auto probe = NodeClient::Create(ClientOptions(flags, *token, *worker));
+  if (!probe.ok()) return fail(kExitFailure, probe.status().message());
+  NodeClient& client = **probe;
+
+  // Every node's block size (they must agree: a block id has one content) and shape.
+  uint64_t block_bytes = 0;
+  std::vector<NodeShape> shapes;
+  uint64_t resident = 0, capacity = 0;
+  for (size_t n = 0; n < client.node_count(); ++n) {
+    auto bytes = client.BlockBytes(n);
+    if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
+    if (block_bytes != 0 && *bytes != block_bytes) {
+      return fail(
+          kExitFailure,
+          fmt::format("node {} stores blocks of {} bytes, node {} of {}: replay needs one "
+                      "block size",
+                      client.node(0).ToString(), block_bytes, client.node(n).ToString(), *bytes));
+    }
+    block_bytes = *bytes;
+    auto counters = client.Stats(n);
+    if (!counters.ok()) return fail(kExitFailure, counters.status().message());
+    auto value = [&](const char* name) {
+      auto it = counters->find(name);
+      return it == counters->end() ? uint64_t{0} : it->second;
+    };
+    NodeShape shape;
+    shape.capacity_blocks = value("cpu.capacity_blocks");
+    shape.policy =
+        value("cpu.policy_arc") != 0 ? store::EvictionPolicy::kArc : store::EvictionPolicy::kLru;
+    shape.has_ssd = value("ssd.capacity_blocks") != 0;
+    resident += value("cpu.resident_blocks") + value("ssd.resident_blocks");
+    capacity += shape.capacity_blocks;
+    shapes.push_back(shape);
+  }
+  if (resident != 0) {
+    std::cerr << fmt::format(
+        "kvstash bench replay: warning: the nodes hold {} block(s) already; the model starts "
+        "empty, so their hit ratios may differ\n",
+        resident);
+  }
+  const bool any_ssd =
+      std::any_of(shapes.begin(), shapes.end(), [](const NodeShape& s) { return s.has_ssd; });
+  auto model = ModelHitRatio(*trace, client, shapes);
+  if (!model.ok()) return fail(kExitFailure, model.status().message());
+  const double infinite = InfiniteCacheHitRatio(*trace);
+
+  Totals totals;
+  Replayer replayer(flags, *trace, block_bytes, &totals);
+  const connector::BlockStoreCounters before = client.counters();
+  std::atomic<size_t> next{0};
+  std::vector<Latencies> latencies(flags.concurrency);
+  std::vector<std::unique_ptr<NodeClient>> clients;
+  clients.push_back(std::move(*probe));
+  for (int i = 1; i < flags.concurrency; ++i) {
+    auto c = NodeClient::Create(ClientOptions(flags, *token, *worker));
+    if (!c.ok()) return fail(kExitFailure, c.status().message());
+    clients.push_back(std::move(*c));
+  }
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  std::atomic<int> running{flags.concurrency};
+  for (int i = 0; i < flags.concurrency; ++i) {
+    threads.emplace_back([&, i] {
+      latencies[i] = replayer.Run(*clients[i], &next, start);
+      running.fetch_sub(1);
+    });
+  }
+  // A progress line each second.
+  auto errors_now = [&] {
+    uint64_t errors = 0;
+    for (const auto& c : clients) {
+      const connector::BlockStoreCounters now = c->counters();
+      errors += now.unreachable + now.refused;
+    }
+    return errors - (before.unreachable + before.refused);
+  };
+  auto last = start;
+  uint64_t last_bytes = 0;
+  while (running.load() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const auto now = Clock::now();
+    if (now - last < std::chrono::seconds(1)) continue;
+    const uint64_t bytes = (totals.blocks_read + totals.blocks_stored) * block_bytes;
+    const uint64_t refs = totals.block_refs.load();
+    std::cerr << fmt::format(
+        "\r[{:6.1f}s] {}/{} requests  block hits {:.1f}%  {:.2f} GB/s  errors {}  mismatches {}  ",
+        std::chrono::duration<double>(now - start).count(), totals.requests.load(), trace->size(),
+        refs == 0 ? 0.0 : 100.0 * totals.blocks_hit.load() / refs,
+        Gbps(bytes - last_bytes, now - last), errors_now(), totals.mismatches.load());
+    last = now;
+    last_bytes = bytes;
+  }
+  for (std::thread& t : threads) t.join();
+  const auto elapsed = Clock::now() - start;
+  if (last != start) std::cerr << "\n";
+  // Touches still in flight land before the counters are read.
+  for (const auto& c : clients) c->WaitForTouches();
+  const uint64_t errors = errors_now();
+
+  Latencies all;
+  for (Latencies& l : latencies) {
+    all.lookup_us.insert(all.lookup_us.end(), l.lookup_us.begin(), l.lookup_us.end());
+    all.read_us.insert(all.read_us.end(), l.read_us.begin(), l.read_us.end());
+    all.store_us.insert(all.store_us.end(), l.store_us.begin(), l.store_us.end());
+  }
+  auto pct = [](const std::vector<double>& v, double p) -> std::optional<double> {
+    if (v.empty()) return std::nullopt;
+    return Percentile(v, p);
+  };
+  const double seconds = std::chrono::duration<double>(elapsed).count();
+  const uint64_t refs = totals.block_refs.load();
+  const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
+  const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
+  const double block_hit_ratio =
+      refs == 0 ? 0.0 : static_cast<double>(totals.blocks_hit.load()) / static_cast<double>(refs);
+  const double token_hit_ratio = totals.tokens.load() == 0
+                                     ? 0.0
+                                     : static_cast<double>(totals.tokens_hit.load()) /
+                                           static_cast<double>(totals.tokens.load());
+  const std::string policy = shapes.front().policy == store::EvictionPolicy::kArc ? "arc" : "lru";
+  Json doc = {
+      {"trace", flags.trace},
+      {"nodes", flags.nodes.size()},
+      {"policy", policy},
+      {"capacity_blocks", capacity},
+      {"block_bytes", block_bytes},
+      {"concurrency", flags.concurrency},
+      {"speed", flags.speed},
+      {"requests", totals.requests.load()},
+      {"block_refs", refs},
+      {"blocks_hit", totals.blocks_hit.load()},
+      {"block_hit_ratio", block_hit_ratio},
+      {"token_hit_ratio", token_hit_ratio},
+      {"model_block_hit_ratio", *model},
+      {"model_covers", any_ssd ? "cpu tier only" : "every tier"},
+      {"infinite_cache_hit_ratio", infinite},
+      {"bytes_stored", bytes_stored},
+      {"bytes_read", bytes_read},
+      {"seconds", seconds},
+      {"requests_per_s", seconds > 0 ? totals.requests.load() / seconds : 0.0},
+      {"gbps", Gbps(bytes_read + bytes_stored, elapsed)},
+      {"lookup_p50_us", OrNull(pct(all.lookup_us, 50))},
+      {"lookup_p99_us", OrNull(pct(all.lookup_us, 99))},
+      {"read_p50_us", OrNull(pct(all.read_us, 50))},
+      {"read_p99_us", OrNull(pct(all.read_us, 99))},
+      {"store_p50_us", OrNull(pct(all.store_us, 50))},
+      {"store_p99_us", OrNull(pct(all.store_us, 99))},
+      {"read_misses", totals.read_misses.load()},
+      {"lookup_retries", totals.retries.load()},
+      {"errors", errors},
+      {"mismatches", totals.mismatches.load()},
+  };
+  if (flags.json) {
+    std::cout << doc.dump() << "\n";
+  } else {
+    std::cout << fmt::format(
+        "{} requests, {} block references, {} node(s) of {} blocks of {} in all ({}), "
+        "concurrency {}\n"
+        "block hits   {:.4f}   (model of the node's policy {:.4f}{}, infinite cache {:.4f})\n"
+        "token hits   {:.4f}\n"
+        "throughput   {:.1f} requests/s, {:.3f} GB/s ({} read, {} stored) in {:.2f} s\n"
+        "latency p50/p99 us: lookup {}/{}  read {}/{}  store {}/{}\n"
+        "errors {}, content mismatches {}, reads evicted since their lookup {}\n",
+        totals.requests.load(), refs, flags.nodes.size(), capacity, FormatBytes(block_bytes),
+        policy, flags.concurrency, block_hit_ratio, *model, any_ssd ? ", CPU tier only" : "",
+        infinite, token_hit_ratio, doc["requests_per_s"].get<double>(), doc["gbps"].get<double>(),
+        FormatBytes(bytes_read), FormatBytes(bytes_stored), seconds, Fixed(pct(all.lookup_us, 50)),
+        Fixed(pct(all.lookup_us, 99)), Fixed(pct(all.read_us, 50)), Fixed(pct(all.read_us, 99)),
+        Fixed(pct(all.store_us, 50)), Fixed(pct(all.store_us, 99)), errors,
+        totals.mismatches.load(), totals.read_misses.load());
+  }
+  return errors == 0 && totals.mismatches.load() == 0 ? kExitOk : kExitFailure;
+}
+
+}  // namespace
+
+void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
+  auto flags = std::make_shared<BenchReplayFlags>();
+  CLI::App* cmd = bench.add_subcommand(
+      "replay",
+      "Replay a request trace in Mooncake's format against running offload nodes and measure "
+      "them as a cache. Per request, as an engine's connector: a lookup of its blocks (the hit "
+      "is the run of leading hits), a touch of every key, a read of the hit blocks (each "
+      "checked against the content its id defines), a store of the rest, a touch of the hit "
+      "blocks. Prints a progress line on stderr each second and a summary: block and token hit "
+      "ratios, the hit ratio the node's own policy reaches in-process on the same trace at the "
+      "nodes' capacity (model_block_hit_ratio) and that of an unbounded cache, GB/s, p50/p99 "
+      "latencies of lookups, reads and stores, errors and content mismatches. Exits 1 on any "
+      "error or mismatch, 2 on bad arguments or a malformed trace.");
+  cmd->add_option("--trace", flags->trace,
+                  "JSONL, one request per line: timestamp (ms), input_length, output_length, "
+                  "hash_ids (block ids; equal leading ids are a shared prefix)")
+      ->required();
+  cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
+      ->required();
+  cmd->add_option("--namespace", flags->key_namespace, "Key namespace of the replayed blocks")
+      ->capture_default_str();
+  cmd->add_option("--token", flags->token, "The nodes' auth token");
+  cmd->add_option("--token-file", flags->token_file, "File whose first line is the auth token");
+  cmd->add_option("--concurrency", flags->concurrency,
+                  "Requests in flight, each on a client of its own; 1 replays in file order "
+                  "and is deterministic")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--speed", flags->speed,
+                  "Follow the trace's timestamps, this many times faster; 0: as fast as possible")
+      ->capture_default_str();
+  cmd->add_option("--limit", flags->limit, "Replay the first N requests only (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--block-tokens", flags->block_tokens,
+                  "Tokens per block id, for token_hit_ratio (a hit of k blocks covers "
+                  "min(k x this, input_length) tokens); Mooncake's traces use 512")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--timeout-ms", flags->timeout_ms, "Deadline of each call to a node")
+      ->capture_default_str();
+  cmd->add_option("--tls", flags->tls, "UCX transports (as UCX_TLS)");
+  cmd->add_flag("--json", flags->json,
+                "Print the summary as one JSON object on the last line of stdout");
+  cmd->footer(
+      "The model replays the trace sequentially through a block manager per node (the policy "
+      "and CPU capacity each node reports, keys placed as the client places them), so at "
+      "--concurrency 1 on fresh nodes without an SSD tier block_hit_ratio matches it; nodes "
+      "with an SSD tier hit more than the model, which covers their CPU tier only.");
+  cmd->callback([flags, exit_code] { *exit_code = RunBenchReplay(*flags); });
+}
+
+}  // namespace kvstash::cli
