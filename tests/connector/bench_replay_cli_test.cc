@@ -225,8 +225,9 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   EXPECT_GT(s["token_hit_ratio"].get<double>(), 0.0);
   EXPECT_GT(s["bytes_stored"].get<uint64_t>(), 0u);
   EXPECT_GT(s["bytes_read"].get<uint64_t>(), 0u);
-  for (const char* field : {"lookup_p50_us", "lookup_p99_us", "read_p50_us", "read_p99_us",
-                            "store_p50_us", "store_p99_us", "gbps", "requests_per_s"}) {
+  for (const char* field :
+       {"lookup_p50_us", "lookup_p99_us", "read_p50_us", "read_p99_us", "store_p50_us",
+        "store_p99_us", "gbps", "requests_per_s", "copy_limit_gbps", "ratio"}) {
     EXPECT_TRUE(s[field].is_number()) << field;
   }
 }

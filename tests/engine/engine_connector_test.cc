@@ -457,6 +457,46 @@ TEST(EngineConnectorTest, J3ConcurrentRequestsWithTheSamePrefixLoadItOnce) {
   EXPECT_EQ(std::max(oa.cached, ob.cached), 4 * kBlock);
 }
 
+// The nodes' own manager tells them of every use (reference §7.3, §7.6), once per step and off
+// the request's path: the lookups' touches go before the step's stores, each call a whole
+// request's keys with the first most recent, and the store decisions' touches after the stores
+// have landed, without the keys just offered (a node inserts those itself, newest last).
+TEST(EngineConnectorTest, NodesAreToldOfEveryUseLookupsBeforeStoresAndStoresAfter) {
+  const std::string model = "tiny-full";
+  FakeNodeStore store;
+  const std::vector<uint32_t> prefix = Tokens(4 * kBlock, 21);
+  Prime(model, &store, prefix);
+  std::unique_ptr<Engine> e = MakeEngine(model, &store, nullptr);
+  const size_t groups = NumGroups(*e);
+  const std::vector<uint32_t> prompt = Concat(prefix, Tokens(2 * kBlock + 5, 22));
+  const Outcome o = RunRequest(*e, prompt, 1);
+  EXPECT_EQ(o.tokens, Reference(model, prompt, 1));
+  EXPECT_EQ(o.external, 4 * kBlock);
+  const KeySet hits = KeysOf(o.hashes, groups, 0, 4), fresh = KeysOf(o.hashes, groups, 4, 6);
+  const auto touches = store.touches();
+  ASSERT_FALSE(touches.empty());
+  // The lookup's touch came first, before any store of this engine: every key of the request,
+  // each group's blocks in prefix order (the first most recent).
+  const auto& lookup = touches.front();
+  EXPECT_EQ(lookup.blocks_held, 4 * groups);
+  EXPECT_EQ(KeySet(lookup.keys.begin(), lookup.keys.end()), KeysOf(o.hashes, groups, 0, 6));
+  for (uint32_t g = 0; g < groups; ++g) {
+    std::vector<int> order;
+    for (const BlockKey& k : lookup.keys)
+      if (k.group == g) order.push_back(BlockIndexOf(o.hashes, k));
+    EXPECT_TRUE(std::is_sorted(order.begin(), order.end())) << "group " << g;
+  }
+  bool after_stores = false;
+  for (const auto& t : touches) {
+    EXPECT_EQ(KeySet(t.keys.begin(), t.keys.end()).size(), t.keys.size()) << "a key twice";
+    if (t.blocks_held < 6 * groups) continue;
+    // After the new blocks landed: the hits, never the blocks just stored.
+    for (const BlockKey& k : t.keys) EXPECT_FALSE(fresh.contains(k)) << k.ToString();
+    after_stores = after_stores || KeySet(t.keys.begin(), t.keys.end()) == hits;
+  }
+  EXPECT_TRUE(after_stores);
+}
+
 // --- J5 (test_two_groups_full_and_sliding_window) -------------------------------------------
 
 // Per group, the block indices a load read (sorted, without repeats).

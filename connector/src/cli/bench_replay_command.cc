@@ -454,6 +454,10 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   if (!model.ok()) return fail(kExitFailure, model.status().message());
   const double infinite = InfiniteCacheHitRatio(*trace);
 
+  // The machine's own limit, measured in this run: copying blocks into a region the size of
+  // the nodes' CPU tiers.
+  const double copy_limit = CopyLimitGbps(block_bytes, capacity * block_bytes);
+
   Totals totals;
   Replayer replayer(flags, *trace, block_bytes, &totals);
   const connector::BlockStoreCounters before = client.counters();
@@ -549,6 +553,8 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
       {"seconds", seconds},
       {"requests_per_s", seconds > 0 ? totals.requests.load() / seconds : 0.0},
       {"gbps", Gbps(bytes_read + bytes_stored, elapsed)},
+      {"copy_limit_gbps", copy_limit},
+      {"ratio", OrNull(Ratio(Gbps(bytes_read + bytes_stored, elapsed), copy_limit))},
       {"lookup_p50_us", OrNull(pct(all.lookup_us, 50))},
       {"lookup_p99_us", OrNull(pct(all.lookup_us, 99))},
       {"read_p50_us", OrNull(pct(all.read_us, 50))},
@@ -568,13 +574,15 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
         "concurrency {}\n"
         "block hits   {:.4f}   (model of the node's policy {:.4f}{}, infinite cache {:.4f})\n"
         "token hits   {:.4f}\n"
-        "throughput   {:.1f} requests/s, {:.3f} GB/s ({} read, {} stored) in {:.2f} s\n"
+        "throughput   {:.1f} requests/s, {:.3f} GB/s ({} read, {} stored) in {:.2f} s; "
+        "this machine copies blocks at {:.2f} GB/s (ratio {})\n"
         "latency p50/p99 us: lookup {}/{}  read {}/{}  store {}/{}\n"
         "errors {}, content mismatches {}, reads evicted since their lookup {}\n",
         totals.requests.load(), refs, flags.nodes.size(), capacity, FormatBytes(block_bytes),
         policy, flags.concurrency, block_hit_ratio, *model, any_ssd ? ", CPU tier only" : "",
         infinite, token_hit_ratio, doc["requests_per_s"].get<double>(), doc["gbps"].get<double>(),
-        FormatBytes(bytes_read), FormatBytes(bytes_stored), seconds, Fixed(pct(all.lookup_us, 50)),
+        FormatBytes(bytes_read), FormatBytes(bytes_stored), seconds, copy_limit,
+        Fixed(Ratio(doc["gbps"].get<double>(), copy_limit)), Fixed(pct(all.lookup_us, 50)),
         Fixed(pct(all.lookup_us, 99)), Fixed(pct(all.read_us, 50)), Fixed(pct(all.read_us, 99)),
         Fixed(pct(all.store_us, 50)), Fixed(pct(all.store_us, 99)), errors,
         totals.mismatches.load(), totals.read_misses.load());
@@ -595,8 +603,10 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
       "blocks. Prints a progress line on stderr each second and a summary: block and token hit "
       "ratios, the hit ratio the node's own policy reaches in-process on the same trace at the "
       "nodes' capacity (model_block_hit_ratio) and that of an unbounded cache, GB/s, p50/p99 "
-      "latencies of lookups, reads and stores, errors and content mismatches. Exits 1 on any "
-      "error or mismatch, 2 on bad arguments or a malformed trace.");
+      "latencies of lookups, reads and stores, errors and content mismatches, and this "
+      "machine's own copy rate for the block size over a working set the size of the nodes' "
+      "CPU tiers (copy_limit_gbps; ratio = gbps / copy_limit_gbps), measured in the same run. "
+      "Exits 1 on any error or mismatch, 2 on bad arguments or a malformed trace.");
   cmd->add_option("--trace", flags->trace,
                   "JSONL, one request per line: timestamp (ms), input_length, output_length, "
                   "hash_ids (block ids; equal leading ids are a shared prefix)")

@@ -11,8 +11,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <thread>
 
 #include "fmt/format.h"
@@ -36,6 +38,33 @@ Result<std::string> ResolveToken(const std::string& token, const std::string& to
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
   const double seconds = std::chrono::duration<double>(elapsed).count();
   return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+double CopyLimitGbps(size_t block_bytes, size_t working_set_bytes, int rounds) {
+  if (block_bytes == 0) return 0;
+  const size_t slots =
+      std::max<size_t>(1, std::min(working_set_bytes, size_t{1} << 30) / block_bytes);
+  std::vector<std::byte> region(slots * block_bytes, std::byte{1});  // touched: no page faults
+  std::vector<std::byte> source(block_bytes, std::byte{2});
+  // A fixed scattered order over the slots (a stride coprime with their count).
+  size_t stride = slots / 2 + 1;
+  while (std::gcd(stride, slots) != 1) ++stride;
+  // Each round copies the working set, and at least 64 MiB, so it is long enough to time.
+  const size_t copies = std::max(slots, (size_t{64} << 20) / block_bytes);
+  std::vector<double> rates;
+  size_t slot = 0;
+  for (int r = 0; r < std::max(rounds, 1); ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < copies; ++i) {
+      std::memcpy(region.data() + slot * block_bytes, source.data(), block_bytes);
+      slot = (slot + stride) % slots;
+    }
+    rates.push_back(Gbps(copies * block_bytes, std::chrono::steady_clock::now() - start));
+  }
+  // Keeps the copies from being optimised away.
+  volatile std::byte sink = region[slot * block_bytes];
+  (void)sink;
+  return Median(rates);
 }
 
 double Median(std::vector<double> values) {

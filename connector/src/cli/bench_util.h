@@ -24,6 +24,11 @@ Result<std::string> ResolveToken(const std::string& token, const std::string& to
 // GB/s (1e9 bytes/s) for `bytes` moved in `elapsed`; 0 for an empty interval.
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed);
 
+// This machine's own limit for moving blocks through memory: GB/s of one thread copying
+// `block_bytes` blocks into the slots of a region of `working_set_bytes` (at most 1 GiB), in a
+// scattered order, as a node's tier receives them. The median of `rounds` rounds.
+double CopyLimitGbps(size_t block_bytes, size_t working_set_bytes, int rounds = 5);
+
 // The median; the mean of the middle two for an even count. Preconditions: !values.empty().
 double Median(std::vector<double> values);
 
