@@ -57,9 +57,13 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "any other namespace is refused unless --auth-token(-file) is set, and then "
                  "needs that token");
   app.add_option("--max-keys-per-request", flags.max_keys_per_request,
-                 "Most keys one request may carry (1..1048576)")
+                 "Most keys one request may carry (1..1048576). Clients learn it at hello and "
+                 "split longer batches into several calls: a lower limit costs round trips, "
+                 "never hits")
       ->capture_default_str();
-  app.add_option("--max-message-bytes", flags.max_message_bytes, "Largest request message accepted")
+  app.add_option("--max-message-bytes", flags.max_message_bytes,
+                 "Largest request message accepted (at least 4KiB); clients learn it at hello "
+                 "and split their batches to fit")
       ->capture_default_str();
   app.add_option("--max-payload-bytes", flags.max_payload_bytes,
                  "Largest payload accepted in one request (at least block-bytes)")

@@ -10,12 +10,14 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "daemon_process.h"
 #include "generate_process.h"
 #include "kvstash/connector/node_client.h"
+#include "temp_dir.h"
 
 namespace kvstash::engine {
 namespace {
@@ -95,6 +97,26 @@ TEST_P(KeyLimitTest, DecodePullsEveryFullBlockOfAPromptOverTheNodesKeyLimit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, KeyLimitTest, ::testing::Values(1, 2));
+
+// A node that refuses a worker (a wrong token) is a set-up error, not a node that happens to be
+// down: the worker says so and does not start serving misses.
+TEST(NodeRefusalTest, AWorkerANodeRefusesDoesNotStart) {
+  ::kvstash::testing::TempDir dir;
+  std::ofstream(dir / "right") << "right-token\n";
+  std::ofstream(dir / "wrong") << "wrong-token\n";
+  const Daemon node(
+      {"--block-bytes", kNodeBlockBytes, "--cpu-bytes", "8MiB", "--auth-token-file", dir / "right"},
+      /*sizes=*/false);
+  ASSERT_NE(node.port(), 0);
+  const std::string prompt = Prompt(64, 9);
+  const WorkerRun refused =
+      Generate("tiny-full", prompt, "both", Address(node), {"--auth-token-file", dir / "wrong"});
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("refused this engine"), std::string::npos) << refused.err;
+  const WorkerRun served =
+      Generate("tiny-full", prompt, "both", Address(node), {"--auth-token-file", dir / "right"});
+  EXPECT_EQ(served.exit_code, 0) << served.err;
+}
 
 }  // namespace
 }  // namespace kvstash::engine

@@ -89,6 +89,12 @@ std::vector<std::unique_ptr<Daemon>> StartNodes(int count, std::vector<std::stri
   return daemons;
 }
 
+size_t Occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 TEST(KeysPerCallTest, TheKeyLimitAndTheMessageLimitBothBound) {
   transport::ServerLimits limits;
   limits.max_keys_per_request = 32;
@@ -241,12 +247,17 @@ TEST(NodeClientErrorsTest, ABlockOfTheWrongSizeIsRefusedBeforeItsBytesMove) {
   auto client = Client(daemons);
   ASSERT_NE(client, nullptr);
   std::vector<std::byte> small(kBlock / 2);
-  const transport::Bytes view = small;
-  const BlockKey key = Key(7);
-  const Status put = client->Put(std::span(&key, 1), std::span(&view, 1));
+  const std::vector<transport::Bytes> views(3, transport::Bytes(small));
+  const std::vector<BlockKey> keys = Keys(7, 3);
+  ::testing::internal::CaptureStderr();
+  const Status put = client->Put(keys, views);
+  const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(put.code(), StatusCode::kInvalidArgument) << put.ToString();
   EXPECT_THAT(std::string(put.message()), HasSubstr(std::to_string(kBlock)));
-  EXPECT_EQ(client->counters().refused, 1u);
+  // Every refusal counted, the first logged with the value and the limit, once.
+  EXPECT_EQ(client->counters().refused, 3u);
+  EXPECT_EQ(Occurrences(log, "refused a call"), 1u) << log;
+  EXPECT_THAT(log, HasSubstr("a block of 32768 bytes; the node's block size is 65536"));
   EXPECT_EQ(Counter(*client, 0, "node.bytes_in"), 0u);
 }
 
@@ -257,7 +268,13 @@ TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
   const std::vector<BlockKey> keys = Keys(0, 16);
   PutAll(*client, keys);
   daemons[1]->process().Kill(SIGKILL);
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 3; ++i) (void)client->Lookup(keys);
   auto strict = client->LookupStrict(keys);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  // Logged once when the node went down, however many calls failed since.
+  EXPECT_EQ(Occurrences(log, "is unreachable"), 1u) << log;
+  EXPECT_GE(client->counters().unreachable, 4u);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();  // down is not a refusal
   for (size_t i = 0; i < keys.size(); ++i) {
     EXPECT_EQ((*strict)[i], client->NodeOf(keys[i]) == 1 ? KeyState::kMiss : KeyState::kHit) << i;
