@@ -145,8 +145,8 @@ struct Latencies {
   std::vector<double> lookup_us, read_us, store_us;
 };
 
-// The leading run of hits; with a RETRY (a block being written or promoted from SSD) in it, the
-// lookup is asked again, as the connector defers a request, up to `give_up`.
+// The leading run of hits; *retry when a RETRY (a block being written or promoted from SSD)
+// ends it, for the caller to ask again as the connector defers a request.
 size_t LeadingHits(const std::vector<KeyState>& states, bool* retry) {
   size_t hits = 0;
   *retry = false;
