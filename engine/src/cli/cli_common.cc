@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kvstash/common/hash.h"
+#include "kvstash/common/token_file.h"
 #include "kvstash/engine/node_offload.h"
 
 namespace kvstash::engine::cli {
@@ -68,7 +69,10 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
 }
 
 Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
-  KVSTASH_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::Load(f.model));
+  Result<ModelConfig> loaded = ModelConfig::Load(f.model);
+  // A --model that names no model is a bad argument (exit 2), whatever the loader calls it.
+  if (!loaded.ok()) return InvalidArgumentError("--model: {}", loaded.status().message());
+  ModelConfig config = std::move(loaded).value();
   EngineOptions o;
   o.block_size = f.block_size;
   o.attn_pack = f.attn_pack;
@@ -91,9 +95,8 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
     nodes.timeout = std::chrono::milliseconds(f.node_timeout_ms);
     nodes.connect_timeout = std::chrono::milliseconds(f.node_timeout_ms);
     if (!f.auth_token_file.empty()) {
-      std::ifstream in(f.auth_token_file);
-      if (!in || !std::getline(in, nodes.auth_token))
-        return InvalidArgumentError("--auth-token-file {}: cannot read a token", f.auth_token_file);
+      KVSTASH_ASSIGN_OR_RETURN(nodes.auth_token,
+                               ReadTokenFile(f.auth_token_file, "--auth-token-file"));
     }
     o.offload = NodeOffload(std::move(nodes));
   }
@@ -123,13 +126,6 @@ std::string Join(std::span<const uint32_t> tokens) {
     s += std::to_string(tokens[i]);
   }
   return s;
-}
-
-int Fail(const Status& s) {
-  std::cerr << "kvstash-engine: " << s.ToString() << "\n";
-  return s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound
-             ? kExitUsage
-             : kExitFailure;
 }
 
 std::vector<uint32_t> RandomTokens(size_t n, uint32_t vocab, uint64_t seed) {

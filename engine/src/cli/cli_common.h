@@ -11,14 +11,17 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "kvstash/common/cli.h"
 #include "kvstash/common/status.h"
 #include "kvstash/engine/engine.h"
 
 namespace kvstash::engine::cli {
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
+using ::kvstash::cli::kExitFailure;
+using ::kvstash::cli::kExitOk;
+using ::kvstash::cli::kExitUsage;
+// The errors of kvstash-engine: "kvstash-engine: message" on stderr, exit 2 for bad input.
+inline const ::kvstash::cli::ErrorReporter kErrors("kvstash-engine");
 
 struct ModelFlags {
   std::string model = "builtin:tiny-hybrid";
@@ -45,8 +48,6 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f);
 // "1 2 3" -> {1, 2, 3}; InvalidArgument naming the first word that is not a token id.
 Result<std::vector<uint32_t>> ParseTokens(const std::string& text);
 std::string Join(std::span<const uint32_t> tokens);
-// Prints the error and returns the exit status for it (2 for bad input, 1 otherwise).
-int Fail(const Status& s);
 // Pseudo-random token ids, the same for the same seed.
 std::vector<uint32_t> RandomTokens(size_t n, uint32_t vocab, uint64_t seed);
 

@@ -35,17 +35,17 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats,
                 const std::string& role, bool show_ttft) {
   auto prompt = ParseTokens(prompt_text);
-  if (!prompt.ok()) return Fail(prompt.status());
+  if (!prompt.ok()) return kErrors.Fail(prompt.status());
   if (role != "both" && f.nodes.empty())
-    return Fail(InvalidArgumentError("--role {} needs --nodes", role));
+    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", role));
   auto engine = MakeEngine(f);
-  if (!engine.ok()) return Fail(engine.status());
+  if (!engine.ok()) return kErrors.Fail(engine.status());
   Engine& e = **engine;
   // A prefill worker computes the prompt and its first token, and pushes every full block for
   // the decode worker that continues it.
   const bool prefill = role == "prefill";
   auto id = e.AddRequest(*prompt, prefill ? 1 : max_new, /*do_remote_decode=*/prefill);
-  if (!id.ok()) return Fail(id.status());
+  if (!id.ok()) return kErrors.Fail(id.status());
   std::unique_ptr<Request> r;
   // Time to first token: from the request's arrival to its first sampled token (the lookup,
   // loads and prompt computation included; engine and node connections set up before).
@@ -58,8 +58,8 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
       ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   }
   e.DrainOffload();  // the pushes land before the process ends
-  if (r == nullptr) return Fail(InternalError("the request did not finish"));
-  if (r->state == Request::State::kFailed) return Fail(r->error);
+  if (r == nullptr) return kErrors.Fail(InternalError("the request did not finish"));
+  if (r->state == Request::State::kFailed) return kErrors.Fail(r->error);
   if (stats) {
     std::printf("prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu", r->num_prompt_tokens,
                 r->num_cached_tokens, r->num_computed_prompt_tokens);
@@ -84,7 +84,7 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
 
 int RunChat(const ModelFlags& f, size_t turns, size_t user_tokens, size_t max_new, uint64_t seed) {
   auto engine = MakeEngine(f);
-  if (!engine.ok()) return Fail(engine.status());
+  if (!engine.ok()) return kErrors.Fail(engine.status());
   Engine& e = **engine;
   std::printf("model=%s block_size=%u attn_pack=%u groups=%zu page_bytes=%zu\n",
               e.config().name.c_str(), e.layout().block_size, e.layout().attn_pack,
@@ -95,7 +95,7 @@ int RunChat(const ModelFlags& f, size_t turns, size_t user_tokens, size_t max_ne
     std::vector<uint32_t> user = RandomTokens(user_tokens, e.config().vocab_size, seed + turn);
     history.insert(history.end(), user.begin(), user.end());
     auto results = e.Generate({history}, max_new);
-    if (!results.ok()) return Fail(results.status());
+    if (!results.ok()) return kErrors.Fail(results.status());
     const Request& r = *(*results)[0];
     std::printf("turn=%zu prompt_tokens=%zu cached_tokens=%zu computed_tokens=%zu\n", turn,
                 r.num_prompt_tokens, r.num_cached_tokens, r.num_computed_prompt_tokens);
@@ -132,7 +132,7 @@ double MatMulGflops() {
 
 int RunBench(const ModelFlags& f, size_t batch, size_t prompt_len, size_t decode_tokens) {
   auto engine = MakeEngine(f);
-  if (!engine.ok()) return Fail(engine.status());
+  if (!engine.ok()) return kErrors.Fail(engine.status());
   Engine& e = **engine;
   const ModelConfig& c = e.config();
   const double params = static_cast<double>(c.NumParameters());
@@ -148,12 +148,12 @@ int RunBench(const ModelFlags& f, size_t batch, size_t prompt_len, size_t decode
   auto t0 = Clock::now();
   auto pre = e.Generate(prompts, 1);
   const double prefill_s = Seconds(t0, Clock::now());
-  if (!pre.ok()) return Fail(pre.status());
+  if (!pre.ok()) return kErrors.Fail(pre.status());
   const double prefill_tps = static_cast<double>(batch * prompt_len) / prefill_s;
   // Decode: short prompts, then time only the steps that run no prompt tokens.
   for (size_t i = 0; i < batch; ++i) {
     auto id = e.AddRequest(RandomTokens(16, c.vocab_size, 1000 + i), decode_tokens + 1);
-    if (!id.ok()) return Fail(id.status());
+    if (!id.ok()) return kErrors.Fail(id.status());
   }
   double decode_s = 0;
   uint64_t decode_tokens_run = 0;

@@ -434,21 +434,21 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
   std::unique_ptr<WorkerClient> prefill;
   if (!flags.prefill_worker.empty()) {
     auto c = WorkerClient::Connect(flags.prefill_worker, timeout);
-    if (!c.ok()) return Fail(c.status());
+    if (!c.ok()) return kErrors.Fail(c.status());
     prefill = std::move(*c);
   }
   auto decode_or = WorkerClient::Connect(flags.decode_worker, timeout);
-  if (!decode_or.ok()) return Fail(decode_or.status());
+  if (!decode_or.ok()) return kErrors.Fail(decode_or.status());
   std::unique_ptr<WorkerClient> decode = std::move(*decode_or);
 
   auto decode_info = decode->Call(json{{"op", "info"}});
-  if (!decode_info.ok()) return Fail(decode_info.status());
+  if (!decode_info.ok()) return kErrors.Fail(decode_info.status());
   const std::string fingerprint = (*decode_info)["fingerprint"];
   if (prefill) {
     auto info = prefill->Call(json{{"op", "info"}});
-    if (!info.ok()) return Fail(info.status());
+    if (!info.ok()) return kErrors.Fail(info.status());
     if ((*info)["fingerprint"] != fingerprint)
-      return Fail(InvalidArgumentError(
+      return kErrors.Fail(InvalidArgumentError(
           "the prefill worker {} runs {} (fingerprint {}) but the decode worker {} runs {} ({}): "
           "their blocks would never match",
           prefill->address(), (*info)["model"].get<std::string>(),
@@ -465,10 +465,10 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
   local_flags.nodes.clear();
   local_flags.no_prefix_cache = true;
   auto local_or = MakeEngine(local_flags);
-  if (!local_or.ok()) return Fail(local_or.status());
+  if (!local_or.ok()) return kErrors.Fail(local_or.status());
   local = std::move(*local_or);
   if (flags.compare && HexFingerprint(local->fingerprint()) != fingerprint)
-    return Fail(InvalidArgumentError(
+    return kErrors.Fail(InvalidArgumentError(
         "the decode worker runs {} (fingerprint {}), not this --model {} ({}); give chat the "
         "workers' model flags",
         (*decode_info)["model"].get<std::string>(), fingerprint, model.model,
@@ -490,11 +490,11 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
     json p;
     if (prefill) {
       auto reply = prefill->Call(request);
-      if (!reply.ok()) return Fail(reply.status());
+      if (!reply.ok()) return kErrors.Fail(reply.status());
       p = std::move(*reply);
     }
     auto d_or = decode->Call(request);
-    if (!d_or.ok()) return Fail(d_or.status());
+    if (!d_or.ok()) return kErrors.Fail(d_or.status());
     const json& d = *d_or;
     const std::vector<uint32_t> output = d["output"];
     // Bytes moved this turn: what either worker pushed to or pulled from the nodes.
@@ -522,7 +522,7 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
         d["computed_tokens"].get<size_t>(), ttft);
     if (flags.compare) {
       auto base = RunWithoutCache(*local, history, max_new);
-      if (!base.ok()) return Fail(base.status());
+      if (!base.ok()) return kErrors.Fail(base.status());
       const bool match = base->output == output;
       mismatches += match ? 0 : 1;
       std::printf(" nocache_ttft_ms=%.2f speedup=%.1fx", base->ttft_ms,
@@ -554,7 +554,7 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
                 sum_ttft > 0 ? sum_nocache / sum_ttft : 0.0, mismatches);
   std::printf(" bytes_moved=%llu\n", static_cast<unsigned long long>(sum_bytes));
   if (mismatches > 0)
-    return Fail(
+    return kErrors.Fail(
         InternalError("{} turn(s) generated other tokens than without the cache", mismatches));
   return kExitOk;
 }
@@ -563,13 +563,13 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
 
 int RunServe(const ModelFlags& model, const ServeFlags& serve) {
   if (serve.role != "both" && model.nodes.empty())
-    return Fail(InvalidArgumentError("--role {} needs --nodes", serve.role));
+    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", serve.role));
   auto engine = MakeEngine(model);
-  if (!engine.ok()) return Fail(engine.status());
+  if (!engine.ok()) return kErrors.Fail(engine.status());
   size_t num_nodes = 0;
   if (!model.nodes.empty()) num_nodes = std::count(model.nodes.begin(), model.nodes.end(), ',') + 1;
   Server server(engine->get(), serve, num_nodes);
-  if (Status s = server.Listen(); !s.ok()) return Fail(s);
+  if (Status s = server.Listen(); !s.ok()) return kErrors.Fail(s);
   std::printf("kvstash-engine serving %s (role %s) on %s:%u\n", (*engine)->config().name.c_str(),
               serve.role.c_str(), serve.listen.c_str(), server.port());
   std::fflush(stdout);

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "bench_util.h"
+#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "fmt/format.h"
 #include "kvstash/common/logging.h"
@@ -24,7 +24,7 @@
 #include "kvstash/store/ssd_tier.h"
 #include "nlohmann/json.hpp"
 
-namespace kvstash::cli {
+namespace kvstash::bench {
 namespace {
 
 constexpr uint64_t kMinBlockBytes = 4096;
@@ -311,8 +311,7 @@ struct BenchSsdFlags {
 };
 
 int Fail(int code, std::string_view message) {
-  std::cerr << "kvstash bench ssd: " << message << "\n";
-  return code;
+  return cli::ErrorReporter("kvstash bench ssd").Fail(code, message);
 }
 
 int RunBenchSsd(const BenchSsdFlags& flags) {
@@ -427,14 +426,9 @@ int RunBenchSsd(const BenchSsdFlags& flags) {
 
 }  // namespace
 
-void AddBenchCommand(CLI::App& app, int* exit_code) {
-  CLI::App* bench = app.add_subcommand(
-      "bench",
-      "Measure a component against the machine's own limit in the same run and print the ratio.");
-  bench->require_subcommand(1);
-
+void AddBenchSsdCommand(CLI::App& bench, int* exit_code) {
   auto flags = std::make_shared<BenchSsdFlags>();
-  CLI::App* ssd = bench->add_subcommand(
+  CLI::App* ssd = bench.add_subcommand(
       "ssd",
       "Write and read back --total bytes through the SSD tier (--batch blocks per store call, "
       "as a cascade job writes them; one block per read), and the same bytes with fio "
@@ -478,9 +472,6 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
       "fails (fio missing included, unless --no-fio), 2 for bad arguments.");
   ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
 
-  AddBenchTransportCommand(*bench, exit_code);
-  AddBenchNodeCommand(*bench, exit_code);
-  AddBenchReplayCommand(*bench, exit_code);
 }
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench

@@ -2,6 +2,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "kvstash/bench/bench.h"
 
 int main(int argc, char** argv) {
   CLI::App app(
@@ -12,7 +13,7 @@ int main(int argc, char** argv) {
   int exit_code = kvstash::cli::kExitOk;
   kvstash::cli::AddNodeCommands(app, &exit_code);
   kvstash::cli::AddTraceCommand(app, &exit_code);
-  kvstash::cli::AddBenchCommand(app, &exit_code);
+  kvstash::bench::AddBenchCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#include "bench_util.h"
+#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "fmt/format.h"
 #include "fmt/ranges.h"
@@ -42,7 +42,7 @@
 #include "kvstash/common/status.h"
 #include "kvstash/transport/rpc.h"
 
-namespace kvstash::cli {
+namespace kvstash::bench {
 namespace {
 
 using namespace std::chrono_literals;
@@ -907,8 +907,7 @@ class ResultsOutput {
 };
 
 int Fail(int code, std::string_view message) {
-  std::cerr << "kvstash bench transport: " << message << "\n";
-  return code;
+  return cli::ErrorReporter("kvstash bench transport").Fail(code, message);
 }
 
 int RunBenchTransport(const BenchTransportFlags& flags) {
@@ -1141,4 +1140,4 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
   });
 }
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench

@@ -6,9 +6,10 @@
 #include <iostream>
 #include <iterator>
 
-#include "bench_util.h"
 #include "commands.h"
+#include "kvstash/common/cli.h"
 #include "kvstash/common/hash.h"
+#include "kvstash/common/token_file.h"
 #include "kvstash/connector/node_client.h"
 #include "nlohmann/json.hpp"
 
@@ -32,9 +33,9 @@ struct NodeFlags {
   bool json = false;
 };
 
-int Fail(std::string_view command, int code, std::string_view message) {
-  std::cerr << "kvstash " << command << ": " << message << "\n";
-  return code;
+// The errors of `kvstash COMMAND`.
+cli::ErrorReporter Errors(std::string_view command) {
+  return cli::ErrorReporter(fmt::format("kvstash {}", command));
 }
 
 void AddConnectionFlags(CLI::App* cmd, NodeFlags& flags, bool keys) {
@@ -63,7 +64,7 @@ Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
     KVSTASH_ASSIGN_OR_RETURN(auto address, connector::ParseNodeAddress(node));
     options.nodes.push_back(address);
   }
-  KVSTASH_ASSIGN_OR_RETURN(options.auth_token, ResolveToken(flags.token, flags.token_file));
+  KVSTASH_ASSIGN_OR_RETURN(options.auth_token, ResolveToken(flags.token, "--token", flags.token_file, "--token-file"));
   if (flags.timeout_ms < 1) {
     return InvalidArgumentError("--timeout-ms: {} is not a positive count", flags.timeout_ms);
   }
@@ -83,31 +84,27 @@ Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
   return keys;
 }
 
-int ExitFor(const Status& status) {
-  return status.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;
-}
 
 int RunPut(const NodeFlags& flags) {
   auto keys = Keys(flags);
-  if (!keys.ok()) return Fail("put", kExitUsage, keys.status().message());
-  if (keys->size() != 1) return Fail("put", kExitUsage, "--key: give exactly one key to put");
+  if (!keys.ok()) return Errors("put").Fail(kExitUsage, keys.status().message());
+  if (keys->size() != 1) return Errors("put").Fail(kExitUsage, "--key: give exactly one key to put");
   std::ifstream in(flags.file, std::ios::binary);
-  if (!in) return Fail("put", kExitFailure, fmt::format("--file: cannot read '{}'", flags.file));
+  if (!in) return Errors("put").Fail(kExitFailure, fmt::format("--file: cannot read '{}'", flags.file));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto client = Connect(flags);
-  if (!client.ok()) return Fail("put", ExitFor(client.status()), client.status().message());
+  if (!client.ok()) return Errors("put").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   const size_t node = (*client)->NodeOf(keys->front());
   auto block_bytes = (*client)->BlockBytes(node);
-  if (!block_bytes.ok()) return Fail("put", kExitFailure, block_bytes.status().message());
+  if (!block_bytes.ok()) return Errors("put").Fail(kExitFailure, block_bytes.status().message());
   if (bytes.size() != *block_bytes) {
-    return Fail(
-        "put", kExitUsage,
+    return Errors("put").Fail(kExitUsage,
         fmt::format("--file: '{}' holds {} bytes; node {} stores blocks of exactly {}", flags.file,
                     bytes.size(), (*client)->node(node).ToString(), *block_bytes));
   }
   const transport::Bytes block = std::as_bytes(std::span(bytes));
   const Status put = (*client)->Put(*keys, std::span(&block, 1));
-  if (!put.ok()) return Fail("put", kExitFailure, put.message());
+  if (!put.ok()) return Errors("put").Fail(kExitFailure, put.message());
   std::cout << fmt::format("stored {} ({} bytes, xxh3 {:#018x}) on {}\n", keys->front().ToString(),
                            bytes.size(), Xxh3Hash64(block), (*client)->node(node).ToString());
   return kExitOk;
@@ -115,22 +112,22 @@ int RunPut(const NodeFlags& flags) {
 
 int RunGet(const NodeFlags& flags) {
   auto keys = Keys(flags);
-  if (!keys.ok()) return Fail("get", kExitUsage, keys.status().message());
-  if (keys->size() != 1) return Fail("get", kExitUsage, "--key: give exactly one key to get");
+  if (!keys.ok()) return Errors("get").Fail(kExitUsage, keys.status().message());
+  if (keys->size() != 1) return Errors("get").Fail(kExitUsage, "--key: give exactly one key to get");
   auto client = Connect(flags);
-  if (!client.ok()) return Fail("get", ExitFor(client.status()), client.status().message());
+  if (!client.ok()) return Errors("get").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   const size_t node = (*client)->NodeOf(keys->front());
   auto block_bytes = (*client)->BlockBytes(node);
-  if (!block_bytes.ok()) return Fail("get", kExitFailure, block_bytes.status().message());
+  if (!block_bytes.ok()) return Errors("get").Fail(kExitFailure, block_bytes.status().message());
   std::vector<std::byte> block(*block_bytes);
   auto got = (*client)->Get(keys->front(), block);
-  if (!got.ok()) return Fail("get", kExitFailure, got.status().message());
+  if (!got.ok()) return Errors("get").Fail(kExitFailure, got.status().message());
   block.resize(*got);
   if (!flags.file.empty()) {
     std::ofstream out(flags.file, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(block.data()), static_cast<std::streamsize>(*got));
     if (!out) {
-      return Fail("get", kExitFailure, fmt::format("--out: cannot write '{}'", flags.file));
+      return Errors("get").Fail(kExitFailure, fmt::format("--out: cannot write '{}'", flags.file));
     }
   }
   std::cout << fmt::format("{}: {} bytes, xxh3 {:#018x}, from {}{}\n", keys->front().ToString(),
@@ -153,12 +150,12 @@ std::string_view StateName(KeyState s) {
 
 int RunLookup(const NodeFlags& flags) {
   auto keys = Keys(flags);
-  if (!keys.ok()) return Fail("lookup", kExitUsage, keys.status().message());
+  if (!keys.ok()) return Errors("lookup").Fail(kExitUsage, keys.status().message());
   auto client = Connect(flags);
-  if (!client.ok()) return Fail("lookup", ExitFor(client.status()), client.status().message());
+  if (!client.ok()) return Errors("lookup").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   // A refusal (over a limit, a wrong token) is an error, never a column of misses.
   auto looked_up = (*client)->LookupStrict(*keys);
-  if (!looked_up.ok()) return Fail("lookup", kExitFailure, looked_up.status().message());
+  if (!looked_up.ok()) return Errors("lookup").Fail(kExitFailure, looked_up.status().message());
   const std::vector<KeyState>& states = *looked_up;
   std::optional<size_t> prefix;
   if (flags.prefix) {
@@ -202,11 +199,11 @@ int RunLookup(const NodeFlags& flags) {
 
 int RunTouch(const NodeFlags& flags) {
   auto keys = Keys(flags);
-  if (!keys.ok()) return Fail("touch", kExitUsage, keys.status().message());
+  if (!keys.ok()) return Errors("touch").Fail(kExitUsage, keys.status().message());
   auto client = Connect(flags);
-  if (!client.ok()) return Fail("touch", ExitFor(client.status()), client.status().message());
+  if (!client.ok()) return Errors("touch").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   if (const Status touched = (*client)->TouchSync(*keys); !touched.ok()) {
-    return Fail("touch", kExitFailure, touched.message());
+    return Errors("touch").Fail(kExitFailure, touched.message());
   }
   std::cout << fmt::format("touched {} key(s), the first most recent\n", keys->size());
   return kExitOk;
@@ -214,7 +211,7 @@ int RunTouch(const NodeFlags& flags) {
 
 int RunStats(const NodeFlags& flags) {
   auto client = Connect(flags);
-  if (!client.ok()) return Fail("stats", ExitFor(client.status()), client.status().message());
+  if (!client.ok()) return Errors("stats").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   nlohmann::json doc = nlohmann::json::object();
   int code = kExitOk;
   for (size_t n = 0; n < (*client)->node_count(); ++n) {

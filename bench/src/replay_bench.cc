@@ -23,13 +23,14 @@
 #include <thread>
 #include <unordered_set>
 
-#include "bench_util.h"
+#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "kvstash/common/hash.h"
+#include "kvstash/common/token_file.h"
 #include "kvstash/connector/node_client.h"
 #include "kvstash/store/block_manager.h"
 
-namespace kvstash::cli {
+namespace kvstash::bench {
 namespace {
 
 using connector::BlockKey;
@@ -378,9 +379,9 @@ connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const 
 }
 
 int RunBenchReplay(const BenchReplayFlags& flags) {
-  auto fail = [](int code, std::string_view message) {
-    std::cerr << "kvstash bench replay: " << message << "\n";
-    return code;
+  const cli::ErrorReporter reporter("kvstash bench replay");
+  auto fail = [&reporter](int code, std::string_view message) {
+    return reporter.Fail(code, message);
   };
   for (const std::string& node : flags.nodes) {
     if (auto a = connector::ParseNodeAddress(node); !a.ok()) {
@@ -393,7 +394,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   if (flags.timeout_ms < 1) {
     return fail(kExitUsage, fmt::format("--timeout-ms: {} is not positive", flags.timeout_ms));
   }
-  auto token = ResolveToken(flags.token, flags.token_file);
+  auto token = ResolveToken(flags.token, "--token", flags.token_file, "--token-file");
   if (!token.ok()) {
     return fail(token.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
                 token.status().message());
@@ -645,4 +646,4 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
   cmd->callback([flags, exit_code] { *exit_code = RunBenchReplay(*flags); });
 }
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench

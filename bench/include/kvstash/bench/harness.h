@@ -12,14 +12,15 @@
 #include <vector>
 
 #include "kvstash/common/byte_units.h"
+#include "kvstash/common/cli.h"
 #include "kvstash/common/status.h"
 #include "nlohmann/json.hpp"
 
-namespace kvstash::cli {
+namespace kvstash::bench {
 
-// The auth token of --token or --token-file (the file's first line). InvalidArgument when
-// both are given, NotFound when the file cannot be read.
-Result<std::string> ResolveToken(const std::string& token, const std::string& token_file);
+using cli::kExitFailure;
+using cli::kExitOk;
+using cli::kExitUsage;
 
 // GB/s (1e9 bytes/s) for `bytes` moved in `elapsed`; 0 for an empty interval.
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed);
@@ -73,4 +74,4 @@ std::vector<std::string> EnvironmentWith(std::string_view name, std::string_view
 // its exit status as ProcessOutput::exit_code, or -1 if it could not be reaped.
 int ReapChild(pid_t pid, std::chrono::milliseconds timeout);
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench

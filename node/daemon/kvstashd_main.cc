@@ -7,27 +7,19 @@
 #include <cstdio>
 #include <iostream>
 
+#include "daemon_config.h"
 #include "kvstash/common/byte_units.h"
+#include "kvstash/common/cli.h"
 #include "kvstash/common/logging.h"
-#include "kvstash/node/daemon_config.h"
 #include "kvstash/node/metrics.h"
 #include "kvstash/node/node_server.h"
 
-namespace {
-
-constexpr int kExitOk = 0;
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-int Fail(int code, std::string_view message) {
-  std::cerr << "kvstashd: " << message << "\n";
-  return code;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace kvstash;
+  using cli::kExitFailure;
+  using cli::kExitOk;
+  using cli::kExitUsage;
+  const cli::ErrorReporter errors("kvstashd");
   CLI::App app(
       "kvstashd: the kvstash offload node. Keeps KV-cache blocks for engine workers in a CPU "
       "tier (and optionally an SSD tier), answers prefix and sliding-window lookups, and moves "
@@ -48,11 +40,11 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   if (Status s = SetLogLevel(flags.log_level); !s.ok()) {
-    return Fail(kExitUsage, fmt::format("log-level: {}", s.message()));
+    return errors.Fail(kExitUsage, fmt::format("log-level: {}", s.message()));
   }
   Result<node::NodeOptions> options = node::ToNodeOptions(flags);
   if (!options.ok()) {
-    return Fail(options.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
+    return errors.Fail(cli::ExitCodeFor(options.status()),
                 options.status().message());
   }
 
@@ -67,7 +59,7 @@ int main(int argc, char** argv) {
 
   Result<std::unique_ptr<node::NodeServer>> started = node::NodeServer::Start(*options);
   if (!started.ok()) {
-    return Fail(kExitFailure, fmt::format("cannot start: {}", started.status().ToString()));
+    return errors.Fail(kExitFailure, fmt::format("cannot start: {}", started.status().ToString()));
   }
   std::unique_ptr<node::NodeServer> server = std::move(*started);
   const auto& store = options->store;
@@ -99,7 +91,7 @@ int main(int argc, char** argv) {
         node::MetricsEndpoint::Start(address, *server);
     if (!endpoint.ok()) {
       (void)server->Shutdown();
-      return Fail(kExitFailure, fmt::format("cannot start: {}", endpoint.status().message()));
+      return errors.Fail(kExitFailure, fmt::format("cannot start: {}", endpoint.status().message()));
     }
     metrics = std::move(*endpoint);
     const std::string host = address.substr(0, address.rfind(':'));
@@ -115,7 +107,7 @@ int main(int argc, char** argv) {
   const Status stopped = server->Shutdown();
   server.reset();
   if (!stopped.ok()) {
-    return Fail(kExitFailure, fmt::format("stopping: {}", stopped.ToString()));
+    return errors.Fail(kExitFailure, fmt::format("stopping: {}", stopped.ToString()));
   }
   KVSTASH_LOG_INFO("stopped cleanly");
   return kExitOk;

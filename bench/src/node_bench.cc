@@ -12,12 +12,12 @@
 #include <random>
 #include <thread>
 
-#include "bench_util.h"
+#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/node_client.h"
 
-namespace kvstash::cli {
+namespace kvstash::bench {
 namespace {
 
 using connector::BlockKey;
@@ -222,9 +222,9 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
 }
 
 int RunBenchNode(const BenchNodeFlags& flags) {
-  auto fail = [](int code, std::string_view message) {
-    std::cerr << "kvstash bench node: " << message << "\n";
-    return code;
+  const cli::ErrorReporter reporter("kvstash bench node");
+  auto fail = [&reporter](int code, std::string_view message) {
+    return reporter.Fail(code, message);
   };
   for (const std::string& node : flags.nodes) {
     if (auto a = connector::ParseNodeAddress(node); !a.ok())
@@ -416,4 +416,4 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
   cmd->callback([flags, exit_code] { *exit_code = RunBenchNode(*flags); });
 }
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench

@@ -1,4 +1,4 @@
-#include "kvstash/node/daemon_config.h"
+#include "daemon_config.h"
 
 #include <fmt/format.h>
 
@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "kvstash/common/byte_units.h"
+#include "kvstash/common/token_file.h"
 
 namespace kvstash::node {
 
@@ -110,19 +111,6 @@ Result<store::EvictionPolicy> Policy(std::string_view setting, const std::string
   return *policy;
 }
 
-Result<std::string> ReadTokenFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    const int e = errno;
-    return Status(e == EACCES ? StatusCode::kPermissionDenied : StatusCode::kNotFound,
-                  fmt::format("auth-token-file: cannot read '{}': {}", path, std::strerror(e)));
-  }
-  std::string token;
-  std::getline(in, token);
-  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  if (token.empty()) return InvalidArgumentError("auth-token-file: '{}' holds no token", path);
-  return token;
-}
 
 // `NAMESPACE TOKEN` lines; blank lines and # comments skipped. Errors name the file and line,
 // never a token.
@@ -266,13 +254,9 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   } else if (!flags.ssd_bytes.empty()) {
     return InvalidArgumentError("ssd-bytes: given without ssd-dir");
   }
-  if (!flags.auth_token.empty() && !flags.auth_token_file.empty()) {
-    return InvalidArgumentError("auth-token and auth-token-file: give one, not both");
-  }
-  options.server.auth_token = flags.auth_token;
-  if (!flags.auth_token_file.empty()) {
-    KVSTASH_ASSIGN_OR_RETURN(options.server.auth_token, ReadTokenFile(flags.auth_token_file));
-  }
+  KVSTASH_ASSIGN_OR_RETURN(options.server.auth_token,
+                           ResolveToken(flags.auth_token, "auth-token", flags.auth_token_file,
+                                        "auth-token-file"));
   if (!flags.namespace_token_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(options.server.namespace_tokens,
                              ReadNamespaceTokens(flags.namespace_token_file));

@@ -1,4 +1,4 @@
-#include "bench_util.h"
+#include "kvstash/bench/harness.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -21,19 +21,7 @@
 
 extern char** environ;
 
-namespace kvstash::cli {
-
-Result<std::string> ResolveToken(const std::string& token, const std::string& token_file) {
-  if (!token.empty() && !token_file.empty()) {
-    return InvalidArgumentError("--token and --token-file: give one, not both");
-  }
-  if (token_file.empty()) return token;
-  std::ifstream in(token_file);
-  if (!in) return NotFoundError("--token-file: cannot read '{}'", token_file);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
+namespace kvstash::bench {
 
 double Gbps(uint64_t bytes, std::chrono::steady_clock::duration elapsed) {
   const double seconds = std::chrono::duration<double>(elapsed).count();
@@ -214,4 +202,4 @@ int ReapChild(pid_t pid, std::chrono::milliseconds timeout) {
   return WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
 }
 
-}  // namespace kvstash::cli
+}  // namespace kvstash::bench
