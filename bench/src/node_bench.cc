@@ -12,8 +12,8 @@
 #include <random>
 #include <thread>
 
-#include "kvstash/bench/harness.h"
 #include "commands.h"
+#include "kvstash/bench/harness.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/node_client.h"
 

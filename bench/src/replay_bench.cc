@@ -23,8 +23,8 @@
 #include <thread>
 #include <unordered_set>
 
-#include "kvstash/bench/harness.h"
 #include "commands.h"
+#include "kvstash/bench/harness.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/token_file.h"
 #include "kvstash/connector/node_client.h"

@@ -14,9 +14,9 @@
 #include <string_view>
 #include <vector>
 
-#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "fmt/format.h"
+#include "kvstash/bench/harness.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_slab.h"
@@ -471,7 +471,6 @@ void AddBenchSsdCommand(CLI::App& bench, int* exit_code) {
       "figures follow the medians, to show the noise. Exits 0 on success, 1 if the tier or fio "
       "fails (fio missing included, unless --no-fio), 2 for bad arguments.");
   ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
-
 }
 
 }  // namespace kvstash::bench

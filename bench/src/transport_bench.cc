@@ -34,10 +34,10 @@
 #include <utility>
 #include <vector>
 
-#include "kvstash/bench/harness.h"
 #include "commands.h"
 #include "fmt/format.h"
 #include "fmt/ranges.h"
+#include "kvstash/bench/harness.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/status.h"
 #include "kvstash/transport/rpc.h"

@@ -111,7 +111,6 @@ Result<store::EvictionPolicy> Policy(std::string_view setting, const std::string
   return *policy;
 }
 
-
 // `NAMESPACE TOKEN` lines; blank lines and # comments skipped. Errors name the file and line,
 // never a token.
 Result<std::map<std::string, std::string>> ReadNamespaceTokens(const std::string& path) {
@@ -254,9 +253,9 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   } else if (!flags.ssd_bytes.empty()) {
     return InvalidArgumentError("ssd-bytes: given without ssd-dir");
   }
-  KVSTASH_ASSIGN_OR_RETURN(options.server.auth_token,
-                           ResolveToken(flags.auth_token, "auth-token", flags.auth_token_file,
-                                        "auth-token-file"));
+  KVSTASH_ASSIGN_OR_RETURN(
+      options.server.auth_token,
+      ResolveToken(flags.auth_token, "auth-token", flags.auth_token_file, "auth-token-file"));
   if (!flags.namespace_token_file.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(options.server.namespace_tokens,
                              ReadNamespaceTokens(flags.namespace_token_file));

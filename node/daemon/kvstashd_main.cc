@@ -44,8 +44,7 @@ int main(int argc, char** argv) {
   }
   Result<node::NodeOptions> options = node::ToNodeOptions(flags);
   if (!options.ok()) {
-    return errors.Fail(cli::ExitCodeFor(options.status()),
-                options.status().message());
+    return errors.Fail(cli::ExitCodeFor(options.status()), options.status().message());
   }
 
   // The signals are taken by sigwait below, never by a handler: block them before any thread
@@ -91,7 +90,8 @@ int main(int argc, char** argv) {
         node::MetricsEndpoint::Start(address, *server);
     if (!endpoint.ok()) {
       (void)server->Shutdown();
-      return errors.Fail(kExitFailure, fmt::format("cannot start: {}", endpoint.status().message()));
+      return errors.Fail(kExitFailure,
+                         fmt::format("cannot start: {}", endpoint.status().message()));
     }
     metrics = std::move(*endpoint);
     const std::string host = address.substr(0, address.rfind(':'));
