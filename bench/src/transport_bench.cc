@@ -548,82 +548,6 @@ Result<uint16_t> PickFreePort() {
   return ntohs(addr.sin_port);
 }
 
-// A ucx_perftest server in the background, its output in a memory file for error messages.
-// Killed (if still running) and reaped on destruction.
-class PerftestServer {
- public:
-  PerftestServer(const PerftestServer&) = delete;
-  PerftestServer& operator=(const PerftestServer&) = delete;
-  ~PerftestServer() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      ReapChild(pid_, 5s);
-    }
-    if (output_fd_ >= 0) close(output_fd_);
-  }
-
-  static Result<std::unique_ptr<PerftestServer>> Start(const std::vector<std::string>& argv,
-                                                       const std::vector<std::string>& env) {
-    const int output = memfd_create("ucx_perftest-server", MFD_CLOEXEC);
-    if (output < 0) return FromErrno(errno, "memfd_create");
-    std::unique_ptr<PerftestServer> server(new PerftestServer(output));
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_adddup2(&actions, output, 1);
-    posix_spawn_file_actions_adddup2(&actions, output, 2);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    std::vector<char*> envp;
-    for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    pid_t pid = -1;
-    const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) return FromErrno(rc, fmt::format("cannot run {}", argv[0]));
-    server->pid_ = pid;
-    return server;
-  }
-
-  // True once the server has exited (it does after one test); reaps it.
-  bool Exited() {
-    if (pid_ < 0) return true;
-    int wstatus = 0;
-    if (waitpid(pid_, &wstatus, WNOHANG) == pid_) {
-      pid_ = -1;
-      return true;
-    }
-    return false;
-  }
-
-  // Waits up to `timeout` for the server to finish (it exits after its test), then kills it.
-  void Finish(std::chrono::milliseconds timeout) {
-    if (pid_ < 0) return;
-    ReapChild(std::exchange(pid_, -1), timeout);
-  }
-
-  // What it printed so far.
-  std::string Output() const {
-    std::string text;
-    char buf[4096];
-    off_t offset = 0;
-    for (;;) {
-      const ssize_t n = pread(output_fd_, buf, sizeof(buf), offset);
-      if (n <= 0) break;
-      text.append(buf, static_cast<size_t>(n));
-      offset += n;
-    }
-    return text;
-  }
-
- private:
-  explicit PerftestServer(int output_fd) : output_fd_(output_fd) {}
-
-  pid_t pid_ = -1;
-  int output_fd_ = -1;
-};
-
 std::string LastLine(std::string_view text) {
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
   const size_t newline = text.rfind('\n');
@@ -672,14 +596,22 @@ Result<PerftestFigures> ParsePerftest(const BenchConfig& config, std::string_vie
 // One ucx_perftest run: a server, then a client (retried while the server is not listening
 // yet), both with UCX_TLS=<tls>. The port is picked free, but another process can take it
 // before the server binds it; then the run starts over on a new port.
+// A ucx_perftest server runs in the background; its output stays in memory for error messages.
+ChildOptions PerftestServerOptions(const BenchConfig& config) {
+  ChildOptions options;
+  options.env = config.perftest_env;
+  options.output = ChildOptions::Output::kMemory;
+  options.merge_stderr = true;
+  return options;
+}
+
 Result<PerftestFigures> RunPerftest(const BenchConfig& config) {
   constexpr int kPortAttempts = 3;
   for (int port_attempt = 1;; ++port_attempt) {
     KVSTASH_ASSIGN_OR_RETURN(const uint16_t port, PickFreePort());
-    KVSTASH_ASSIGN_OR_RETURN(
-        std::unique_ptr<PerftestServer> server,
-        PerftestServer::Start({config.perftest_path, "-p", std::to_string(port)},
-                              config.perftest_env));
+    KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<ChildProcess> server,
+                             ChildProcess::Start({config.perftest_path, "-p", std::to_string(port)},
+                                                 PerftestServerOptions(config)));
     std::vector<std::string> client_argv = {config.perftest_path, "127.0.0.1", "-p",
                                             std::to_string(port)};
     const std::string size = std::to_string(config.size);
@@ -687,13 +619,13 @@ Result<PerftestFigures> RunPerftest(const BenchConfig& config) {
     const std::string warmup = std::to_string(config.warmup);
     client_argv.insert(client_argv.end(),
                        {"-t", PerftestTest(config), "-s", size, "-n", iters, "-w", warmup, "-f"});
-    RunProgramOptions options;
+    RunOptions options;
     options.env = config.perftest_env;
     options.timeout = kPerftestTimeout;
     for (int attempt = 1;; ++attempt) {
       KVSTASH_ASSIGN_OR_RETURN(ProcessOutput run, RunProgram(client_argv, options));
       if (run.exit_code == 0) {
-        server->Finish(10s);
+        server->Wait(10s);
         return ParsePerftest(config, run.out);
       }
       const bool refused = run.err.find("Connection refused") != std::string::npos ||

@@ -40,7 +40,7 @@ class Worker {
   explicit Worker(std::vector<std::string> args) {
     std::vector<std::string> argv = {KVSTASH_ENGINE_PATH, "serve", "--port", "0"};
     argv.insert(argv.end(), args.begin(), args.end());
-    child_ = std::make_unique<ChildProcess>(argv);
+    child_ = ::kvstash::testing::StartChild(argv);
     const std::string prefix = "kvstash-engine serving ";
     for (int i = 0; i < 50; ++i) {
       std::optional<std::string> line = child_->ReadLine(20000);

@@ -36,20 +36,22 @@ TEST(SsdCrashTest, KilledWriterLosesNothingCommitted) {
   for (int round = 0; round < 4; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     const uint64_t first = uint64_t(round) * 1000000;
-    ChildProcess writer({KVSTASH_SSD_WRITER, ssd_dir, std::to_string(kBlock),
-                         std::to_string(kCapacity), std::to_string(first)});
-    ASSERT_GT(writer.pid(), 0);
+    auto writer =
+        ::kvstash::testing::StartChild({KVSTASH_SSD_WRITER, ssd_dir, std::to_string(kBlock),
+                                        std::to_string(kCapacity), std::to_string(first)});
+    ASSERT_NE(writer, nullptr);
+    ASSERT_GT(writer->pid(), 0);
     int64_t last = -1;
     for (int i = 0; i < kill_after[round]; ++i) {
-      std::optional<std::string> line = writer.ReadLine(30000);
+      std::optional<std::string> line = writer->ReadLine(30000);
       ASSERT_TRUE(line.has_value()) << "the writer stopped after " << i << " blocks";
       ASSERT_EQ(line->rfind("committed ", 0), 0u) << *line;
       last = std::stoll(line->substr(10));
-      ASSERT_TRUE(writer.WriteLine("next"));
+      ASSERT_TRUE(writer->WriteLine("next"));
     }
     // The writer is now inside the next Put (a 256 KiB direct write takes far longer than
     // this kill): it has committed at most one block more than it reported.
-    EXPECT_EQ(writer.Kill(SIGKILL), 128 + SIGKILL);
+    EXPECT_EQ(writer->Kill(SIGKILL), 128 + SIGKILL);
 
     auto tier = SsdTier::Open(options);
     ASSERT_TRUE(tier.ok()) << tier.status().ToString();

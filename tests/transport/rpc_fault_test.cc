@@ -70,15 +70,17 @@ bool WaitStopped(int pid) {
 class PeerServer {
  public:
   PeerServer(const std::string& tls, uint16_t port = 0)
-      : child_({KVSTASH_PEER_HELPER, "server", tls, std::to_string(port)}) {
-    const std::string line = ReadLineStartingWith(child_, "port ");
+      : child_(::kvstash::testing::StartChild(
+            {KVSTASH_PEER_HELPER, "server", tls, std::to_string(port)})) {
+    if (child_ == nullptr) return;
+    const std::string line = ReadLineStartingWith(*child_, "port ");
     if (!line.empty()) port_ = static_cast<uint16_t>(std::stoi(line.substr(5)));
   }
   uint16_t port() const { return port_; }
-  ChildProcess& process() { return child_; }
+  ChildProcess& process() { return *child_; }
 
  private:
-  ChildProcess child_;
+  std::unique_ptr<ChildProcess> child_;
   uint16_t port_ = 0;
 };
 
@@ -282,12 +284,14 @@ TEST_P(RpcFaultTest, ClientKilledMidTransferLeavesServerServing) {
   ASSERT_TRUE((*server)->Start().ok());
 
   for (int round = 0; round < 3; ++round) {
-    ChildProcess client({KVSTASH_PEER_HELPER, "client", GetParam(),
-                         std::to_string((*server)->port()), std::to_string(8 << 20)});
-    ASSERT_EQ(ReadLineStartingWith(client, "connected"), "connected");
-    ASSERT_EQ(ReadLineStartingWith(client, "progress"), "progress");
+    auto client = ::kvstash::testing::StartChild({KVSTASH_PEER_HELPER, "client", GetParam(),
+                                                  std::to_string((*server)->port()),
+                                                  std::to_string(8 << 20)});
+    ASSERT_NE(client, nullptr);
+    ASSERT_EQ(ReadLineStartingWith(*client, "connected"), "connected");
+    ASSERT_EQ(ReadLineStartingWith(*client, "progress"), "progress");
     std::this_thread::sleep_for(20ms);
-    client.Kill(SIGKILL);
+    client->Kill(SIGKILL);
     for (int i = 0; i < 300 && (*server)->connection_count() != 0; ++i) {
       std::this_thread::sleep_for(10ms);
     }

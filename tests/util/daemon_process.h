@@ -23,7 +23,8 @@ class Daemon {
                                      "127.0.0.1:0", "--log-level", "warn"};
     if (sizes) argv.insert(argv.end(), {"--block-bytes", "64KiB", "--cpu-bytes", "4MiB"});
     argv.insert(argv.end(), args.begin(), args.end());
-    child_ = std::make_unique<ChildProcess>(argv);
+    child_ = StartChild(argv);
+    if (child_ == nullptr) return;
     // UCX may log on stdout first; the start line is the one that names the port.
     const std::string prefix = "kvstashd listening on 127.0.0.1:";
     for (int i = 0; i < 50; ++i) {

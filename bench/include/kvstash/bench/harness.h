@@ -1,5 +1,6 @@
 // Helpers shared by the `kvstash bench` subcommands: byte-count flags, medians and ratios, JSON
-// and table formatting, and running the external tool each bench compares against.
+// and table formatting. (The external tools each bench compares against run through
+// kvstash/common/subprocess.h.)
 #pragma once
 
 #include <sys/types.h>
@@ -14,6 +15,7 @@
 #include "kvstash/common/byte_units.h"
 #include "kvstash/common/cli.h"
 #include "kvstash/common/status.h"
+#include "kvstash/common/subprocess.h"
 #include "nlohmann/json.hpp"
 
 namespace kvstash::bench {
@@ -47,31 +49,5 @@ Json OrNull(std::optional<double> v);
 
 // "1.23", or "-" for a missing figure.
 std::string Fixed(std::optional<double> v);
-
-struct ProcessOutput {
-  int exit_code = -1;  // the exit status, or 128 + signal number
-  std::string out;
-  std::string err;
-};
-
-struct RunProgramOptions {
-  // The child's environment as NAME=VALUE strings; empty: this process's environment.
-  std::vector<std::string> env;
-  // The child is killed (SIGKILL) and the run fails with DeadlineExceeded after this long;
-  // zero: no limit.
-  std::chrono::milliseconds timeout{0};
-};
-
-// Runs `argv` (argv[0] looked up on PATH, no shell, standard input /dev/null) and collects its
-// output. NotFound when the program is not installed.
-Result<ProcessOutput> RunProgram(const std::vector<std::string>& argv,
-                                 const RunProgramOptions& options = {});
-
-// This process's environment with `name` set to `value` (replaced if present).
-std::vector<std::string> EnvironmentWith(std::string_view name, std::string_view value);
-
-// Waits up to `timeout` for child `pid` to exit, then kills it (SIGKILL) and reaps it. Returns
-// its exit status as ProcessOutput::exit_code, or -1 if it could not be reaped.
-int ReapChild(pid_t pid, std::chrono::milliseconds timeout);
 
 }  // namespace kvstash::bench
