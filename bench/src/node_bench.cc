@@ -227,8 +227,9 @@ int RunBenchNode(const BenchNodeFlags& flags) {
     return reporter.Fail(code, message);
   };
   for (const std::string& node : flags.nodes) {
-    if (auto a = connector::ParseNodeAddress(node); !a.ok())
+    if (auto a = connector::ParseNodeAddress(node); !a.ok()) {
       return fail(kExitUsage, a.status().message());
+    }
   }
   if (flags.clients < 1 || flags.clients > 1024) {
     return fail(kExitUsage, fmt::format("--clients: {} is outside 1..1024", flags.clients));

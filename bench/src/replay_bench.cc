@@ -3,7 +3,7 @@
 // node's own policy would reach in-process on the same trace at the same capacity (the model)
 // and what an unbounded cache would (the trace's own reuse), with throughput and latencies.
 //
-// Per request, as an engine's connector drives the nodes (reference §7.3, §7.6):
+// Per request, as an engine's connector drives the nodes (docs/semantics.md §7.3, §7.6):
 //   1. a lookup of the request's block keys; the hit is the run of leading hits;
 //   2. a touch of every key (the lookup's touch, the first key most recent);
 //   3. a read of the hit blocks, each checked against the content its id defines;

@@ -161,8 +161,9 @@ std::string CheckOneJob(const TransferPlan& plan, std::span<std::byte* const> de
   if (err == cudaSuccess) err = cudaStreamSynchronize(b.stream);
   if (err != cudaSuccess) return CudaError("setting up the check", err);
   if (Status s = cuda::IssueTransfer(plan, device, host, b.stream); !s.ok()) return s.ToString();
-  if (err = cudaStreamSynchronize(b.stream); err != cudaSuccess)
+  if (err = cudaStreamSynchronize(b.stream); err != cudaSuccess) {
     return CudaError("the checked transfer", err);
+  }
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const CopyOp& op = plan.ops[i];
     for (uint64_t at : ends(op)) {
@@ -172,10 +173,11 @@ std::string CheckOneJob(const TransferPlan& plan, std::span<std::byte* const> de
             cudaMemcpy(&got, device[op.tensor] + op.device_offset + at, 1, cudaMemcpyDeviceToHost);
         if (err != cudaSuccess) return CudaError("reading the device back", err);
       }
-      if (got != std::byte{value(i)})
+      if (got != std::byte{value(i)}) {
         return "block " + std::to_string(i) + " byte " + std::to_string(at) + ": " +
                std::to_string(static_cast<int>(got)) + " where " + std::to_string(value(i)) +
                " was sent";
+      }
     }
   }
   return {};

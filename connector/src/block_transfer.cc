@@ -26,10 +26,12 @@ size_t BlockJobResult::num_ok() const {
 
 Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOptions options) {
   if (options.client == nullptr) return InvalidArgumentError("block transfer needs a node client");
-  if (options.pool.base == nullptr || options.pool.page_bytes == 0 || options.pool.num_pages == 0)
+  if (options.pool.base == nullptr || options.pool.page_bytes == 0 || options.pool.num_pages == 0) {
     return InvalidArgumentError("block transfer needs a pool (base, page bytes, pages)");
-  if (options.pages_per_block == 0)
+  }
+  if (options.pages_per_block == 0) {
     return InvalidArgumentError("an offloaded block needs at least one page");
+  }
   const size_t block_bytes = OffloadedBlockBytes(options.pages_per_block, options.pool.page_bytes);
   for (size_t i = 0; i < options.client->node_count(); ++i) {
     auto bytes = options.client->BlockBytes(i);
@@ -48,12 +50,13 @@ Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOption
                        options.client->node(i).ToString(), bytes.status().ToString());
       continue;
     }
-    if (*bytes != block_bytes)
+    if (*bytes != block_bytes) {
       return FailedPreconditionError(
           "node {} stores blocks of {} bytes; this engine's offloaded block is {} bytes ({} "
           "page(s) of {} + a {}-byte trailer): start kvstashd with --block-bytes {}",
           options.client->node(i).ToString(), *bytes, block_bytes, options.pages_per_block,
           options.pool.page_bytes, sizeof(BlockTrailer), block_bytes);
+    }
   }
   return std::unique_ptr<BlockTransfer>(new BlockTransfer(options, block_bytes));
 }
@@ -63,25 +66,29 @@ BlockTransfer::BlockTransfer(BlockTransferOptions options, size_t block_bytes)
 
 BlockTransfer::~BlockTransfer() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 Status BlockTransfer::Submit(BlockJob job) {
-  if (job.pages.size() != job.keys.size())
+  if (job.pages.size() != job.keys.size()) {
     return InvalidArgumentError("job {}: {} keys but {} page lists", job.id, job.keys.size(),
                                 job.pages.size());
+  }
   for (size_t i = 0; i < job.pages.size(); ++i) {
-    if (job.pages[i].size() != options_.pages_per_block)
+    if (job.pages[i].size() != options_.pages_per_block) {
       return InvalidArgumentError("job {}: block {} has {} pages, not {}", job.id, i,
                                   job.pages[i].size(), options_.pages_per_block);
-    for (uint32_t p : job.pages[i])
-      if (p == 0 || p >= options_.pool.num_pages)
+    }
+    for (uint32_t p : job.pages[i]) {
+      if (p == 0 || p >= options_.pool.num_pages) {
         return InvalidArgumentError("job {}: page {} is not a pool page (1..{})", job.id, p,
                                     options_.pool.num_pages - 1);
+      }
+    }
   }
   auto pending = std::make_unique<Pending>();
   if (job.kind == BlockJob::Kind::kStore) {
@@ -103,11 +110,11 @@ Status BlockTransfer::Submit(BlockJob job) {
   }
   pending->job = std::move(job);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     in_flight_.push_back(pending->job.id);
     (pending->job.kind == BlockJob::Kind::kLoad ? loads_ : stores_).push_back(std::move(pending));
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   return Status::OK();
 }
 
@@ -117,38 +124,41 @@ void BlockTransfer::SubmitTouch(std::vector<BlockKey> keys) {
   pending->touch = true;
   pending->job.keys = std::move(keys);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     ++touches_in_flight_;
     stores_.push_back(std::move(pending));
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 std::vector<BlockJobResult> BlockTransfer::Poll() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return std::exchange(finished_, {});
 }
 
 void BlockTransfer::Wait(std::span<const uint64_t> ids) {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] {
-    return std::none_of(ids.begin(), ids.end(), [&](uint64_t id) {
-      return std::find(in_flight_.begin(), in_flight_.end(), id) != in_flight_.end();
-    });
-  });
+  MutexLock lock(&mu_);
+  for (;;) {
+    bool running = false;
+    for (uint64_t id : ids) {
+      running = running || std::find(in_flight_.begin(), in_flight_.end(), id) != in_flight_.end();
+    }
+    if (!running) return;
+    cv_.Wait(&mu_);
+  }
 }
 
 void BlockTransfer::WaitAll() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return in_flight_.empty() && touches_in_flight_ == 0; });
+  MutexLock lock(&mu_);
+  while (!in_flight_.empty() || touches_in_flight_ != 0) cv_.Wait(&mu_);
 }
 
 void BlockTransfer::Run() {
   while (true) {
     std::unique_ptr<Pending> next;
     {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !loads_.empty() || !stores_.empty(); });
+      MutexLock lock(&mu_);
+      while (!stop_ && loads_.empty() && stores_.empty()) cv_.Wait(&mu_);
       auto& queue = !loads_.empty() ? loads_ : stores_;
       if (queue.empty()) return;  // stopping with nothing left
       next = std::move(queue.front());
@@ -158,19 +168,19 @@ void BlockTransfer::Run() {
       // Asynchronous: the client sends it and counts its outcome; nothing waits for the nodes.
       options_.client->Touch(next->job.keys);
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         --touches_in_flight_;
       }
-      cv_.notify_all();
+      cv_.SignalAll();
       continue;
     }
     BlockJobResult result = Execute(*next);
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       std::erase(in_flight_, result.id);
       finished_.push_back(std::move(result));
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
@@ -184,8 +194,9 @@ BlockJobResult BlockTransfer::Execute(Pending& pending) {
   const size_t payload = options_.pages_per_block * options_.pool.page_bytes;
   if (job.kind == BlockJob::Kind::kStore) {
     std::vector<std::span<const std::byte>> blocks;
-    for (size_t i = 0; i < job.keys.size(); ++i)
+    for (size_t i = 0; i < job.keys.size(); ++i) {
       blocks.emplace_back(pending.staged.data() + i * block_bytes_, block_bytes_);
+    }
     r.status = options_.client->Put(job.keys, blocks);
     // Put stores every block it can and reports the first failure: count them all as failed
     // then, it only means fewer blocks offloaded.
@@ -196,8 +207,9 @@ BlockJobResult BlockTransfer::Execute(Pending& pending) {
   } else {
     std::vector<std::byte> staged(job.keys.size() * block_bytes_);
     std::vector<std::span<std::byte>> outs;
-    for (size_t i = 0; i < job.keys.size(); ++i)
+    for (size_t i = 0; i < job.keys.size(); ++i) {
       outs.emplace_back(staged.data() + i * block_bytes_, block_bytes_);
+    }
     std::vector<Result<size_t>> got = options_.client->Get(job.keys, outs);
     for (size_t i = 0; i < job.keys.size(); ++i) {
       const std::byte* block = staged.data() + i * block_bytes_;

@@ -13,7 +13,7 @@ namespace kvstash::connector {
 // of the request's keys (Prefetch), so the per-key scan of the scheduler side costs no round
 // trip per key.
 //
-// Touches are what a node learns of use (reference §7.3, §7.6: touch after the lookup and
+// Touches are what a node learns of use (docs/semantics.md §7.3, §7.6: touch after the lookup and
 // after the store decision, the first key most recent). They are gathered per step and sent
 // asynchronously by the transfer thread, never on a request's path (TakeStepTouches):
 //   - the lookups' touches go before the step's stores: a hit moves up (ARC: to T2), and a key
@@ -104,9 +104,10 @@ namespace {
 
 Status CheckBlockSizeFactors(const OffloadSchedulerOptions& options) {
   for (const OffloadGroupConfig& g : options.groups) {
-    if (g.block_size_factor != 1)
+    if (g.block_size_factor != 1) {
       return UnimplementedError("offloaded blocks of {} engine blocks: only 1 is supported",
                                 g.block_size_factor);
+    }
   }
   return Status::OK();
 }
@@ -165,8 +166,9 @@ std::optional<size_t> KvConnector::GetNumNewMatchedTokens(const OffloadRequestVi
   const auto groups = scheduler_->groups();
   for (uint32_t g = 0; g < groups.size(); ++g) {
     const size_t f = groups[g].hashes_per_block;
-    for (size_t i = 0; (i + 1) * f <= request.block_hashes.size(); ++i)
+    for (size_t i = 0; (i + 1) * f <= request.block_hashes.size(); ++i) {
       keys.push_back(BlockKey{request.block_hashes[i * f + f - 1], g});
+    }
   }
   manager_->Prefetch(keys);
   return scheduler_->GetNumNewMatchedTokens(request, num_computed_tokens);
@@ -179,9 +181,10 @@ Status KvConnector::UpdateStateAfterAlloc(const OffloadRequestView& request,
 }
 
 Status KvConnector::Submit(const TransferJob& job, BlockJob::Kind kind) {
-  if (job.keys.size() != job.gpu_blocks.size())
+  if (job.keys.size() != job.gpu_blocks.size()) {
     return InternalError("job {}: {} keys for {} engine blocks", job.id, job.keys.size(),
                          job.gpu_blocks.size());
+  }
   BlockJob b;
   b.id = job.id;
   b.kind = kind;
@@ -232,8 +235,9 @@ Status KvConnector::EndStepStores() {
   Status first;
   if (pages_to_host_ && !pending_stores_.empty()) {
     std::vector<uint32_t> pages;
-    for (const TransferJob& job : pending_stores_)
+    for (const TransferJob& job : pending_stores_) {
       pages.insert(pages.end(), job.gpu_blocks.begin(), job.gpu_blocks.end());
+    }
     if (Status s = pages_to_host_(pages); !s.ok()) {
       // Never store what the mirror held before: the stores are dropped (acknowledged, so
       // nothing waits for them) and their blocks recomputed by whoever misses them.
@@ -243,8 +247,9 @@ Status KvConnector::EndStepStores() {
         stats_.blocks_store_failed += job.gpu_blocks.size();
       }
       pending_stores_.clear();
-      if (Status a = scheduler_->UpdateConnectorOutput(dropped); !a.ok())
+      if (Status a = scheduler_->UpdateConnectorOutput(dropped); !a.ok()) {
         KVSTASH_LOG_ERROR("connector: dropping stores: {}", a.ToString());
+      }
       return InternalError("stores dropped: their pages did not reach the host: {}", s.ToString());
     }
   }
@@ -277,8 +282,9 @@ void KvConnector::Collect() {
   }
   if (!done.empty()) {
     // Every job is the scheduler's own and acknowledged once: an error here is a bug.
-    if (Status s = scheduler_->UpdateConnectorOutput(done); !s.ok())
+    if (Status s = scheduler_->UpdateConnectorOutput(done); !s.ok()) {
       KVSTASH_LOG_ERROR("connector: acknowledging transfers: {}", s.ToString());
+    }
   }
 }
 

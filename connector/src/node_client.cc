@@ -5,9 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
-#include <condition_variable>
 #include <future>
-#include <mutex>
 #include <set>
 #include <thread>
 
@@ -192,8 +190,8 @@ class NodeClient::Impl {
   ~Impl() { WaitForTouches(); }
 
   void WaitForTouches() {
-    std::unique_lock lock(async_mu_);
-    async_cv_.wait(lock, [this] { return async_in_flight_ == 0; });
+    MutexLock lock(&async_mu_);
+    while (async_in_flight_ != 0) async_cv_.Wait(&async_mu_);
   }
 
   Status Init() {
@@ -340,8 +338,9 @@ class NodeClient::Impl {
       wire::LookupRequest request;
       wire::Lookup* lookup = request.add_lookups();
       lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
-      for (size_t j = c.begin; j < c.end; ++j)
+      for (size_t j = c.begin; j < c.end; ++j) {
         *lookup->add_keys() = ToWire(keys[by_node[c.node][j]]);
+      }
       calls.push_back(Start(c.node, wire::METHOD_LOOKUP, request));
     }
     for (size_t k = 0; k < chunks.size(); ++k) {
@@ -513,8 +512,9 @@ class NodeClient::Impl {
     }
     for (const Chunk& c : SplitLastFirst(by_node, per_call)) {
       wire::TouchRequest request;
-      for (size_t j = c.begin; j < c.end; ++j)
+      for (size_t j = c.begin; j < c.end; ++j) {
         *request.add_keys() = ToWire(keys[by_node[c.node][j]]);
+      }
       accounting_->Touched(c.end - c.begin);
       start(c.node, request);
     }
@@ -525,15 +525,15 @@ class NodeClient::Impl {
     if (keys.empty()) return;
     (void)StartTouches(keys, [this](size_t node, const wire::TouchRequest& request) {
       {
-        std::lock_guard lock(async_mu_);
+        MutexLock lock(&async_mu_);
         ++async_in_flight_;
       }
       StartWith(node, wire::METHOD_TOUCH, request, {}, [this, node](Outcome outcome) {
         accounting_->Record(node, ParseReply(outcome, (wire::TouchReply*)nullptr));
         // Under the lock: the destructor cannot go on until this callback is done with *this.
-        std::lock_guard lock(async_mu_);
+        MutexLock lock(&async_mu_);
         --async_in_flight_;
-        async_cv_.notify_all();
+        async_cv_.SignalAll();
       });
     });
   }
@@ -567,9 +567,9 @@ class NodeClient::Impl {
   std::vector<uint64_t> node_hashes_;
   std::shared_ptr<Accounting> accounting_;
   // Asynchronous touches still out.
-  std::mutex async_mu_;
-  std::condition_variable async_cv_;
-  size_t async_in_flight_ = 0;
+  Mutex async_mu_;
+  CondVar async_cv_;
+  size_t async_in_flight_ GUARDED_BY(async_mu_) = 0;
 };
 
 Result<std::unique_ptr<NodeClient>> NodeClient::Create(NodeClientOptions options) {

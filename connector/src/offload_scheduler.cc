@@ -131,7 +131,7 @@ std::optional<size_t> OffloadScheduler::GetNumNewMatchedTokens(const OffloadRequ
   for (GroupState& group : state.groups) group.block_ids.clear();
   // A preempted request's stores may still be in flight (flushed, not yet acknowledged); a load
   // now would need a second job, which the job bookkeeping does not allow. vLLM asserts here
-  // in the version the reference describes and defers in later ones; deferring is safe.
+  // in the vLLM version docs/semantics.md describes and defers in later ones; deferring is safe.
   if (!state.jobs.empty()) return std::nullopt;
   UpdateKeys(state, request.block_hashes);
   state.num_locally_computed_tokens = num_computed_tokens;
@@ -368,7 +368,7 @@ void OffloadScheduler::ZeroReallocatedWindowBlocks(
   // A window group frees blocks while the request runs. A block it has not stored yet (its store
   // was refused) may have been freed and handed out again in this step; storing it then would
   // store someone else's KV. Forgetting it skips that block like a null one. (Not in the vLLM
-  // version the reference describes; later versions do this.)
+  // vLLM version docs/semantics.md describes; later versions do this.)
   for (auto& [id, state] : requests_) {
     const auto lengths = old_lengths.find(id);
     for (size_t w = 0; w < window_groups_.size(); ++w) {
@@ -511,8 +511,9 @@ Result<ConnectorMeta> OffloadScheduler::BuildConnectorMeta(const SchedulerStepVi
   // A preempted request's blocks go back to the pool now; its stores must finish first.
   for (const RequestId id : step.preempted) {
     auto it = requests_.find(id);
-    if (it != requests_.end())
+    if (it != requests_.end()) {
       batch_jobs_to_flush_.insert(it->second.jobs.begin(), it->second.jobs.end());
+    }
   }
   for (const GpuBlockId block : batch_allocated_blocks_) {
     auto it = fence_.find(block);

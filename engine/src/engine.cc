@@ -13,8 +13,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   KVSTASH_RETURN_IF_ERROR(config.Validate());
   KVSTASH_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::Build(config, options.block_size,
                                                             options.attn_pack, options.swa_ring));
-  if (options.num_blocks < 2)
+  if (options.num_blocks < 2) {
     return InvalidArgumentError("the pool needs at least 2 blocks (block 0 is the null block)");
+  }
   ModelWeights weights;
   if (!options.weights_path.empty()) {
     KVSTASH_ASSIGN_OR_RETURN(weights, ModelWeights::FromSafetensors(config, options.weights_path));
@@ -31,8 +32,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
               " page=" + std::to_string(layout.page_floats);
   const uint64_t fingerprint = Xxh3Hash64(std::as_bytes(std::span(identity)));
   const bool offload = static_cast<bool>(options.offload);
-  if (offload && options.swa_ring)
+  if (offload && options.swa_ring) {
     return UnimplementedError("offload with --swa-ring is not supported yet");
+  }
   KvCacheManagerOptions kv;
   kv.groups = layout.groups;
   kv.num_blocks = options.num_blocks;
@@ -83,9 +85,10 @@ Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_ne
   if (prompt.empty()) return InvalidArgumentError("empty prompt");
   if (max_new_tokens == 0) return InvalidArgumentError("max_new_tokens must be at least 1");
   for (size_t i = 0; i < prompt.size(); ++i) {
-    if (prompt[i] >= config().vocab_size)
+    if (prompt[i] >= config().vocab_size) {
       return InvalidArgumentError("prompt token {} at position {} is outside the vocabulary of {}",
                                   prompt[i], i, config().vocab_size);
+    }
   }
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
@@ -163,8 +166,9 @@ std::vector<RequestId> Engine::Step() {
   }
   // Nothing ran and nothing loads: every waiting request was told to ask again. Give the
   // nodes a moment instead of spinning.
-  if (out.seqs.empty() && out.loading.empty() && scheduler_.HasUnfinished())
+  if (out.seqs.empty() && out.loading.empty() && scheduler_.HasUnfinished()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   // Requests whose load was submitted in this step wait for it here, then run next step: from
   // what arrived, or (a node down, late, or a bad block) from their local hit.
   if (!out.loading.empty()) {
@@ -173,8 +177,9 @@ std::vector<RequestId> Engine::Step() {
     const std::unordered_map<KvOffload::JobId, bool> ok = offload_->FinishLoads(jobs);
     for (Request* r : out.loading) {
       bool arrived = false;
-      for (const auto& [request, job] : loads)
+      for (const auto& [request, job] : loads) {
         if (request == r->id) arrived = ok.contains(job) && ok.at(job);
+      }
       if (!arrived) ++counters_.load_failures;
       scheduler_.LoadFinished(r, arrived);
     }

@@ -55,9 +55,10 @@ Result<uint32_t> GetU32(const json& doc, const char* field, uint32_t fallback, b
     if (required) return InvalidArgumentError("model config: missing field '{}'", field);
     return fallback;
   }
-  if (!it->is_number_unsigned() || it->get<uint64_t>() > UINT32_MAX)
+  if (!it->is_number_unsigned() || it->get<uint64_t>() > UINT32_MAX) {
     return InvalidArgumentError("model config: '{}' must be an unsigned integer, not {}", field,
                                 it->dump());
+  }
   return it->get<uint32_t>();
 }
 
@@ -133,8 +134,9 @@ float HalfToFloat(uint16_t h) {
 }  // namespace
 
 std::string_view LayerKindName(Kind kind) {
-  for (const KindName& k : kKindNames)
+  for (const KindName& k : kKindNames) {
     if (k.kind == kind) return k.name;
+  }
   return "unknown";
 }
 
@@ -146,8 +148,9 @@ std::vector<std::string> ModelConfig::BuiltinNames() {
 
 Result<ModelConfig> ModelConfig::FromJson(std::string_view text) {
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
-  if (doc.is_discarded() || !doc.is_object())
+  if (doc.is_discarded() || !doc.is_object()) {
     return InvalidArgumentError("model config: not a JSON object");
+  }
   ModelConfig c;
   if (auto it = doc.find("name"); it != doc.end() && it->is_string()) c.name = *it;
   KVSTASH_ASSIGN_OR_RETURN(c.vocab_size, GetU32(doc, "vocab_size", c.vocab_size, false));
@@ -160,23 +163,27 @@ Result<ModelConfig> ModelConfig::FromJson(std::string_view text) {
        {std::pair{"rope_theta", &c.rope_theta}, std::pair{"rms_eps", &c.rms_eps},
         std::pair{"state_gate_bias", &c.state_gate_bias}}) {
     if (auto it = doc.find(field); it != doc.end()) {
-      if (!it->is_number())
+      if (!it->is_number()) {
         return InvalidArgumentError("model config: '{}' must be a number", field);
+      }
       *value = it->get<float>();
     }
   }
   if (auto it = doc.find("seed"); it != doc.end()) {
-    if (!it->is_number_unsigned())
+    if (!it->is_number_unsigned()) {
       return InvalidArgumentError("model config: 'seed' must be an unsigned integer");
+    }
     c.seed = it->get<uint64_t>();
   }
   auto layers = doc.find("layers");
-  if (layers == doc.end() || !layers->is_array() || layers->empty())
+  if (layers == doc.end() || !layers->is_array() || layers->empty()) {
     return InvalidArgumentError("model config: 'layers' must be a non-empty array");
+  }
   for (size_t i = 0; i < layers->size(); ++i) {
     const json& l = (*layers)[i];
-    if (!l.is_object() || !l.contains("kind") || !l["kind"].is_string())
+    if (!l.is_object() || !l.contains("kind") || !l["kind"].is_string()) {
       return InvalidArgumentError("model config: layers[{}] needs a string 'kind'", i);
+    }
     const std::string kind = l["kind"];
     LayerConfig layer;
     bool known = false;
@@ -186,18 +193,20 @@ Result<ModelConfig> ModelConfig::FromJson(std::string_view text) {
         known = true;
       }
     }
-    if (!known)
+    if (!known) {
       return InvalidArgumentError(
           "model config: layers[{}] kind '{}' is not one of full, sliding_window, "
           "chunked_local, kv_share, state",
           i, kind);
+    }
     KVSTASH_ASSIGN_OR_RETURN(layer.window,
                              GetU32(l, "window", 0, layer.kind == Kind::kSlidingWindow));
     KVSTASH_ASSIGN_OR_RETURN(layer.chunk, GetU32(l, "chunk", 0, layer.kind == Kind::kChunkedLocal));
     if (layer.kind == Kind::kKvShare) {
       auto from = l.find("share_from");
-      if (from == l.end() || !from->is_number_integer())
+      if (from == l.end() || !from->is_number_integer()) {
         return InvalidArgumentError("model config: layers[{}] (kv_share) needs 'share_from'", i);
+      }
       layer.share_from = from->get<int32_t>();
     }
     c.layers.push_back(layer);
@@ -210,8 +219,9 @@ Result<ModelConfig> ModelConfig::Load(std::string_view spec) {
   constexpr std::string_view kBuiltin = "builtin:";
   if (spec.starts_with(kBuiltin)) {
     const std::string_view name = spec.substr(kBuiltin.size());
-    for (ModelConfig& c : Builtins())
+    for (ModelConfig& c : Builtins()) {
       if (c.name == name) return c;
+    }
     return NotFoundError(
         "no built-in model '{}' (built-ins: tiny-full, tiny-swa, tiny-hybrid, "
         "tiny-state-hybrid)",
@@ -252,39 +262,48 @@ std::string ModelConfig::ToJson() const {
 
 Status ModelConfig::Validate() const {
   if (vocab_size == 0 || hidden == 0 || num_heads == 0 || num_kv_heads == 0 || head_dim == 0 ||
-      intermediate == 0)
+      intermediate == 0) {
     return InvalidArgumentError("model config: every dimension must be positive");
-  if (num_heads % num_kv_heads != 0)
+  }
+  if (num_heads % num_kv_heads != 0) {
     return InvalidArgumentError("model config: num_heads {} is not a multiple of num_kv_heads {}",
                                 num_heads, num_kv_heads);
-  if (head_dim % 2 != 0 || head_dim > 256)
+  }
+  if (head_dim % 2 != 0 || head_dim > 256) {
     return InvalidArgumentError("model config: head_dim {} must be even and at most 256", head_dim);
-  if (!(rope_theta > 0) || !(rms_eps > 0))
+  }
+  if (!(rope_theta > 0) || !(rms_eps > 0)) {
     return InvalidArgumentError("model config: rope_theta and rms_eps must be positive");
+  }
   if (layers.empty()) return InvalidArgumentError("model config: no layers");
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerConfig& l = layers[i];
-    if (l.kind == Kind::kSlidingWindow && l.window == 0)
+    if (l.kind == Kind::kSlidingWindow && l.window == 0) {
       return InvalidArgumentError("model config: layers[{}] window must be positive", i);
-    if (l.kind == Kind::kChunkedLocal && l.chunk == 0)
+    }
+    if (l.kind == Kind::kChunkedLocal && l.chunk == 0) {
       return InvalidArgumentError("model config: layers[{}] chunk must be positive", i);
+    }
     if (l.kind == Kind::kKvShare) {
-      if (l.share_from < 0 || static_cast<size_t>(l.share_from) >= i)
+      if (l.share_from < 0 || static_cast<size_t>(l.share_from) >= i) {
         return InvalidArgumentError(
             "model config: layers[{}] share_from {} must name an earlier layer", i, l.share_from);
+      }
       const Kind target = layers[l.share_from].kind;
-      if (target == Kind::kKvShare || target == Kind::kState)
+      if (target == Kind::kKvShare || target == Kind::kState) {
         return InvalidArgumentError(
             "model config: layers[{}] shares layer {}, which stores no attention KV", i,
             l.share_from);
+      }
     }
   }
   return Status::OK();
 }
 
 bool ModelConfig::HasStateLayers() const {
-  for (const LayerConfig& l : layers)
+  for (const LayerConfig& l : layers) {
     if (l.kind == Kind::kState) return true;
+  }
   return false;
 }
 
@@ -318,14 +337,16 @@ Result<ModelWeights> ModelWeights::FromSafetensors(const ModelConfig& config,
   if (!in) return NotFoundError("weights file '{}' cannot be read", path);
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);
-  if (!in || header_len > (uint64_t{100} << 20))
+  if (!in || header_len > (uint64_t{100} << 20)) {
     return InvalidArgumentError("{}: not a safetensors file (header length)", path);
+  }
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
   if (!in) return InvalidArgumentError("{}: truncated header", path);
   json doc = json::parse(header, nullptr, false);
-  if (doc.is_discarded() || !doc.is_object())
+  if (doc.is_discarded() || !doc.is_object()) {
     return InvalidArgumentError("{}: header is not a JSON object", path);
+  }
   const std::streamoff data_start = static_cast<std::streamoff>(8 + header_len);
   in.seekg(0, std::ios::end);
   const uint64_t data_len = static_cast<uint64_t>(in.tellg() - data_start);
@@ -334,23 +355,27 @@ Result<ModelWeights> ModelWeights::FromSafetensors(const ModelConfig& config,
     auto it = doc.find(t.name);
     if (it == doc.end()) return InvalidArgumentError("{}: tensor '{}' is missing", path, t.name);
     const json& e = *it;
-    if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
+    if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
       return InvalidArgumentError("{}: tensor '{}' has no dtype/shape/data_offsets", path, t.name);
+    }
     std::vector<size_t> shape = e["shape"].get<std::vector<size_t>>();
-    if (shape != t.shape)
+    if (shape != t.shape) {
       return InvalidArgumentError("{}: tensor '{}' has shape {}, the config needs {}", path, t.name,
                                   e["shape"].dump(), json(t.shape).dump());
+    }
     const std::string dtype = e["dtype"];
     const size_t width = dtype == "F32" ? 4 : (dtype == "F16" || dtype == "BF16") ? 2 : 0;
-    if (width == 0)
+    if (width == 0) {
       return InvalidArgumentError("{}: tensor '{}' has dtype {}; F32, F16 or BF16 expected", path,
                                   t.name, dtype);
+    }
     const auto offsets = e["data_offsets"].get<std::vector<uint64_t>>();
     const size_t n = Elements(shape);
     if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] - offsets[0] != n * width ||
-        offsets[1] > data_len)
+        offsets[1] > data_len) {
       return InvalidArgumentError("{}: tensor '{}' data_offsets do not fit its shape", path,
                                   t.name);
+    }
     std::vector<char> raw(n * width);
     in.seekg(data_start + static_cast<std::streamoff>(offsets[0]));
     in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
@@ -376,9 +401,10 @@ Status ModelWeights::ToSafetensors(const ModelConfig& config, const std::string&
   const std::vector<TensorSpec> tensors = TensorsOf(config, copy);
   for (const TensorSpec& t : tensors) {
     const uint64_t bytes = Elements(t.shape) * 4;
-    if (t.data->size() != Elements(t.shape))
+    if (t.data->size() != Elements(t.shape)) {
       return InvalidArgumentError("tensor '{}' holds {} floats, its shape needs {}", t.name,
                                   t.data->size(), Elements(t.shape));
+    }
     header[t.name] = {
         {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -390,9 +416,10 @@ Status ModelWeights::ToSafetensors(const ModelConfig& config, const std::string&
   const uint64_t len = text.size();
   out.write(reinterpret_cast<const char*>(&len), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const TensorSpec& t : tensors)
+  for (const TensorSpec& t : tensors) {
     out.write(reinterpret_cast<const char*>(t.data->data()),
               static_cast<std::streamsize>(t.data->size() * 4));
+  }
   if (!out.flush()) return FromErrno(errno, "write " + path);
   return Status::OK();
 }

@@ -45,14 +45,16 @@ Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
     block_size = has_state ? (min_for_state + attn_pack - 1) / attn_pack * attn_pack : 16;
     block_size = std::max(block_size, attn_pack);
   }
-  if (block_size % attn_pack != 0)
+  if (block_size % attn_pack != 0) {
     return InvalidArgumentError("block size {} is not a multiple of attn-pack {}", block_size,
                                 attn_pack);
-  if (block_size < min_for_state)
+  }
+  if (block_size < min_for_state) {
     return InvalidArgumentError(
         "block size {} gives pages of {} floats, but a state of model '{}' needs {}: use a block "
         "size of at least {}",
         block_size, size_t{block_size} * kv_tok, config.name, state, min_for_state);
+  }
   KvLayout layout;
   layout.block_size = block_size;
   layout.attn_pack = attn_pack;
@@ -86,11 +88,12 @@ Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
         new_group({SKind::kSlidingWindow, block_size, l.window, 0, swa_ring});
         break;
       case LKind::kChunkedLocal:
-        if (l.chunk % block_size != 0)
+        if (l.chunk % block_size != 0) {
           return InvalidArgumentError(
               "chunk {} of a chunked-local layer is not a multiple of the "
               "block size {}",
               l.chunk, block_size);
+        }
         new_group({SKind::kChunkedLocal, block_size, 0, l.chunk});
         break;
       case LKind::kState:
@@ -116,8 +119,9 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
       num_blocks_(num_blocks) {
   kernels::Device* d = device_.get();
   for (kernels::DeviceBuffer* b : {&pool_, &x_, &h_, &qkv_, &attn_, &ff_gate_, &ff_up_, &state_,
-                                   &logits_, &ring_arena_, &step_pages_})
+                                   &logits_, &ring_arena_, &step_pages_}) {
     *b = kernels::DeviceBuffer(d);
+  }
   // In device memory apart from the host, NaN: a page read before anything wrote it (a load
   // that did not reach the device) shows up in the logits instead of passing as zeros.
   pool_.Grow(num_blocks * layout_.page_floats, d->HostAccessible() ? 0.0f : std::nanf(""));
@@ -141,8 +145,9 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
     upload(weights_.lm_head);
     for (const LayerWeights& w : weights_.layers) {
       for (const std::vector<float>* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wgate_state, &w.wo,
-                                          &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down})
+                                          &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down}) {
         upload(*v);
+      }
     }
   }
   const size_t kvd = size_t{config_.num_kv_heads} * config_.head_dim;
@@ -171,15 +176,17 @@ const float* ModelRunner::W(const std::vector<float>& host) const {
 
 Status ModelRunner::PagesToHost(std::span<const uint32_t> blocks) {
   if (host_pool_is_pool() || blocks.empty()) return Status::OK();
-  for (uint32_t b : blocks)
+  for (uint32_t b : blocks) {
     if (b >= num_blocks_) return InvalidArgumentError("block {} of a pool of {}", b, num_blocks_);
+  }
   return device_->PagesToHost(pool_.data(), host_pool_, layout_.page_floats, blocks);
 }
 
 Status ModelRunner::PagesToDevice(std::span<const uint32_t> blocks) {
   if (host_pool_is_pool() || blocks.empty()) return Status::OK();
-  for (uint32_t b : blocks)
+  for (uint32_t b : blocks) {
     if (b >= num_blocks_) return InvalidArgumentError("block {} of a pool of {}", b, num_blocks_);
+  }
   return device_->PagesToDevice(pool_.data(), host_pool_, layout_.page_floats, blocks);
 }
 
@@ -290,8 +297,9 @@ Status ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& 
       tokens_[row] = s.tokens[t];
       positions_[row] = static_cast<uint32_t>(s.start_pos + t);
     }
-    for (size_t g = 0; g < groups && g < s.tables->size(); ++g)
+    for (size_t g = 0; g < groups && g < s.tables->size(); ++g) {
       staged_tables_[i * groups + g] = d.Stage((*s.tables)[g]);
+    }
   }
   staged_positions_ = d.Stage(positions_);
   const uint32_t* staged_tokens = d.Stage(tokens_);
@@ -376,8 +384,9 @@ void ModelRunner::AttentionLayer(size_t l, std::span<const SeqInput> seqs) {
     const size_t table_len = (*s.tables)[group].size();
     const size_t n = s.tokens.size();
     float* base = qkv + row * stride;
-    if (!share)
+    if (!share) {
       d.WriteKv(paged, table, table_len, s.start_pos, n, base + qd, base + qd + kvd, stride);
+    }
     d.PagedAttention(paged, table, table_len, base, stride, n, s.start_pos, config_.num_heads, mask,
                      scale, attn_.data() + row * qd, qd);
     row += n;

@@ -8,8 +8,9 @@ constexpr uint32_t kMaxDeferrals = 1000;
 
 Scheduler::Scheduler(SchedulerOptions options, KvCacheManager* kv_cache)
     : options_(options), kv_cache_(kv_cache) {
-  for (size_t g = 0; g < kv_cache_->num_groups(); ++g)
+  for (size_t g = 0; g < kv_cache_->num_groups(); ++g) {
     has_state_group_ |= kv_cache_->group_spec(g).kind == AttentionSpec::Kind::kState;
+  }
   options_.max_num_batched_tokens = std::max<size_t>(options_.max_num_batched_tokens, 1);
   options_.max_num_seqs = std::max<size_t>(options_.max_num_seqs, 1);
 }
@@ -107,8 +108,9 @@ SchedulerOutput Scheduler::Schedule() {
       r->num_computed_tokens = std::min(r->num_computed_tokens, r->tokens.size() - 1);
       const size_t n = std::min(r->tokens.size() - r->num_computed_tokens, budget);
       if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(),
-                                    r->num_computed_tokens, n))
+                                    r->num_computed_tokens, n)) {
         break;
+      }
       waiting_.pop_front();
       r->state = Request::State::kRunning;
       running_.push_back(r);
@@ -142,8 +144,9 @@ SchedulerOutput Scheduler::Schedule() {
       // group skips at hit + external tokens (outside a window, before a state's last block)
       // get the null block and are not loaded. Their hashes once the load is in.
       if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(), external, 0, &hit,
-                                    /*delay_cache=*/true))
+                                    /*delay_cache=*/true)) {
         break;
+      }
       waiting_.pop_front();
       if (!r->scheduled_once) {
         r->num_cached_tokens = hit.tokens;
@@ -233,8 +236,9 @@ std::vector<RequestId> Scheduler::Update(const SchedulerOutput& out,
     const ScheduledSeq& s = out.seqs[i];
     Request* r = s.request;
     const size_t end = s.start + s.num_tokens;
-    if (s.start < r->num_prompt_tokens)
+    if (s.start < r->num_prompt_tokens) {
       r->num_computed_prompt_tokens += std::min(end, r->num_prompt_tokens) - s.start;
+    }
     r->num_computed_tokens = end;
     if (end < r->tokens.size()) continue;  // a prefill chunk: nothing to sample yet
     r->tokens.push_back(sampled[i]);

@@ -53,8 +53,9 @@ class CpuDevice final : public Device {
     kernels::AddInPlace(x, y, count);
   }
   void AddConstant(float* x, size_t stride, size_t rows, size_t cols, float value) override {
-    for (size_t r = 0; r < rows; ++r)
+    for (size_t r = 0; r < rows; ++r) {
       for (size_t c = 0; c < cols; ++c) x[r * stride + c] += value;
+    }
   }
   void Embed(const float* table, size_t vocab, size_t dim, const uint32_t* tokens, size_t n,
              float* out) override {

@@ -8,17 +8,19 @@ Result<TransferPlan> PlanTransfer(const TransferSpec& spec,
                                   std::span<const TransferTensor> tensors) {
   const size_t groups = spec.group_sizes.size();
   if (spec.factor == 0) return InvalidArgumentError("transfer: block size factor 0");
-  if (spec.block_indices.size() != groups || spec.refs.size() != groups)
+  if (spec.block_indices.size() != groups || spec.refs.size() != groups) {
     return InvalidArgumentError("transfer: {} group sizes but {} block indices and {} tensor lists",
                                 groups, spec.block_indices.size(), spec.refs.size());
+  }
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TransferTensor& x = tensors[t];
     if (x.page_bytes == 0 || x.device_row_stride < x.page_bytes ||
-        x.host_row_stride < x.page_bytes * spec.factor)
+        x.host_row_stride < x.page_bytes * spec.factor) {
       return InvalidArgumentError(
           "transfer: tensor {} has page {} B, device stride {} B, host stride {} B (need a page, "
           "a device stride of at least a page and a host stride of at least {} pages)",
           t, x.page_bytes, x.device_row_stride, x.host_row_stride, spec.factor);
+    }
   }
   TransferPlan plan;
   plan.direction = spec.direction;
@@ -29,16 +31,18 @@ Result<TransferPlan> PlanTransfer(const TransferSpec& spec,
     const uint32_t skip = spec.block_indices[g] % spec.factor;
     const size_t host_count = (size + skip + spec.factor - 1) / spec.factor;
     if (next_device + size > spec.device_blocks.size() ||
-        next_host + host_count > spec.host_blocks.size())
+        next_host + host_count > spec.host_blocks.size()) {
       return InvalidArgumentError(
           "transfer: group {} needs {} device and {} host blocks past the {} and {} taken, but "
           "there are {} and {}",
           g, size, host_count, next_device, next_host, spec.device_blocks.size(),
           spec.host_blocks.size());
+    }
     for (uint32_t t : spec.refs[g]) {
-      if (t >= tensors.size())
+      if (t >= tensors.size()) {
         return InvalidArgumentError("transfer: group {} names tensor {} of {}", g, t,
                                     tensors.size());
+      }
       const TransferTensor& x = tensors[t];
       for (uint32_t i = 0; i < size; ++i) {
         const uint32_t sub = skip + i;
@@ -56,10 +60,11 @@ Result<TransferPlan> PlanTransfer(const TransferSpec& spec,
     next_device += size;
     next_host += host_count;
   }
-  if (next_device != spec.device_blocks.size() || next_host != spec.host_blocks.size())
+  if (next_device != spec.device_blocks.size() || next_host != spec.host_blocks.size()) {
     return InvalidArgumentError(
         "transfer: the groups use {} of {} device blocks and {} of {} host blocks", next_device,
         spec.device_blocks.size(), next_host, spec.host_blocks.size());
+  }
   return plan;
 }
 

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <condition_variable>
 #include <mutex>
 #include <string_view>
 #include <thread>
@@ -646,7 +645,7 @@ class NodeServer::Impl {
       }
       if (plan.keys_to_store.empty()) {
         // Held or being stored already: the bytes are not taken, and the store counts as a use
-        // of the block (as the connector's touch after a store, reference §7.6).
+        // of the block (as the connector's touch after a store, docs/semantics.md §7.6).
         store_->Touch(std::span(&key, 1));
         touched_keys_.fetch_add(1, std::memory_order_relaxed);
         reply.set_skipped(true);
@@ -944,8 +943,10 @@ class NodeServer::Impl {
   void StartLeaseSweeper() {
     sweeper_ = std::thread([this] {
       const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
-      std::unique_lock lock(sweeper_mu_);
-      while (!sweeper_cv_.wait_for(lock, period, [this] { return sweeper_stop_; })) {
+      MutexLock lock(&sweeper_mu_);
+      while (!sweeper_stop_) {
+        sweeper_cv_.WaitFor(&sweeper_mu_, period);
+        if (sweeper_stop_) break;
         server_->RunOnProgressThread([this] { ExpireLeases(); });
       }
     });
@@ -953,10 +954,10 @@ class NodeServer::Impl {
 
   void StopLeaseSweeper() {
     {
-      std::lock_guard lock(sweeper_mu_);
+      MutexLock lock(&sweeper_mu_);
       sweeper_stop_ = true;
     }
-    sweeper_cv_.notify_all();
+    sweeper_cv_.SignalAll();
     if (sweeper_.joinable()) sweeper_.join();
   }
 
@@ -966,9 +967,9 @@ class NodeServer::Impl {
   std::unique_ptr<store::TieredStore> store_;
   std::unordered_map<uint64_t, Session> sessions_;  // progress thread only
   std::thread sweeper_;
-  std::mutex sweeper_mu_;
-  std::condition_variable sweeper_cv_;
-  bool sweeper_stop_ = false;
+  Mutex sweeper_mu_;
+  CondVar sweeper_cv_;
+  bool sweeper_stop_ GUARDED_BY(sweeper_mu_) = false;
   std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
   // Namespace names for the metrics: those with a named quota, then those seen at hello.
   struct KnownNamespace {

@@ -1,7 +1,8 @@
-// ARC as vLLM implements it (reference §4): T1 (seen once) and T2 (touched again), ghost lists
-// B1 and B2 of evicted keys, and a target size p for T1 adapted by touches of ghost keys.
+// ARC as vLLM implements it (docs/semantics.md §4): T1 (seen once) and T2 (touched again), ghost
+// lists B1 and B2 of evicted keys, and a target size p for T1 adapted by touches of ghost keys.
 // kvstash differs in one place on purpose: when eviction skips T1 because |T1| < int(p) and T2
-// has no evictable block, it falls back to T1 instead of refusing (reference §0, vector B5).
+// has no evictable block, it falls back to T1 instead of refusing (docs/semantics.md §4, vector
+// B5).
 #include <algorithm>
 
 #include "key_lists.h"

@@ -1,4 +1,4 @@
-// LRU (reference §3): one list; a touch moves keys to the MRU end, first key last; eviction
+// LRU (docs/semantics.md §3): one list; a touch moves keys to the MRU end, first key last; eviction
 // takes the least recent idle blocks.
 #include "policy.h"
 #include "recency_list.h"

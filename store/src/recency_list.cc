@@ -72,8 +72,9 @@ void RecencyList::CollectMembers(std::vector<uint32_t>* ids) const {
   ids->insert(ids->end(), heap_.begin(), heap_.end());
   for (size_t id = 0; id < entry_count_; ++id) {
     const Entry& e = entries_[id];
-    if (e.where() == Place::kParked && e.list == list_id_)
+    if (e.where() == Place::kParked && e.list == list_id_) {
       ids->push_back(static_cast<uint32_t>(id));
+    }
   }
 }
 

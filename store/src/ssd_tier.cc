@@ -497,8 +497,9 @@ Status SsdTier::WriteAndCommit(std::span<const SsdWrite> writes) {
     return fail(FromErrno(errno, fmt::format("SSD tier {}: fdatasync", impl_->options.dir)));
   }
   rocksdb::WriteBatch batch;
-  for (const SsdWrite& w : writes)
+  for (const SsdWrite& w : writes) {
     batch.Put(EncodeKey(w.key), EncodeRecord(w.slot, impl_->slots[w.slot]));
+  }
   {
     MutexLock lock(&impl_->records_mu);
     rocksdb::Status s = impl_->db->Write(impl_->WriteOpts(), &batch);

@@ -5,11 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <set>
 #include <thread>
 
 #include "kvstash/common/logging.h"
@@ -29,6 +27,7 @@ std::string_view CascadeModeName(CascadeMode mode) {
 }
 
 // A fixed set of threads running queued jobs, with a wait for "nothing queued or running".
+// Thread-safe.
 class TieredStore::IoPool {
  public:
   IoPool(size_t threads, std::function<void()> before_job) : before_job_(std::move(before_job)) {
@@ -36,25 +35,25 @@ class TieredStore::IoPool {
   }
   ~IoPool() {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
-    work_.notify_all();
+    work_.SignalAll();
     for (std::thread& t : threads_) t.join();
   }
 
   void Submit(std::function<void()> job) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       queue_.push_back(std::move(job));
       ++unfinished_;
     }
-    work_.notify_one();
+    work_.Signal();
   }
 
   void WaitIdle() {
-    std::unique_lock lock(mu_);
-    idle_.wait(lock, [this] { return unfinished_ == 0; });
+    MutexLock lock(&mu_);
+    while (unfinished_ != 0) idle_.Wait(&mu_);
   }
 
  private:
@@ -62,8 +61,8 @@ class TieredStore::IoPool {
     for (;;) {
       std::function<void()> job;
       {
-        std::unique_lock lock(mu_);
-        work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        while (!stopping_ && queue_.empty()) work_.Wait(&mu_);
         if (queue_.empty()) return;  // stopping, nothing left
         job = std::move(queue_.front());
         queue_.pop_front();
@@ -71,18 +70,18 @@ class TieredStore::IoPool {
       if (before_job_) before_job_();
       job();
       {
-        std::lock_guard lock(mu_);
-        if (--unfinished_ == 0) idle_.notify_all();
+        MutexLock lock(&mu_);
+        if (--unfinished_ == 0) idle_.SignalAll();
       }
     }
   }
 
   const std::function<void()> before_job_;
-  std::mutex mu_;
-  std::condition_variable work_, idle_;
-  std::deque<std::function<void()>> queue_;
-  size_t unfinished_ = 0;
-  bool stopping_ = false;
+  Mutex mu_;
+  CondVar work_, idle_;
+  std::deque<std::function<void()>> queue_ GUARDED_BY(mu_);
+  size_t unfinished_ GUARDED_BY(mu_) = 0;
+  bool stopping_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 
@@ -91,27 +90,18 @@ struct TieredStore::Counters {
       cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
       failed_cascade_calls{0}, cpu_evictions{0}, quota_refusals{0}, promotions_deferred{0},
       cascades_deferred{0};
-  // Blocks being promoted (their CPU slots being written), blocks being cascaded (their CPU
-  // copies pinned), and committed blocks whose cascade waits for their eviction. Under `mu`.
-  size_t promotions_in_flight = 0;
-  size_t cascades_in_flight = 0;
-  std::set<OffloadKey> deferred_cascades;
-
-  // One lock for tier decisions: a key moves between the tiers' indexes atomically with
-  // respect to lookups (it is never absent from both while in transit).
-  Mutex mu;
-
   // Staging buffers for write-back, block_bytes each, reused.
-  std::mutex staging_mu;
-  std::vector<std::byte*> staging_free;
-  size_t staging_allocated = 0;
+  Mutex staging_mu;
+  std::vector<std::byte*> staging_free GUARDED_BY(staging_mu);
+  size_t staging_allocated GUARDED_BY(staging_mu) = 0;
   ~Counters() {
+    MutexLock lock(&staging_mu);
     for (std::byte* p : staging_free) std::free(p);
   }
 
   // A staging buffer, or nullptr when `limit` are in use.
   std::byte* AcquireStaging(size_t bytes, size_t limit) {
-    std::lock_guard lock(staging_mu);
+    MutexLock lock(&staging_mu);
     if (!staging_free.empty()) {
       std::byte* p = staging_free.back();
       staging_free.pop_back();
@@ -124,7 +114,7 @@ struct TieredStore::Counters {
     return static_cast<std::byte*>(p);
   }
   void ReleaseStaging(std::byte* p) {
-    std::lock_guard lock(staging_mu);
+    MutexLock lock(&staging_mu);
     staging_free.push_back(p);
   }
 };
@@ -196,7 +186,7 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   // Only on SSD. Promotions hold CPU slots until their read is done: past the cap, the block
   // is asked for again (RETRY) without starting one, so that lookups faster than the disk
   // never fill the CPU tier with slots being written and leave no room for stores.
-  if (counters_->promotions_in_flight >= promotion_cap_) {
+  if (promotions_in_flight_ >= promotion_cap_) {
     counters_->promotions_deferred += 1;
     return LookupResult::kRetry;
   }
@@ -218,7 +208,7 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   deferred->promotion.cpu_slots.push_back(plan.slots[0]);
   deferred->promotion.ssd_slots.push_back(ssd_slots[0]);
   counters_->promotions_started += 1;
-  counters_->promotions_in_flight += 1;
+  promotions_in_flight_ += 1;
   NoteEvictedLocked(plan, deferred);
   return LookupResult::kRetry;
 }
@@ -233,7 +223,7 @@ LookupResult TieredStore::Lookup(const OffloadKey& key) {
 void TieredStore::Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) {
   Deferred deferred;
   {
-    MutexLock lock(&counters_->mu);
+    MutexLock lock(&mu_);
     const size_t n = std::min(keys.size(), results.size());
     for (size_t i = 0; i < n; ++i) results[i] = LookupLocked(keys[i], &deferred);
     PlanWriteBackLocked(&deferred);
@@ -245,8 +235,11 @@ ScanResult TieredStore::LookupPrefix(std::span<const OffloadKey> keys) {
   Deferred deferred;
   ScanResult result;
   {
-    MutexLock lock(&counters_->mu);
-    result = MaximalPrefix(keys.size(), [&](size_t i) { return LookupLocked(keys[i], &deferred); });
+    MutexLock lock(&mu_);
+    result = MaximalPrefix(keys.size(), [&](size_t i) {
+      mu_.AssertHeld();  // the scan runs under this function's lock
+      return LookupLocked(keys[i], &deferred);
+    });
     PlanWriteBackLocked(&deferred);
   }
   Execute(std::move(deferred));
@@ -257,9 +250,11 @@ ScanResult TieredStore::LookupWindow(std::span<const OffloadKey> keys, size_t wi
   Deferred deferred;
   ScanResult result;
   {
-    MutexLock lock(&counters_->mu);
-    result = SlidingWindow(keys.size(), window,
-                           [&](size_t i) { return LookupLocked(keys[i], &deferred); });
+    MutexLock lock(&mu_);
+    result = SlidingWindow(keys.size(), window, [&](size_t i) {
+      mu_.AssertHeld();  // the scan runs under this function's lock
+      return LookupLocked(keys[i], &deferred);
+    });
     PlanWriteBackLocked(&deferred);
   }
   Execute(std::move(deferred));
@@ -281,13 +276,13 @@ void TieredStore::RunPromotion(const Transfer& promotion) {
       bad.push_back(promotion.keys[i]);
     }
   }
-  MutexLock lock(&counters_->mu);
+  MutexLock lock(&mu_);
   ssd_->CompleteLoad(promotion.keys).IgnoreError();
   ssd_->Remove(bad);
   cpu_->CompleteStore(good, true);
   cpu_->CompleteStore(bad, false);
   counters_->promotions_done += good.size();
-  counters_->promotions_in_flight -= promotion.keys.size();
+  promotions_in_flight_ -= promotion.keys.size();
   counters_->promotion_failures += bad.size();
 }
 
@@ -297,8 +292,7 @@ void TieredStore::NoteEvictedLocked(const StorePlan& plan, Deferred* deferred) {
   // Under write-back an evicted block goes to SSD now, before its slot is reused; under
   // write-through it is there already, unless its cascade was deferred (then it goes now).
   for (size_t i = 0; i < plan.evicted.size(); ++i) {
-    if (cascade_ != CascadeMode::kWriteBack &&
-        counters_->deferred_cascades.erase(plan.evicted[i]) == 0) {
+    if (cascade_ != CascadeMode::kWriteBack && deferred_cascades_.erase(plan.evicted[i]) == 0) {
       continue;
     }
     deferred->evicted.push_back(plan.evicted[i]);
@@ -413,7 +407,7 @@ void TieredStore::Touch(std::span<const OffloadKey> keys) {
 Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) {
   Deferred deferred;
   {
-    MutexLock lock(&counters_->mu);
+    MutexLock lock(&mu_);
     if (Status s = cpu_->PrepareStore(keys, plan); !s.ok()) {
       counters_->quota_refusals += plan->quota_refused;
       return s;
@@ -443,16 +437,14 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
   // stores) the rest wait for their eviction, as under write-back, instead of pinning the CPU
   // tier full and leaving no room for stores.
   if (bounded) {
-    const size_t room = counters_->cascades_in_flight < cascade_cap_
-                            ? cascade_cap_ - counters_->cascades_in_flight
-                            : 0;
+    const size_t room = cascades_in_flight_ < cascade_cap_ ? cascade_cap_ - cascades_in_flight_ : 0;
     while (candidates.size() > room) {
-      counters_->deferred_cascades.insert(candidates.back());
+      deferred_cascades_.insert(candidates.back());
       counters_->cascades_deferred += 1;
       candidates.pop_back();
     }
   }
-  for (const OffloadKey& key : candidates) counters_->deferred_cascades.erase(key);
+  for (const OffloadKey& key : candidates) deferred_cascades_.erase(key);
   if (candidates.empty()) return;
   std::vector<SlotId> cpu_slots;
   if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) return;  // pin overflow: skip
@@ -464,7 +456,7 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
     KVSTASH_LOG_WARN("cascade of {} blocks to SSD skipped: {}", candidates.size(), s.ToString());
     return;
   }
-  counters_->cascades_in_flight += candidates.size();
+  cascades_in_flight_ += candidates.size();
   cascade->keys = std::move(candidates);
   cascade->cpu_slots = std::move(cpu_slots);
   cascade->ssd_slots = std::move(plan.slots);
@@ -473,7 +465,7 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
 void TieredStore::CompleteStore(std::span<const OffloadKey> keys, bool success) {
   Transfer cascade;
   {
-    MutexLock lock(&counters_->mu);
+    MutexLock lock(&mu_);
     cpu_->CompleteStore(keys, success);
     if (success && ssd_ && cascade_ == CascadeMode::kWriteThrough) {
       StartCascadeLocked(keys, &cascade, /*bounded=*/true);
@@ -488,9 +480,9 @@ void TieredStore::RunCascade(const Transfer& cascade) {
   std::vector<std::span<const std::byte>> sources;
   for (SlotId slot : cascade.cpu_slots) sources.push_back(slab_->Slot(slot));
   WriteToSsd(cascade, sources);
-  MutexLock lock(&counters_->mu);
+  MutexLock lock(&mu_);
   cpu_->CompleteLoad(cascade.keys).IgnoreError();
-  counters_->cascades_in_flight -= cascade.keys.size();
+  cascades_in_flight_ -= cascade.keys.size();
 }
 
 void TieredStore::WaitIdle() { io_->WaitIdle(); }
@@ -500,8 +492,8 @@ Status TieredStore::Flush() {
   if (!ssd_) return Status::OK();
   if (cascade_ != CascadeMode::kWriteBack) {
     // Write-through: only the cascades deferred past the cap are left to write.
-    MutexLock lock(&counters_->mu);
-    if (counters_->deferred_cascades.empty()) return Status::OK();
+    MutexLock lock(&mu_);
+    if (deferred_cascades_.empty()) return Status::OK();
   }
   const BlockManagerState state = cpu_->DebugState();
   std::vector<OffloadKey> keys;
@@ -517,7 +509,7 @@ Status TieredStore::Flush() {
         std::span<const OffloadKey>(keys).subspan(first, std::min(kBatch, keys.size() - first));
     Transfer cascade;
     {
-      MutexLock lock(&counters_->mu);
+      MutexLock lock(&mu_);
       StartCascadeLocked(batch, &cascade, /*bounded=*/false);
     }
     if (!cascade.keys.empty()) RunCascade(cascade);

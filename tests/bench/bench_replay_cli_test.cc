@@ -75,8 +75,9 @@ std::vector<Request> GenerateTrace(size_t requests, uint64_t seed) {
       const size_t s =
           std::min(sessions.size() - 1, static_cast<size_t>(std::pow(u, 3) * sessions.size()));
       const size_t turn = 1 + random() % 4;
-      for (size_t i = 0; i < turn && sessions[s].size() < 120; ++i)
+      for (size_t i = 0; i < turn && sessions[s].size() < 120; ++i) {
         sessions[s].push_back(next_id++);
+      }
       req.ids = sessions[s];
     }
     req.input_length = req.ids.size() * 512 - random() % 400;

@@ -84,8 +84,9 @@ class BlockTransferTest : public ::testing::Test {
     const uint64_t id = job.id;
     EXPECT_TRUE(t.Submit(std::move(job)).ok());
     t.Wait({&id, 1});
-    for (BlockJobResult& r : t.Poll())
+    for (BlockJobResult& r : t.Poll()) {
       if (r.id == id) return r;
+    }
     ADD_FAILURE() << "job " << id << " finished without a result";
     return {};
   }
@@ -201,8 +202,9 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   }
   ASSERT_TRUE(RunJob(**t, store).status.ok());
   std::vector<size_t> on_dead;
-  for (uint32_t b = 0; b < 16; ++b)
+  for (uint32_t b = 0; b < 16; ++b) {
     if (client_->NodeOf(Key(b)) == 1) on_dead.push_back(b);
+  }
   ASSERT_FALSE(on_dead.empty());
   daemons_[1]->process().Kill(SIGKILL);
   BlockJob load{2, BlockJob::Kind::kLoad, {}, {}};

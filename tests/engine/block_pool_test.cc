@@ -1,5 +1,5 @@
-// The block pool and its free queue against the reference's vectors
-// (../shared/reference/vllm_kv_offload.md §12.N, and the allocation orders of §12.L1).
+// The block pool and its free queue against the vectors of docs/semantics.md
+// (docs/semantics.md §12.N, and the allocation orders of §12.L1).
 
 #include "kvstash/engine/block_pool.h"
 

@@ -1,5 +1,5 @@
-// The prefix-cache hit search per attention type and across groups, against the reference's
-// vectors (../shared/reference/vllm_kv_offload.md §12.K) and the rules of §9.3 and §9.4.
+// The prefix-cache hit search per attention type and across groups, against the vectors
+// of docs/semantics.md §12.K and the rules of §9.3 and §9.4.
 
 #include "kvstash/engine/cache_hit.h"
 

@@ -1,4 +1,4 @@
-// The connector scenarios of vLLM's offloading-connector tests (reference §12.J) on this
+// The connector scenarios of vLLM's offloading-connector tests (docs/semantics.md §12.J) on this
 // engine: the real Engine, the real connector (KvConnector, BlockTransfer, the engine's adapter
 // in engine_offload) and, in place of the nodes, an in-memory store; the scheduler side's
 // manager is either the nodes' own or a recording one whose answers a test scripts. Blocks are
@@ -213,8 +213,9 @@ size_t NumGroups(const Engine& e) { return e.layout().groups.size(); }
 // The keys of touch calls [from, from + count) (the connector touches each group apart).
 KeySet Touched(const RecordingManager& m, size_t from, size_t count) {
   KeySet out;
-  for (size_t i = from; i < from + count && i < m.touches.size(); ++i)
+  for (size_t i = from; i < from + count && i < m.touches.size(); ++i) {
     out.insert(m.touches[i].begin(), m.touches[i].end());
+  }
   return out;
 }
 
@@ -232,11 +233,13 @@ TEST(EngineConnectorTest, J1StoresFullBlocksRetriesRefusedStoresAndTouchesAll) {
     ++calls;
     if (calls == 1) {  // only the middle of the prompt's three blocks
       std::vector<BlockHash> order;
-      for (const BlockKey& k : keys)
+      for (const BlockKey& k : keys) {
         if (std::find(order.begin(), order.end(), k.hash) == order.end()) order.push_back(k.hash);
+      }
       std::vector<BlockKey> out;
-      for (const BlockKey& k : keys)
+      for (const BlockKey& k : keys) {
         if (order.size() == 3 && k.hash == order[1]) out.push_back(k);
+      }
       return out;
     }
     if (calls == 2) return std::nullopt;
@@ -251,8 +254,9 @@ TEST(EngineConnectorTest, J1StoresFullBlocksRetriesRefusedStoresAndTouchesAll) {
   std::vector<size_t> computed_at_call;
   Outcome o = RunRequest(*e, prompt, 40, false, [&](RequestId id) {
     const Request* r = e->Find(id);
-    while (computed_at_call.size() < m.prepare_stores.size())
+    while (computed_at_call.size() < m.prepare_stores.size()) {
       computed_at_call.push_back(r ? r->num_computed_tokens : prompt.size() + 40);
+    }
   });
   EXPECT_EQ(o.tokens, Reference(model, prompt, 40));
   // 88 tokens, 87 computed: blocks 0-4 are full.
@@ -267,12 +271,13 @@ TEST(EngineConnectorTest, J1StoresFullBlocksRetriesRefusedStoresAndTouchesAll) {
   EXPECT_EQ(KeySet(m.prepare_stores[3].begin(), m.prepare_stores[3].end()),
             KeysOf(o.hashes, groups, 4, 5));
   // Only full blocks are offered: block i once the request has computed its 16 tokens.
-  for (size_t c = 0; c < m.prepare_stores.size(); ++c)
+  for (size_t c = 0; c < m.prepare_stores.size(); ++c) {
     for (const BlockKey& k : m.prepare_stores[c]) {
       const int i = BlockIndexOf(o.hashes, k);
       ASSERT_GE(i, 0);
       EXPECT_LE((i + 1) * kBlock, computed_at_call[c]) << "call " << c << " block " << i;
     }
+  }
   // What reached the nodes: the middle block, then block 4; never 0, 2 or 3.
   const std::vector<BlockKey> put = store.put_keys();
   KeySet want = KeysOf(o.hashes, groups, 1, 2);
@@ -310,8 +315,9 @@ TEST(EngineConnectorTest, J1ARequestSharingAPrefixTouchesTheSharedKeys) {
   ASSERT_GE(m.touches.size(), groups);
   EXPECT_EQ(Touched(m, 0, groups), KeysOf(o.hashes, groups, 0, 5));
   EXPECT_EQ(KeysOf(o.hashes, groups, 0, 4), KeysOf(first.hashes, groups, 0, 4));
-  for (const BlockKey& k : KeysOf(o.hashes, groups, 4, 5))
+  for (const BlockKey& k : KeysOf(o.hashes, groups, 4, 5)) {
     EXPECT_EQ(BlockIndexOf(first.hashes, k), -1);
+  }
   // Looked up: block 4 of the first group only (a miss ends the lookup).
   ASSERT_EQ(m.lookups.size(), 1u);
   EXPECT_EQ(BlockIndexOf(o.hashes, m.lookups[0]), 4);
@@ -377,8 +383,9 @@ TEST(EngineConnectorTest, J1ALookupHitLoadsOnlyPastTheLocalPrefixHit) {
   EXPECT_EQ(KeySet(m.prepare_loads[0].begin(), m.prepare_loads[0].end()),
             KeysOf(o.hashes, groups, 1, 5));
   // The loaded prefix is not stored again.
-  for (const auto& call : m.prepare_stores)
+  for (const auto& call : m.prepare_stores) {
     for (const BlockKey& k : call) EXPECT_GE(BlockIndexOf(o.hashes, k), 5);
+  }
 }
 
 // --- J2 (test_request_preemption) -----------------------------------------------------------
@@ -399,8 +406,9 @@ TEST(EngineConnectorTest, J2PreemptionFlushesTheStoresOfThePreemptedRequest) {
   size_t flushed_checks = 0;
   while (e->HasUnfinished()) {
     std::map<RequestId, uint32_t> before;
-    for (RequestId id : {ia, ib})
+    for (RequestId id : {ia, ib}) {
       if (const Request* r = e->Find(id)) before[id] = r->num_preemptions;
+    }
     e->Step();
     for (RequestId id : {ia, ib}) {
       const Request* r = e->Find(id);
@@ -457,8 +465,8 @@ TEST(EngineConnectorTest, J3ConcurrentRequestsWithTheSamePrefixLoadItOnce) {
   EXPECT_EQ(std::max(oa.cached, ob.cached), 4 * kBlock);
 }
 
-// The nodes' own manager tells them of every use (reference §7.3, §7.6), once per step and off
-// the request's path: the lookups' touches go before the step's stores, each call a whole
+// The nodes' own manager tells them of every use (docs/semantics.md §7.3, §7.6), once per step and
+// off the request's path: the lookups' touches go before the step's stores, each call a whole
 // request's keys with the first most recent, and the store decisions' touches after the stores
 // have landed, without the keys just offered (a node inserts those itself, newest last).
 TEST(EngineConnectorTest, NodesAreToldOfEveryUseLookupsBeforeStoresAndStoresAfter) {
@@ -482,8 +490,9 @@ TEST(EngineConnectorTest, NodesAreToldOfEveryUseLookupsBeforeStoresAndStoresAfte
   EXPECT_EQ(KeySet(lookup.keys.begin(), lookup.keys.end()), KeysOf(o.hashes, groups, 0, 6));
   for (uint32_t g = 0; g < groups; ++g) {
     std::vector<int> order;
-    for (const BlockKey& k : lookup.keys)
+    for (const BlockKey& k : lookup.keys) {
       if (k.group == g) order.push_back(BlockIndexOf(o.hashes, k));
+    }
     EXPECT_TRUE(std::is_sorted(order.begin(), order.end())) << "group " << g;
   }
   bool after_stores = false;
@@ -530,8 +539,9 @@ TEST(EngineConnectorTest, J5SlidingWindowGroupsLoadOnlyTheirWindow) {
     // The lookup's touches, one call per group.
     std::map<uint32_t, std::set<int>> touched;
     ASSERT_GE(m.touches.size(), groups.size());
-    for (size_t c = 0; c < groups.size(); ++c)
+    for (size_t c = 0; c < groups.size(); ++c) {
       for (const BlockKey& k : m.touches[c]) touched[k.group].insert(BlockIndexOf(o.hashes, k));
+    }
     size_t windowed = 0;
     for (uint32_t g = 0; g < groups.size(); ++g) {
       SCOPED_TRACE("group " + std::to_string(g));

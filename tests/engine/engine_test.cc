@@ -121,8 +121,9 @@ TEST_P(EngineModelTest, StagedDeviceGivesTheCpuTokens) {
     auto staged = Make(GetParam(), o);
     EXPECT_EQ(staged->runner().device().name(), "cpu-staged");
     EXPECT_FALSE(staged->runner().host_pool_is_pool());
-    for (const auto& p : prompts)
+    for (const auto& p : prompts) {
       EXPECT_EQ(GenerateAll(*staged, {p}, 10), GenerateAll(*cpu, {p}, 10));
+    }
     EXPECT_EQ(GenerateAll(*staged, prompts, 10), GenerateAll(*cpu, prompts, 10));
   }
 }
@@ -185,8 +186,9 @@ TEST(EngineTest, RequestLargerThanThePoolFailsInsteadOfSpinning) {
   auto big = e->AddRequest(Tokens(40, 2), 3);
   ASSERT_TRUE(small.ok() && big.ok());
   std::vector<std::unique_ptr<Request>> done;
-  for (int i = 0; i < 1000 && e->HasUnfinished(); ++i)
+  for (int i = 0; i < 1000 && e->HasUnfinished(); ++i) {
     for (RequestId id : e->Step()) done.push_back(e->TakeResult(id));
+  }
   ASSERT_FALSE(e->HasUnfinished());
   ASSERT_EQ(done.size(), 2u);
   for (const auto& r : done) {

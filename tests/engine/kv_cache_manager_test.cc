@@ -1,6 +1,6 @@
-// The hybrid KV-cache manager against the reference's vectors (../shared/reference/
-// vllm_kv_offload.md §12.K5-K7, §12.L1-L9, §12.M), with xxh3 chained hashes where vLLM uses
-// sha256, and the sliding-window freeing schedule of chunked prefill.
+// The hybrid KV-cache manager against the vectors of docs/semantics.md §12.K5-K7, §12.L1-L9,
+// §12.M), with xxh3 chained hashes where vLLM uses sha256, and the sliding-window freeing schedule
+// of chunked prefill.
 
 #include "kvstash/engine/kv_cache_manager.h"
 

@@ -37,16 +37,18 @@ void RefRmsNorm(const Mat& x, const std::vector<float>& w, Mat& y, size_t n, siz
 
 Mat RefMatMul(const Mat& x, const std::vector<float>& w, size_t n, size_t in, size_t out) {
   Mat y(n * out, 0);
-  for (size_t i = 0; i < n; ++i)
-    for (size_t k = 0; k < in; ++k)
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < in; ++k) {
       for (size_t j = 0; j < out; ++j) y[i * out + j] += x[i * in + k] * w[k * out + j];
+    }
+  }
   return y;
 }
 
 void RefRope(Mat& x, size_t n, size_t heads, size_t hd, double theta) {
   const size_t half = hd / 2;
-  for (size_t p = 0; p < n; ++p)
-    for (size_t h = 0; h < heads; ++h)
+  for (size_t p = 0; p < n; ++p) {
+    for (size_t h = 0; h < heads; ++h) {
       for (size_t j = 0; j < half; ++j) {
         const double angle = p * std::pow(theta, -2.0 * j / hd);
         double& a = x[(p * heads + h) * hd + j];
@@ -55,6 +57,8 @@ void RefRope(Mat& x, size_t n, size_t heads, size_t hd, double theta) {
         a = a0 * std::cos(angle) - b0 * std::sin(angle);
         b = a0 * std::sin(angle) + b0 * std::cos(angle);
       }
+    }
+  }
 }
 
 size_t FirstKey(const LayerConfig& l, size_t p) {
@@ -69,8 +73,9 @@ Mat DenseReference(const ModelConfig& c, const ModelWeights& w,
   const size_t n = tokens.size(), d = c.hidden, hd = c.head_dim, heads = c.num_heads,
                kvh = c.num_kv_heads, qd = heads * hd, kvd = kvh * hd;
   Mat x(n * d);
-  for (size_t i = 0; i < n; ++i)
+  for (size_t i = 0; i < n; ++i) {
     for (size_t j = 0; j < d; ++j) x[i * d + j] = w.embed[tokens[i] * d + j];
+  }
   std::vector<Mat> keys(c.layers.size()), values(c.layers.size());
   Mat h;
   for (size_t l = 0; l < c.layers.size(); ++l) {
@@ -83,20 +88,23 @@ Mat DenseReference(const ModelConfig& c, const ModelWeights& w,
       Mat k = RefMatMul(h, lw.wk, n, d, qd), v = RefMatMul(h, lw.wv, n, d, qd);
       Mat g = RefMatMul(h, lw.wgate_state, n, d, heads);
       Mat s(heads * hd * hd, 0);
-      for (size_t p = 0; p < n; ++p)
+      for (size_t p = 0; p < n; ++p) {
         for (size_t hh = 0; hh < heads; ++hh) {
           const double gate = 1.0 / (1.0 + std::exp(-(g[p * heads + hh] + c.state_gate_bias)));
           double* S = &s[hh * hd * hd];
-          for (size_t a = 0; a < hd; ++a)
-            for (size_t b = 0; b < hd; ++b)
+          for (size_t a = 0; a < hd; ++a) {
+            for (size_t b = 0; b < hd; ++b) {
               S[a * hd + b] =
                   gate * S[a * hd + b] + k[p * qd + hh * hd + a] * v[p * qd + hh * hd + b];
+            }
+          }
           for (size_t b = 0; b < hd; ++b) {
             double o = 0;
             for (size_t a = 0; a < hd; ++a) o += S[a * hd + b] * q[p * qd + hh * hd + a];
             mixed[p * qd + hh * hd + b] = o;
           }
         }
+      }
     } else {
       size_t target = l;
       if (layer.kind == Kind::kKvShare) {
@@ -111,7 +119,7 @@ Mat DenseReference(const ModelConfig& c, const ModelWeights& w,
       const Mat& K = keys[target];
       const Mat& V = values[target];
       const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-      for (size_t p = 0; p < n; ++p)
+      for (size_t p = 0; p < n; ++p) {
         for (size_t hh = 0; hh < heads; ++hh) {
           const size_t kh = hh / (heads / kvh);
           const size_t first = FirstKey(mask, p);
@@ -119,17 +127,21 @@ Mat DenseReference(const ModelConfig& c, const ModelWeights& w,
           double mx = -1e300;
           for (size_t t = first; t <= p; ++t) {
             double dot = 0;
-            for (size_t j = 0; j < hd; ++j)
+            for (size_t j = 0; j < hd; ++j) {
               dot += q[p * qd + hh * hd + j] * K[t * kvd + kh * hd + j];
+            }
             score[t - first] = dot * scale;
             mx = std::max(mx, score[t - first]);
           }
           double sum = 0;
           for (double& sc : score) sum += (sc = std::exp(sc - mx));
-          for (size_t t = first; t <= p; ++t)
-            for (size_t j = 0; j < hd; ++j)
+          for (size_t t = first; t <= p; ++t) {
+            for (size_t j = 0; j < hd; ++j) {
               mixed[p * qd + hh * hd + j] += score[t - first] / sum * V[t * kvd + kh * hd + j];
+            }
+          }
         }
+      }
     }
     Mat o = RefMatMul(mixed, lw.wo, n, qd, d);
     for (size_t i = 0; i < n * d; ++i) x[i] += o[i];
@@ -225,8 +237,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) {
       std::string name = info.param.model + "_pack" + std::to_string(info.param.attn_pack);
       for (size_t c : info.param.chunks) name += "_" + std::to_string(c);
-      for (char& ch : name)
+      for (char& ch : name) {
         if (ch == '-') ch = '_';
+      }
       return name;
     });
 
@@ -268,8 +281,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) {
       std::string name = info.param.model + "_pack" + std::to_string(info.param.attn_pack);
       for (size_t c : info.param.chunks) name += "_" + std::to_string(c);
-      for (char& ch : name)
+      for (char& ch : name) {
         if (ch == '-') ch = '_';
+      }
       return name;
     });
 

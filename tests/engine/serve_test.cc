@@ -221,8 +221,9 @@ TEST(ServeTest, ConcurrentRequestsAreBatchedAndEachAnsweredWithItsId) {
     ASSERT_TRUE(reply.contains("id")) << *line;
     got[reply["id"].get<int>()] = Output(reply);
   }
-  for (const auto& [id, prompt] : prompts)
+  for (const auto& [id, prompt] : prompts) {
     EXPECT_EQ(got[id], Reference("builtin:tiny-state-hybrid", prompt, 9)) << "request " << id;
+  }
   // The worker ran them together: fewer steps than run one after the other (the sum of each
   // request's own step count is at least its 9 generated tokens).
   const json stats = a.Call({{"op", "stats"}});

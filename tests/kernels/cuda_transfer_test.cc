@@ -1,6 +1,6 @@
 // CUDA block transfers (label gpu) against the host executor: random bytes on both sides, a
-// poisoned destination, random plans of the reference's shapes, both directions, on a stream of
-// our own and on the default stream. Skips itself where no CUDA device is present.
+// poisoned destination, random plans of the shapes of docs/semantics.md §12.H, both directions, on
+// a stream of our own and on the default stream. Skips itself where no CUDA device is present.
 
 #include "kvstash/kernels/cuda_transfer.h"
 

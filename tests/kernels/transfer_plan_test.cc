@@ -1,4 +1,4 @@
-// The device<->host transfer mapping against reference §12.H (W1-W7), its invariants, its
+// The device<->host transfer mapping against docs/semantics.md §12.H (W1-W7), its invariants, its
 // errors, and the host executor moving exactly the mapped sub-blocks.
 
 #include "kvstash/kernels/transfer_plan.h"
@@ -15,7 +15,8 @@ namespace {
 
 constexpr size_t kPage = 64;
 
-// "tensor t: device block G -> host block C sub-block s" in the reference's notation.
+// "tensor t: device block G -> host block C sub-block s" in the notation of docs/semantics.md
+// §12.H.
 struct Op {
   uint32_t tensor, device_block, host_block, sub;
 };
@@ -148,9 +149,11 @@ TEST(TransferPlanTest, ReferenceVectors) {
     // transfer_size = sum over groups of size * the group's page bytes.
     EXPECT_EQ(plan->transfer_bytes, bytes);
     uint64_t by_invariant = 0;
-    for (size_t g = 0; g < v.group_sizes.size(); ++g)
-      for (uint32_t t : v.refs[g])
+    for (size_t g = 0; g < v.group_sizes.size(); ++g) {
+      for (uint32_t t : v.refs[g]) {
         by_invariant += uint64_t{v.group_sizes[g]} * tensors[t].page_bytes;
+      }
+    }
     EXPECT_EQ(plan->transfer_bytes, by_invariant);
   }
 }

@@ -1,9 +1,9 @@
 // Randomized model test of BlockManager: every operation runs on the real manager and on a slow,
-// obviously-correct model written from the specification (shared/reference/vllm_kv_offload.md
+// obviously-correct model written from the specification (docs/semantics.md
 // §1-§4 and §7.4, plus the kvstash rules listed below), and the two must agree after every step:
 // return values, plans, slots, scan results, events and the full DebugState.
 //
-// kvstash rules the model follows on top of the reference:
+// kvstash rules the model follows on top of vLLM's (docs/semantics.md §10):
 //  * ARC eviction: when T1 is skipped because vT1 < int(p) and T2 has no eligible block, fall
 //    back to scanning T1 (vLLM would refuse); a block taken from T1 this way decrements vT1.
 //  * PrepareStore de-duplicates keys (first occurrence wins); protected = every key of the call
@@ -978,8 +978,9 @@ class Harness {
       case OpKind::kTakeEvents: {
         std::vector<OffloadEvent> got = impl_->TakeEvents();
         std::vector<OffloadEvent> want = model_.TakeEvents();
-        if (got != want)
+        if (got != want) {
           diff << "TakeEvents: got " << EventsStr(got) << ", want " << EventsStr(want);
+        }
         break;
       }
     }
@@ -1266,8 +1267,9 @@ RunOutcome RunSeed(const Config& config, uint64_t seed, size_t num_ops, bool shr
       std::vector<Op> small = Shrink(config, ops);
       std::optional<std::pair<size_t, std::string>> failure = Replay(config, small);
       out << "  shrunk repro (" << small.size() << " ops):\n" << OpsStr(small);
-      if (failure)
+      if (failure) {
         out << "  which fails at its op #" << failure->first << ":\n  " << failure->second;
+      }
       out << "\n";
     }
     outcome.ok = false;
@@ -1420,8 +1422,8 @@ TEST_P(BlockManagerModelTest, FirstStampDoesNotChangeResults) {
   }
 }
 
-// Sanity checks of the harness itself on hand-made sequences from the reference vectors
-// (A3 steps 1-8 for LRU, B5 with the kvstash fallback and B10 for ARC): they must pass, so a
+// Sanity checks of the harness itself on hand-made sequences from the vectors of docs/semantics.md
+// §12 (A3 steps 1-8 for LRU, B5 with the kvstash fallback and B10 for ARC): they must pass, so a
 // failure of the random tests is not a broken model.
 TEST(BlockManagerModelSelfTest, ReferenceVectorsThroughHarness) {
   auto ps = [](std::vector<KeyId> keys) { return Op{OpKind::kPrepareStore, keys, true, 1, 0}; };

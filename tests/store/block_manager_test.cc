@@ -1,5 +1,6 @@
-// Behaviour of the block manager beyond the reference vectors: errors change nothing, options
-// are validated, groups and namespaces never mix, and eviction skips pinned blocks cheaply.
+// Behaviour of the block manager beyond the vectors of docs/semantics.md §12: errors change
+// nothing, options are validated, groups and namespaces never mix, and eviction skips pinned blocks
+// cheaply.
 #include "kvstash/store/block_manager.h"
 
 #include <gmock/gmock.h>
@@ -34,9 +35,10 @@ std::string StateString(const BlockManagerState& s) {
   std::string out;
   auto blocks = [&](const char* name, const std::vector<BlockInfo>& v) {
     out += name;
-    for (const auto& b : v)
+    for (const auto& b : v) {
       out +=
           " " + b.key.ToString() + ":" + std::to_string(b.slot) + ":" + std::to_string(b.ref_count);
+    }
     out += "\n";
   };
   auto keys = [&](const char* name, const std::vector<OffloadKey>& v) {

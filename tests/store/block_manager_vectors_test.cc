@@ -1,5 +1,5 @@
-// The reference's test vectors for the block manager: §12.A (vLLM's own tests) and §12.B
-// (derived by running vLLM's code; kvstash's B5 differs on purpose).
+// The test vectors (docs/semantics.md §12) for the block manager: §12.A (vLLM's own tests) and
+// §12.B (derived by running vLLM's code; kvstash's B5 differs on purpose).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// The per-key scans of reference §7.4, with vectors §12.E (maximal prefix) and §12.F (sliding
-// window): the result and the number of per-key lookups made.
+// The per-key scans of docs/semantics.md §7.4, with vectors §12.E (maximal prefix) and §12.F
+// (sliding window): the result and the number of per-key lookups made.
 #include "kvstash/store/lookup.h"
 
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@ namespace kvstash::store {
 namespace {
 
 constexpr auto T = LookupResult::kHit;
-constexpr auto N = LookupResult::kRetry;  // the reference's None
+constexpr auto N = LookupResult::kRetry;  // vLLM's None
 constexpr auto F = LookupResult::kMiss;
 
 struct Vector {
@@ -57,8 +57,9 @@ TEST(MaximalPrefixTest, ReferenceVectorsE) {
     EXPECT_EQ(Describe(r), Describe(vectors[i].expected));
     EXPECT_EQ(recorder.asked.size(), vectors[i].expected_calls);
     // Keys are asked left to right.
-    for (size_t j = 0; j < recorder.asked.size(); ++j)
+    for (size_t j = 0; j < recorder.asked.size(); ++j) {
       EXPECT_EQ(recorder.asked[j], vectors[i].keys[j]);
+    }
   }
 }
 

@@ -1,5 +1,5 @@
-// Helpers shared by the store tests: keys from small integers (the reference's k(i)), managers,
-// and printable state.
+// Helpers shared by the store tests: keys from small integers (k(i) of docs/semantics.md §12),
+// managers, and printable state.
 #pragma once
 
 #include <gmock/gmock.h>
@@ -14,7 +14,7 @@
 
 namespace kvstash::store::testing {
 
-// k(i) of the reference: block hash i, group 0, namespace 0.
+// k(i) of docs/semantics.md §12: block hash i, group 0, namespace 0.
 inline OffloadKey Key(uint64_t i, uint32_t group = 0) {
   return OffloadKey{BlockHash{i, 0}, group, 0};
 }

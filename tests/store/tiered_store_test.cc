@@ -274,8 +274,9 @@ TEST_F(TieredStoreTest, CascadesPastTheCapWaitForEvictionAndStoresKeepFindingRoo
   EXPECT_EQ(store->stats().cascades_deferred, 5u);  // 5 and 6 came while 1 was still out
   for (uint64_t k : {1, 2, 3}) ExpectSsdBlock(*store, k);
   std::vector<std::byte> out;
-  for (uint64_t k : {4, 5, 6})
+  for (uint64_t k : {4, 5, 6}) {
     EXPECT_EQ(store->ssd()->Get(Key(k), &out).code(), StatusCode::kNotFound) << k;
+  }
   // Flush (a node stopping) writes what is left.
   ASSERT_TRUE(store->Flush().ok());
   for (uint64_t k : {1, 2, 3, 4, 5, 6}) ExpectSsdBlock(*store, k);

@@ -88,15 +88,18 @@ Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
 int RunPut(const NodeFlags& flags) {
   auto keys = Keys(flags);
   if (!keys.ok()) return Errors("put").Fail(kExitUsage, keys.status().message());
-  if (keys->size() != 1)
+  if (keys->size() != 1) {
     return Errors("put").Fail(kExitUsage, "--key: give exactly one key to put");
+  }
   std::ifstream in(flags.file, std::ios::binary);
-  if (!in)
+  if (!in) {
     return Errors("put").Fail(kExitFailure, fmt::format("--file: cannot read '{}'", flags.file));
+  }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto client = Connect(flags);
-  if (!client.ok())
+  if (!client.ok()) {
     return Errors("put").Fail(cli::ExitCodeFor(client.status()), client.status().message());
+  }
   const size_t node = (*client)->NodeOf(keys->front());
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("put").Fail(kExitFailure, block_bytes.status().message());
@@ -117,11 +120,13 @@ int RunPut(const NodeFlags& flags) {
 int RunGet(const NodeFlags& flags) {
   auto keys = Keys(flags);
   if (!keys.ok()) return Errors("get").Fail(kExitUsage, keys.status().message());
-  if (keys->size() != 1)
+  if (keys->size() != 1) {
     return Errors("get").Fail(kExitUsage, "--key: give exactly one key to get");
+  }
   auto client = Connect(flags);
-  if (!client.ok())
+  if (!client.ok()) {
     return Errors("get").Fail(cli::ExitCodeFor(client.status()), client.status().message());
+  }
   const size_t node = (*client)->NodeOf(keys->front());
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("get").Fail(kExitFailure, block_bytes.status().message());
@@ -158,8 +163,9 @@ int RunLookup(const NodeFlags& flags) {
   auto keys = Keys(flags);
   if (!keys.ok()) return Errors("lookup").Fail(kExitUsage, keys.status().message());
   auto client = Connect(flags);
-  if (!client.ok())
+  if (!client.ok()) {
     return Errors("lookup").Fail(cli::ExitCodeFor(client.status()), client.status().message());
+  }
   // A refusal (over a limit, a wrong token) is an error, never a column of misses.
   auto looked_up = (*client)->LookupStrict(*keys);
   if (!looked_up.ok()) return Errors("lookup").Fail(kExitFailure, looked_up.status().message());
@@ -208,8 +214,9 @@ int RunTouch(const NodeFlags& flags) {
   auto keys = Keys(flags);
   if (!keys.ok()) return Errors("touch").Fail(kExitUsage, keys.status().message());
   auto client = Connect(flags);
-  if (!client.ok())
+  if (!client.ok()) {
     return Errors("touch").Fail(cli::ExitCodeFor(client.status()), client.status().message());
+  }
   if (const Status touched = (*client)->TouchSync(*keys); !touched.ok()) {
     return Errors("touch").Fail(kExitFailure, touched.message());
   }
@@ -219,8 +226,9 @@ int RunTouch(const NodeFlags& flags) {
 
 int RunStats(const NodeFlags& flags) {
   auto client = Connect(flags);
-  if (!client.ok())
+  if (!client.ok()) {
     return Errors("stats").Fail(cli::ExitCodeFor(client.status()), client.status().message());
+  }
   nlohmann::json doc = nlohmann::json::object();
   int code = kExitOk;
   for (size_t n = 0; n < (*client)->node_count(); ++n) {

@@ -111,8 +111,9 @@ Result<std::vector<uint32_t>> ParseTokens(const std::string& text) {
     char* end = nullptr;
     errno = 0;
     const unsigned long long v = std::strtoull(word.c_str(), &end, 10);
-    if (word[0] == '-' || *end != '\0' || errno != 0 || v > UINT32_MAX)
+    if (word[0] == '-' || *end != '\0' || errno != 0 || v > UINT32_MAX) {
       return InvalidArgumentError("prompt: '{}' is not a token id", word);
+    }
     tokens.push_back(static_cast<uint32_t>(v));
   }
   if (tokens.empty()) return InvalidArgumentError("prompt: no token ids");

@@ -36,8 +36,9 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
                 const std::string& role, bool show_ttft) {
   auto prompt = ParseTokens(prompt_text);
   if (!prompt.ok()) return kErrors.Fail(prompt.status());
-  if (role != "both" && f.nodes.empty())
+  if (role != "both" && f.nodes.empty()) {
     return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", role));
+  }
   auto engine = MakeEngine(f);
   if (!engine.ok()) return kErrors.Fail(engine.status());
   Engine& e = **engine;
@@ -54,8 +55,9 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
   while (e.HasUnfinished()) {
     for (RequestId done : e.Step()) r = e.TakeResult(done);
     const Request* running = r ? r.get() : e.Find(*id);
-    if (ttft_ms < 0 && running != nullptr && running->num_output_tokens() > 0)
+    if (ttft_ms < 0 && running != nullptr && running->num_output_tokens() > 0) {
       ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    }
   }
   e.DrainOffload();  // the pushes land before the process ends
   if (r == nullptr) return kErrors.Fail(InternalError("the request did not finish"));
@@ -143,8 +145,9 @@ int RunBench(const ModelFlags& f, size_t batch, size_t prompt_len, size_t decode
       e.layout().block_size, e.layout().attn_pack);
   // Prefill: distinct prompts (no prefix hits), one generated token each.
   std::vector<std::vector<uint32_t>> prompts;
-  for (size_t i = 0; i < batch; ++i)
+  for (size_t i = 0; i < batch; ++i) {
     prompts.push_back(RandomTokens(prompt_len, c.vocab_size, i + 7));
+  }
   auto t0 = Clock::now();
   auto pre = e.Generate(prompts, 1);
   const double prefill_s = Seconds(t0, Clock::now());
@@ -319,8 +322,9 @@ int main(int argc, char** argv) {
   }
   if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role, ttft);
   if (serve->parsed()) return RunServe(serve_model_flags, serve_flags);
-  if (chat->parsed() && !remote.decode_worker.empty())
+  if (chat->parsed() && !remote.decode_worker.empty()) {
     return RunRemoteChat(chat_flags, remote, turns, user_tokens, chat_new, chat_seed);
+  }
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
   return RunBench(bench_flags, batch, prompt_len, decode_tokens);
 }

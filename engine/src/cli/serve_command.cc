@@ -75,9 +75,10 @@ class Server {
     if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
     if (!ec) acceptor_.bind(endpoint, ec);
     if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec)
+    if (ec) {
       return UnavailableError("cannot listen on {}:{}: {}", flags_.listen, flags_.port,
                               ec.message());
+    }
     return Status::OK();
   }
   uint16_t port() const { return acceptor_.local_endpoint().port(); }
@@ -125,8 +126,9 @@ class Server {
   void Accept() {
     acceptor_.async_accept([this](const std::error_code& ec, tcp::socket socket) {
       if (ec) {
-        if (ec != asio::error::operation_aborted)
+        if (ec != asio::error::operation_aborted) {
           KVSTASH_LOG_WARN("kvstash-engine serve: accept failed: {}", ec.message());
+        }
         if (!acceptor_.is_open()) return;
       } else {
         std::make_shared<Connection>(std::move(socket), this, flags_.max_line_bytes)->Start();
@@ -196,20 +198,23 @@ class Server {
       std::lock_guard lock(mu_);
       if (stopping_) return error("the worker is shutting down");
     }
-    if (!req.contains("prompt") || !req["prompt"].is_array() || req["prompt"].empty())
+    if (!req.contains("prompt") || !req["prompt"].is_array() || req["prompt"].empty()) {
       return error("a generate request needs \"prompt\": a non-empty array of token ids");
+    }
     std::vector<uint32_t> prompt;
     prompt.reserve(req["prompt"].size());
     for (const json& t : req["prompt"]) {
-      if (!t.is_number_unsigned() || t.get<uint64_t>() > UINT32_MAX)
+      if (!t.is_number_unsigned() || t.get<uint64_t>() > UINT32_MAX) {
         return error("\"prompt\" holds " + t.dump() + ", not a token id");
+      }
       prompt.push_back(t.get<uint32_t>());
     }
     size_t max_new = 16;
     if (req.contains("max_new_tokens")) {
       const json& m = req["max_new_tokens"];
-      if (!m.is_number_unsigned() || m.get<uint64_t>() < 1 || m.get<uint64_t>() > (1u << 20))
+      if (!m.is_number_unsigned() || m.get<uint64_t>() < 1 || m.get<uint64_t>() > (1u << 20)) {
         return error("\"max_new_tokens\" must be an integer from 1 to 1048576");
+      }
       max_new = m.get<size_t>();
     }
     const bool prefill = flags_.role == "prefill";
@@ -381,10 +386,12 @@ class WorkerClient {
                       asio::buffers_begin(buf_.data()) + static_cast<ptrdiff_t>(n));
     buf_.consume(n);
     json parsed = json::parse(reply, nullptr, false);
-    if (parsed.is_discarded() || !parsed.is_object())
+    if (parsed.is_discarded() || !parsed.is_object()) {
       return InternalError("worker {}: unparseable reply", address_);
-    if (parsed.contains("error"))
+    }
+    if (parsed.contains("error")) {
       return InternalError("worker {}: {}", address_, parsed["error"].get<std::string>());
+    }
     return parsed;
   }
 
@@ -415,8 +422,9 @@ Result<LocalRun> RunWithoutCache(Engine& e, const std::vector<uint32_t>& prompt,
   while (e.HasUnfinished()) {
     for (RequestId done : e.Step()) r = e.TakeResult(done);
     const Request* live = r ? r.get() : e.Find(id);
-    if (run.ttft_ms < 0 && live != nullptr && live->num_output_tokens() > 0)
+    if (run.ttft_ms < 0 && live != nullptr && live->num_output_tokens() > 0) {
       run.ttft_ms = Millis(start, Clock::now());
+    }
   }
   if (r == nullptr) return InternalError("the local request did not finish");
   if (r->state == Request::State::kFailed) return r->error;
@@ -447,16 +455,18 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
   if (prefill) {
     auto info = prefill->Call(json{{"op", "info"}});
     if (!info.ok()) return kErrors.Fail(info.status());
-    if ((*info)["fingerprint"] != fingerprint)
+    if ((*info)["fingerprint"] != fingerprint) {
       return kErrors.Fail(InvalidArgumentError(
           "the prefill worker {} runs {} (fingerprint {}) but the decode worker {} runs {} ({}): "
           "their blocks would never match",
           prefill->address(), (*info)["model"].get<std::string>(),
           (*info)["fingerprint"].get<std::string>(), decode->address(),
           (*decode_info)["model"].get<std::string>(), fingerprint));
-    if ((*info)["role"] != "prefill")
+    }
+    if ((*info)["role"] != "prefill") {
       KVSTASH_LOG_WARN("the prefill worker {} runs with --role {}", prefill->address(),
                        (*info)["role"].get<std::string>());
+    }
   }
 
   // The comparison: the same model here, without prefix caching or nodes.
@@ -467,12 +477,13 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
   auto local_or = MakeEngine(local_flags);
   if (!local_or.ok()) return kErrors.Fail(local_or.status());
   local = std::move(*local_or);
-  if (flags.compare && HexFingerprint(local->fingerprint()) != fingerprint)
+  if (flags.compare && HexFingerprint(local->fingerprint()) != fingerprint) {
     return kErrors.Fail(InvalidArgumentError(
         "the decode worker runs {} (fingerprint {}), not this --model {} ({}); give chat the "
         "workers' model flags",
         (*decode_info)["model"].get<std::string>(), fingerprint, model.model,
         HexFingerprint(local->fingerprint())));
+  }
   const uint32_t vocab = local->config().vocab_size;
 
   std::printf("model=%s workers: prefill=%s decode=%s\n",
@@ -509,11 +520,12 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
     last_stored = Total(d, "stored_bytes");
     last_loaded = Total(d, "loaded_bytes");
     std::printf("turn=%zu prompt_tokens=%zu", turn, history.size());
-    if (prefill)
+    if (prefill) {
       std::printf(
           " prefill_node_tokens=%zu prefill_local_hit_tokens=%zu prefill_computed_tokens=%zu",
           p["node_tokens"].get<size_t>(), p["local_hit_tokens"].get<size_t>(),
           p["computed_tokens"].get<size_t>());
+    }
     const double ttft = d["ttft_ms"];
     std::printf(
         " decode_node_tokens=%zu decode_local_hit_tokens=%zu decode_computed_tokens=%zu "
@@ -549,21 +561,24 @@ int RemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t tur
       "total turns=%zu prompt_tokens=%zu decode_node_tokens=%zu decode_local_hit_tokens=%zu "
       "ttft_ms=%.2f",
       turns, sum_prompt, sum_node, sum_local, sum_ttft);
-  if (flags.compare)
+  if (flags.compare) {
     std::printf(" nocache_ttft_ms=%.2f speedup=%.1fx mismatches=%zu", sum_nocache,
                 sum_ttft > 0 ? sum_nocache / sum_ttft : 0.0, mismatches);
+  }
   std::printf(" bytes_moved=%llu\n", static_cast<unsigned long long>(sum_bytes));
-  if (mismatches > 0)
+  if (mismatches > 0) {
     return kErrors.Fail(
         InternalError("{} turn(s) generated other tokens than without the cache", mismatches));
+  }
   return kExitOk;
 }
 
 }  // namespace
 
 int RunServe(const ModelFlags& model, const ServeFlags& serve) {
-  if (serve.role != "both" && model.nodes.empty())
+  if (serve.role != "both" && model.nodes.empty()) {
     return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", serve.role));
+  }
   auto engine = MakeEngine(model);
   if (!engine.ok()) return kErrors.Fail(engine.status());
   size_t num_nodes = 0;

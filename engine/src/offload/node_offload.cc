@@ -58,8 +58,9 @@ class NodeKvOffload : public KvOffload {
       // The blocks added to its tables since the connector last saw it (all of them when it
       // is new or was preempted).
       const auto& tables = kv_->BlockTables(r->id);
-      if (r->resumed || r->reported_blocks.size() != tables.size())
+      if (r->resumed || r->reported_blocks.size() != tables.size()) {
         r->reported_blocks.assign(tables.size(), 0);
+      }
       r->resumed = false;
       v.new_block_ids.resize(tables.size());
       for (size_t g = 0; g < tables.size(); ++g) {
@@ -81,8 +82,9 @@ class NodeKvOffload : public KvOffload {
   }
 
   void EndStep() override {
-    if (Status s = connector_->EndStep(); !s.ok())
+    if (Status s = connector_->EndStep(); !s.ok()) {
       KVSTASH_LOG_WARN("offload: a store was not submitted: {}", s.ToString());
+    }
   }
   std::unordered_map<JobId, bool> FinishLoads(std::span<const JobId> jobs) override {
     return connector_->FinishLoads(jobs);
@@ -111,8 +113,9 @@ class NodeKvOffload : public KvOffload {
 // The connector's options for the engine of `context` (all but the nodes).
 connector::KvConnectorOptions ConnectorOptionsOf(const OffloadContext& context) {
   connector::KvConnectorOptions c;
-  for (const AttentionSpec& spec : context.layout->groups)
+  for (const AttentionSpec& spec : context.layout->groups) {
     c.scheduler.groups.push_back(OffloadGroupOf(spec));
+  }
   c.scheduler.hash_block_size = context.kv_cache->hash_block_size();
   c.scheduler.prefix_caching = context.prefix_caching;
   c.pool = {reinterpret_cast<std::byte*>(context.pool.data()), context.layout->page_bytes(),

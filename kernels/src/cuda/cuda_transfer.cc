@@ -32,9 +32,10 @@ Status IssueTransfer(const TransferPlan& plan, std::span<std::byte* const> devic
   sizes.reserve(plan.ops.size());
   const bool to_host = plan.direction == TransferDirection::kDeviceToHost;
   for (const CopyOp& op : plan.ops) {
-    if (op.tensor >= device.size() || op.tensor >= host.size())
+    if (op.tensor >= device.size() || op.tensor >= host.size()) {
       return InvalidArgumentError("transfer: tensor {} but {} device and {} host bases given",
                                   op.tensor, device.size(), host.size());
+    }
     std::byte* d = device[op.tensor] + op.device_offset;
     std::byte* h = host[op.tensor] + op.host_offset;
     dsts.push_back(to_host ? h : d);
@@ -44,8 +45,9 @@ Status IssueTransfer(const TransferPlan& plan, std::span<std::byte* const> devic
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   auto one_by_one = [&] {
     cudaError_t e = cudaSuccess;
-    for (size_t i = 0; i < sizes.size() && e == cudaSuccess; ++i)
+    for (size_t i = 0; i < sizes.size() && e == cudaSuccess; ++i) {
       e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
+    }
     return e;
   };
   cudaError_t err = cudaSuccess;
@@ -75,9 +77,10 @@ Status IssueTransfer(const TransferPlan& plan, std::span<std::byte* const> devic
 #else
   err = one_by_one();
 #endif
-  if (err != cudaSuccess)
+  if (err != cudaSuccess) {
     return InternalError("transfer of {} blocks ({} bytes): {}", plan.ops.size(),
                          plan.transfer_bytes, cudaGetErrorString(err));
+  }
   return Status::OK();
 }
 

@@ -123,7 +123,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     Worker& worker = *self->worker_;
     if (worker.OnThread()) {
       self->Shutdown();
-      self->hub_->Retire(std::move(self));
+      ClientWorker::Impl* hub = self->hub_;
+      hub->Retire(std::move(self));
       return;
     }
     std::promise<void> done;
@@ -132,7 +133,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     worker.Run([raw, &done] {
       std::unique_ptr<Impl> owned(raw);
       owned->Shutdown();
-      owned->hub_->Retire(std::move(owned));
+      ClientWorker::Impl* hub = owned->hub_;
+      hub->Retire(std::move(owned));
       done.set_value();
     });
     future.wait();  // the hub's thread runs while any of its clients exists

@@ -362,8 +362,9 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       return;
     }
     if (send->state->cancelled.load()) {
-      if (send->sent)
+      if (send->sent) {
         send->sent(CancelledError("call {} was cancelled by the client", send->state->request_id));
+      }
       return;
     }
     if (!send->message_in_data.empty() && !payload.empty()) {

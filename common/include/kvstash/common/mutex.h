@@ -1,6 +1,8 @@
-// A std::mutex that the clang thread-safety analysis understands.
+// A std::mutex and a condition variable that the clang thread-safety analysis understands.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 
 #include "kvstash/common/thread_annotations.h"
@@ -17,6 +19,7 @@ class CAPABILITY("mutex") Mutex {
   void AssertHeld() const ASSERT_CAPABILITY(this) {}
 
  private:
+  friend class CondVar;
   std::mutex mu_;
 };
 
@@ -30,6 +33,36 @@ class SCOPED_CAPABILITY MutexLock {
 
  private:
   Mutex* const mu_;
+};
+
+// A condition variable waited on with a Mutex held. Waits may wake spuriously: wait in a loop
+// on the condition, with the lock held where the analysis sees it:
+//
+//   MutexLock lock(&mu_);
+//   while (queue_.empty() && !stopping_) work_.Wait(&mu_);
+//
+// Thread-safe.
+class CondVar {
+ public:
+  // Releases `mu`, waits for a signal, and holds `mu` again before returning.
+  void Wait(Mutex* mu) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    cv_.wait(lock);
+    lock.release();  // still held, by the caller
+  }
+  // As Wait, for at most `timeout`; false when it timed out.
+  template <typename Rep, typename Period>
+  bool WaitFor(Mutex* mu, std::chrono::duration<Rep, Period> timeout) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    const bool signalled = cv_.wait_for(lock, timeout) == std::cv_status::no_timeout;
+    lock.release();
+    return signalled;
+  }
+  void Signal() { cv_.notify_one(); }
+  void SignalAll() { cv_.notify_all(); }
+
+ private:
+  std::condition_variable cv_;
 };
 
 }  // namespace kvstash

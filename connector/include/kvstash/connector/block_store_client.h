@@ -49,9 +49,9 @@ class BlockStoreClient {
   // Per-key lookups in key order. A key whose node cannot be reached, or whose node refused the
   // call, is a miss; either is counted (counters()) and logged.
   virtual std::vector<KeyState> Lookup(std::span<const BlockKey> keys) = 0;
-  // Marks the keys used on their nodes, the first key most recent (reference §3: LRU moves them
-  // to the most recent end, ARC to T2; keys a node does not hold are ignored, or count as ghost
-  // hits). Asynchronous: returns once the calls are sent, and their outcome is counted and
+  // Marks the keys used on their nodes, the first key most recent (docs/semantics.md §3: LRU moves
+  // them to the most recent end, ARC to T2; keys a node does not hold are ignored, or count as
+  // ghost hits). Asynchronous: returns once the calls are sent, and their outcome is counted and
   // logged as any call's. Calls still in flight are waited for when the client is destroyed.
   virtual void Touch(std::span<const BlockKey> keys) = 0;
   // Stores blocks[i] under keys[i], each exactly its node's block size; keys already held are

@@ -20,16 +20,15 @@
 // Thread-safe: Submit, Poll and Wait may be called from any thread; one transfer thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <thread>
 #include <vector>
 
+#include "kvstash/common/mutex.h"
 #include "kvstash/common/status.h"
 #include "kvstash/connector/block_store_client.h"
 
@@ -121,13 +120,13 @@ class BlockTransfer {
 
   BlockTransferOptions options_;
   size_t block_bytes_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::unique_ptr<Pending>> loads_, stores_;
-  std::vector<uint64_t> in_flight_;  // queued or running ids
-  size_t touches_in_flight_ = 0;     // queued or being sent
-  std::vector<BlockJobResult> finished_;
-  bool stop_ = false;
+  Mutex mu_;
+  CondVar cv_;  // a job queued, started or finished; stop
+  std::deque<std::unique_ptr<Pending>> loads_ GUARDED_BY(mu_), stores_ GUARDED_BY(mu_);
+  std::vector<uint64_t> in_flight_ GUARDED_BY(mu_);  // queued or running ids
+  size_t touches_in_flight_ GUARDED_BY(mu_) = 0;     // queued or being sent
+  std::vector<BlockJobResult> finished_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -3,7 +3,7 @@
 // The scheduler side of the offloading connector: which tokens of a waiting request can be loaded
 // from the offload tier, which GPU blocks receive them, which blocks of running requests are
 // stored, and when the worker must wait for a transfer before the engine reuses a GPU block. A
-// port of vLLM's OffloadingConnectorScheduler (../shared/reference/vllm_kv_offload.md §7; vectors
+// port of vLLM's OffloadingConnectorScheduler (docs/semantics.md §7; vectors
 // §12.G, §12.I, §12.J) that knows the engine only through the small views below, so it builds and
 // tests without an engine, a transport or a device.
 //
@@ -37,7 +37,7 @@ inline constexpr GpuBlockId kNullGpuBlock = 0;
 // Loads and stores share one increasing counter, so a completion names its job unambiguously.
 using JobId = uint64_t;
 
-// The scheduler-side offload manager (reference §1): the index of offloaded blocks that the
+// The scheduler-side offload manager (docs/semantics.md §1): the index of offloaded blocks that the
 // connector consults and updates. Implementations decide placement and eviction; the connector
 // decides what to ask for. Called from the scheduler's thread only; implementations need not be
 // thread-safe.

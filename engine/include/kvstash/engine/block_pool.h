@@ -1,7 +1,7 @@
 #pragma once
 
 // The paged KV cache's block pool, as vLLM's BlockPool and FreeKVCacheBlockQueue
-// (../shared/reference/vllm_kv_offload.md §9.2, vectors §12.N): block 0 is the null block;
+// (docs/semantics.md §9.2, vectors §12.N): block 0 is the null block;
 // free blocks wait in a queue, least recently freed first, and keep their cached hash until a
 // new allocation takes them, so a freed block is still a prefix-cache hit until then.
 

@@ -2,7 +2,7 @@
 
 // Prefix-cache hit search of the hybrid KV-cache manager, per attention type and across
 // KV-cache groups, exactly as vLLM's single-type managers and HybridKVCacheCoordinator do
-// (../shared/reference/vllm_kv_offload.md §9.3, §9.4; vectors §12.K). The block pool and the
+// (docs/semantics.md §9.3, §9.4; vectors §12.K). The block pool and the
 // hashing are not here: a group's cached blocks are given as a lookup by hash index.
 //
 // Block tables hold block ids; block 0 is the null block (a position whose KV is not needed:

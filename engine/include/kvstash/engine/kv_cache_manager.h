@@ -3,7 +3,7 @@
 // The hybrid KV-cache manager: one block pool shared by every KV-cache group, per-group block
 // tables of each request, prefix caching with chained block hashes, and the per-type freeing of
 // blocks a layer no longer needs, as vLLM's KVCacheManager, HybridKVCacheCoordinator and
-// single-type managers (../shared/reference/vllm_kv_offload.md §9; vectors §12.K, §12.L).
+// single-type managers (docs/semantics.md §9; vectors §12.K, §12.L).
 //
 // Owned by the scheduler; not thread-safe (the scheduler calls it from one thread).
 

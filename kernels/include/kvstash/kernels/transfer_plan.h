@@ -1,10 +1,10 @@
 #pragma once
 
 // The copy operations of one block transfer between a paged device cache and host blocks,
-// exactly as vLLM's offloading handler maps them (reference §6, vectors §12.H): a host block
-// holds `factor` consecutive device blocks (sub-blocks) of each canonical tensor; group g moves
-// group_sizes[g] device blocks, the first of which is sub-block block_indices[g] % factor of the
-// group's first host block; every tensor the group references is copied, one operation per
+// exactly as vLLM's offloading handler maps them (docs/semantics.md §6, vectors §12.H): a host
+// block holds `factor` consecutive device blocks (sub-blocks) of each canonical tensor; group g
+// moves group_sizes[g] device blocks, the first of which is sub-block block_indices[g] % factor of
+// the group's first host block; every tensor the group references is copied, one operation per
 // device block. The plan is plain data: a CPU executor (ExecuteTransferOnHost) and the CUDA one
 // (kernels/cuda) carry it out.
 

@@ -1,5 +1,5 @@
 // BlockManager: the block index of one offload node tier (vLLM's CPUOffloadingManager, §1-§4 of
-// shared/reference/vllm_kv_offload.md), with LRU and ARC replacement.
+// docs/semantics.md), with LRU and ARC replacement.
 #pragma once
 
 #include <cstddef>

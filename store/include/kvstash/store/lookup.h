@@ -1,4 +1,4 @@
-// Lookups over a request's keys: the per-key scans of §7.4 of the vLLM reference.
+// Lookups over a request's keys: the per-key scans of docs/semantics.md §7.4.
 #pragma once
 
 #include <cstddef>

@@ -6,10 +6,12 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/mutex.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_manager.h"
 #include "kvstash/store/block_slab.h"
@@ -92,7 +94,7 @@ struct TieredStoreStats {
   uint64_t quota_refusals = 0;
 };
 
-// The store of one offload node, with the tiering of reference §5 adapted to one node:
+// The store of one offload node, with the tiering of docs/semantics.md §5 adapted to one node:
 //   - stores land in the CPU tier (PrepareStore, write the slot, CompleteStore);
 //   - a committed block reaches SSD at once (write-through; when evicted if the disk is
 //     max_cascades_in_flight blocks behind) or when evicted (write-back);
@@ -167,9 +169,9 @@ class TieredStore {
   TieredStore(const TieredStoreOptions& options, std::unique_ptr<BlockManager> cpu,
               std::unique_ptr<BlockSlab> slab, std::unique_ptr<SsdTier> ssd);
 
-  LookupResult LookupLocked(const OffloadKey& key, Deferred* deferred);
+  LookupResult LookupLocked(const OffloadKey& key, Deferred* deferred) REQUIRES(mu_);
   // Reserves SSD slots for the evicted blocks it lacks.
-  void PlanWriteBackLocked(Deferred* deferred);
+  void PlanWriteBackLocked(Deferred* deferred) REQUIRES(mu_);
   // Copies or writes the evicted blocks (before their CPU slots are reused), then starts the
   // promotion. Called without the lock.
   void Execute(Deferred deferred);
@@ -180,10 +182,11 @@ class TieredStore {
   void RunCascade(const Transfer& cascade);
   // Under write-through, starts the cascade of committed `keys` the SSD tier lacks; `bounded`:
   // past max_cascades_in_flight the rest are deferred to their eviction.
-  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade, bool bounded);
+  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade, bool bounded)
+      REQUIRES(mu_);
   // The blocks a CPU-tier eviction of `plan` must write to SSD first (write-back: all; write-
   // through: those whose cascade was deferred), into deferred->evicted.
-  void NoteEvictedLocked(const StorePlan& plan, Deferred* deferred);
+  void NoteEvictedLocked(const StorePlan& plan, Deferred* deferred) REQUIRES(mu_);
 
   const size_t block_bytes_;
   const CascadeMode cascade_;
@@ -194,6 +197,14 @@ class TieredStore {
   std::unique_ptr<BlockSlab> slab_;
   std::unique_ptr<SsdTier> ssd_;
   std::unique_ptr<Counters> counters_;
+  // One lock for tier decisions: a key moves between the tiers' indexes atomically with respect
+  // to lookups (it is never absent from both while in transit). Block I/O runs outside it.
+  Mutex mu_;
+  // Blocks being promoted (their CPU slots being written), blocks being cascaded (their CPU
+  // copies pinned), and committed blocks whose cascade waits for their eviction.
+  size_t promotions_in_flight_ GUARDED_BY(mu_) = 0;
+  size_t cascades_in_flight_ GUARDED_BY(mu_) = 0;
+  std::set<OffloadKey> deferred_cascades_ GUARDED_BY(mu_);
   std::unique_ptr<IoPool> io_;  // last: its threads stop first
 };
 
