@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 #include <thread>
 
 #include "kvstash/common/hash.h"
@@ -17,10 +18,17 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
     return InvalidArgumentError("the pool needs at least 2 blocks (block 0 is the null block)");
   }
   ModelWeights weights;
-  if (!options.weights_path.empty()) {
-    KVSTASH_ASSIGN_OR_RETURN(weights, ModelWeights::FromSafetensors(config, options.weights_path));
-  } else {
-    weights = ModelWeights::FromSeed(config, options.seed.value_or(config.seed));
+  try {
+    if (!options.weights_path.empty()) {
+      KVSTASH_ASSIGN_OR_RETURN(weights,
+                               ModelWeights::FromSafetensors(config, options.weights_path));
+    } else {
+      weights = ModelWeights::FromSeed(config, options.seed.value_or(config.seed));
+    }
+  } catch (const std::bad_alloc&) {
+    // The weights live in host memory first; a model larger than it is an error, not a crash.
+    return ResourceExhaustedError("the weights of model '{}' do not fit in host memory",
+                                  config.name);
   }
   // What a block's KV depends on besides its tokens: the model, its weights, the page layout.
   std::string identity = config.ToJson();
@@ -44,8 +52,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   sched.cache_salt = Hash128{fingerprint, 0}.ToHex();
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device,
                            kernels::MakeDevice(options.device));
-  ModelRunner runner(std::move(config), std::move(weights), std::move(layout), options.num_blocks,
-                     std::move(device));
+  KVSTASH_ASSIGN_OR_RETURN(
+      ModelRunner runner,
+      ModelRunner::Create(std::move(config), std::move(weights), std::move(layout),
+                          options.num_blocks, std::move(device)));
   std::unique_ptr<Engine> engine(new Engine(std::move(runner), std::move(kv), sched));
   engine->fingerprint_ = fingerprint;
   if (offload) {

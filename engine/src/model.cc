@@ -1,5 +1,6 @@
 #include "kvstash/engine/model.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -355,8 +356,20 @@ Result<ModelWeights> ModelWeights::FromSafetensors(const ModelConfig& config,
     auto it = doc.find(t.name);
     if (it == doc.end()) return InvalidArgumentError("{}: tensor '{}' is missing", path, t.name);
     const json& e = *it;
-    if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets")) {
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+        !e.contains("data_offsets")) {
       return InvalidArgumentError("{}: tensor '{}' has no dtype/shape/data_offsets", path, t.name);
+    }
+    // The header is the file's, not ours: every type is checked before it is read, so a
+    // malformed file is an error, never an exception.
+    auto sizes = [](const json& v) {
+      return v.is_array() &&
+             std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_number_unsigned(); });
+    };
+    if (!sizes(e["shape"]) || !sizes(e["data_offsets"]) || !e["dtype"].is_string()) {
+      return InvalidArgumentError(
+          "{}: tensor '{}': shape and data_offsets must be lists of sizes, dtype a string", path,
+          t.name);
     }
     std::vector<size_t> shape = e["shape"].get<std::vector<size_t>>();
     if (shape != t.shape) {

@@ -27,7 +27,7 @@ kernels::AttentionMask MaskOf(const LayerConfig& layer) {
 
 // Grows with NaN: a read of ring or step-buffer memory never written shows up in the logits
 // instead of passing as zeros.
-void GrowPoisoned(kernels::DeviceBuffer& v, size_t n) { v.Grow(n, std::nanf("")); }
+Status GrowPoisoned(kernels::DeviceBuffer& v, size_t n) { return v.Grow(n, std::nanf("")); }
 
 }  // namespace
 
@@ -108,15 +108,27 @@ Result<KvLayout> KvLayout::Build(const ModelConfig& config, uint32_t block_size,
   return layout;
 }
 
+Result<ModelRunner> ModelRunner::Create(ModelConfig config, ModelWeights weights, KvLayout layout,
+                                        size_t num_blocks,
+                                        std::shared_ptr<kernels::Device> device) {
+  if (device == nullptr) {
+    KVSTASH_ASSIGN_OR_RETURN(device, kernels::MakeDevice("cpu"));
+  }
+  ModelRunner runner(std::move(config), std::move(weights), std::move(layout), num_blocks,
+                     std::move(device));
+  KVSTASH_RETURN_IF_ERROR(runner.Init());
+  return runner;
+}
+
 ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout,
                          size_t num_blocks, std::shared_ptr<kernels::Device> device)
-    : device_(device != nullptr ? std::move(device)
-                                : std::shared_ptr<kernels::Device>(
-                                      std::move(kernels::MakeDevice("cpu")).value())),
+    : device_(std::move(device)),
       config_(std::move(config)),
       weights_(std::move(weights)),
       layout_(std::move(layout)),
-      num_blocks_(num_blocks) {
+      num_blocks_(num_blocks) {}
+
+Status ModelRunner::Init() {
   kernels::Device* d = device_.get();
   for (kernels::DeviceBuffer* b : {&pool_, &x_, &h_, &qkv_, &attn_, &ff_gate_, &ff_up_, &state_,
                                    &logits_, &ring_arena_, &step_pages_}) {
@@ -124,29 +136,32 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
   }
   // In device memory apart from the host, NaN: a page read before anything wrote it (a load
   // that did not reach the device) shows up in the logits instead of passing as zeros.
-  pool_.Grow(num_blocks * layout_.page_floats, d->HostAccessible() ? 0.0f : std::nanf(""));
+  KVSTASH_RETURN_IF_ERROR(
+      pool_.Grow(num_blocks_ * layout_.page_floats, d->HostAccessible() ? 0.0f : std::nanf("")));
   if (d->HostAccessible()) {
     host_pool_ = pool_.data();
   } else {
-    const size_t n = num_blocks * layout_.page_floats;
-    host_mirror_ = {d->AllocateHost(n), [device = device_](float* p) { device->FreeHost(p); }};
+    const size_t n = num_blocks_ * layout_.page_floats;
+    KVSTASH_ASSIGN_OR_RETURN(float* mirror, d->AllocateHost(n));
+    host_mirror_ = {mirror, [device = device_](float* p) { device->FreeHost(p); }};
     host_pool_ = host_mirror_.get();
     std::fill(host_pool_, host_pool_ + n, std::nanf(""));  // so is a store of a stale page
-    auto upload = [&](const std::vector<float>& v) {
-      if (v.empty()) return;
+    auto upload = [&](const std::vector<float>& v) -> Status {
+      if (v.empty()) return Status::OK();
       kernels::DeviceBuffer b(d);
-      b.Grow(v.size());
+      KVSTASH_RETURN_IF_ERROR(b.Grow(v.size()));
       d->Upload(b.data(), v.data(), v.size());
       device_weight_[v.data()] = b.data();
       weight_buffers_.push_back(std::move(b));
+      return Status::OK();
     };
-    upload(weights_.embed);
-    upload(weights_.final_norm);
-    upload(weights_.lm_head);
+    KVSTASH_RETURN_IF_ERROR(upload(weights_.embed));
+    KVSTASH_RETURN_IF_ERROR(upload(weights_.final_norm));
+    KVSTASH_RETURN_IF_ERROR(upload(weights_.lm_head));
     for (const LayerWeights& w : weights_.layers) {
       for (const std::vector<float>* v : {&w.attn_norm, &w.wq, &w.wk, &w.wv, &w.wgate_state, &w.wo,
                                           &w.mlp_norm, &w.w_gate, &w.w_up, &w.w_down}) {
-        upload(*v);
+        KVSTASH_RETURN_IF_ERROR(upload(*v));
       }
     }
   }
@@ -165,6 +180,7 @@ ModelRunner::ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layo
     ring_slot_floats_ += 2 * size_t{layer.window} * kvd;
     step_page_floats_ = 2 * size_t{layout_.groups[group].block_size} * kvd;
   }
+  return Status::OK();
 }
 
 const float* ModelRunner::W(const std::vector<float>& host) const {
@@ -197,7 +213,7 @@ void ModelRunner::ReleaseRequest(RequestId id) {
   ring_slot_of_.erase(it);
 }
 
-void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
+Status ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
   step_slot_.resize(seqs.size());
   step_fresh_.resize(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -205,7 +221,7 @@ void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
     if (fresh) {
       if (free_ring_slots_.empty()) {
         it->second = num_ring_slots_++;
-        GrowPoisoned(ring_arena_, num_ring_slots_ * ring_slot_floats_);
+        KVSTASH_RETURN_IF_ERROR(GrowPoisoned(ring_arena_, num_ring_slots_ * ring_slot_floats_));
       } else {
         it->second = free_ring_slots_.back();
         free_ring_slots_.pop_back();
@@ -233,7 +249,7 @@ void ModelRunner::PrepareRings(std::span<const SeqInput> seqs) {
   }
   step_table_at_.push_back(step_tables_.size());
   staged_step_tables_ = device_->Stage(step_tables_);
-  GrowPoisoned(step_pages_, next_page * step_page_floats_);
+  return GrowPoisoned(step_pages_, next_page * step_page_floats_);
 }
 
 kernels::PagedLayer ModelRunner::StepBufferLayer() const {
@@ -277,13 +293,13 @@ Status ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& 
   size_t total = 0;
   for (const SeqInput& s : seqs) total += s.tokens.size();
   const size_t qd = size_t{config_.num_heads} * config_.head_dim;
-  x_.Grow(total * hidden);
-  h_.Grow(total * std::max(hidden, qd));
-  qkv_.Grow(total * (3 * qd + config_.num_heads));
-  attn_.Grow(total * qd);
-  ff_gate_.Grow(total * config_.intermediate);
-  ff_up_.Grow(total * config_.intermediate);
-  state_.Grow(config_.StateFloats());
+  KVSTASH_RETURN_IF_ERROR(x_.Grow(total * hidden));
+  KVSTASH_RETURN_IF_ERROR(h_.Grow(total * std::max(hidden, qd)));
+  KVSTASH_RETURN_IF_ERROR(qkv_.Grow(total * (3 * qd + config_.num_heads)));
+  KVSTASH_RETURN_IF_ERROR(attn_.Grow(total * qd));
+  KVSTASH_RETURN_IF_ERROR(ff_gate_.Grow(total * config_.intermediate));
+  KVSTASH_RETURN_IF_ERROR(ff_up_.Grow(total * config_.intermediate));
+  KVSTASH_RETURN_IF_ERROR(state_.Grow(config_.StateFloats()));
   positions_.resize(total);
   tokens_.resize(total);
 
@@ -303,7 +319,7 @@ Status ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& 
   }
   staged_positions_ = d.Stage(positions_);
   const uint32_t* staged_tokens = d.Stage(tokens_);
-  if (!ring_layers_.empty()) PrepareRings(seqs);
+  if (!ring_layers_.empty()) KVSTASH_RETURN_IF_ERROR(PrepareRings(seqs));
 
   d.Embed(W(weights_.embed), vocab, hidden, staged_tokens, total, x_.data());
   float* x = x_.data();
@@ -341,7 +357,7 @@ Status ModelRunner::Forward(std::span<const SeqInput> seqs, std::vector<float>& 
   if (d.HostAccessible()) {
     d.MatMul(h, W(weights_.lm_head), logits.data(), out_rows, hidden, vocab);
   } else {
-    logits_.Grow(out_rows * vocab);
+    KVSTASH_RETURN_IF_ERROR(logits_.Grow(out_rows * vocab));
     d.MatMul(h, W(weights_.lm_head), logits_.data(), out_rows, hidden, vocab);
     d.Download(logits.data(), logits_.data(), out_rows * vocab);
   }

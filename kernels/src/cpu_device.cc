@@ -19,9 +19,13 @@ class CpuDevice final : public Device {
   std::string_view name() const override { return staged_ ? "cpu-staged" : "cpu"; }
   bool HostAccessible() const override { return !staged_; }
 
-  float* Allocate(size_t floats) override {
-    if (floats == 0) return nullptr;
-    return static_cast<float*>(::operator new(floats * sizeof(float), kAlignment));
+  Result<float*> Allocate(size_t floats) override {
+    if (floats == 0) return static_cast<float*>(nullptr);
+    void* p = floats > SIZE_MAX / sizeof(float)
+                  ? nullptr
+                  : ::operator new(floats * sizeof(float), kAlignment, std::nothrow);
+    if (p == nullptr) return ResourceExhaustedError("{} floats of memory refused", floats);
+    return static_cast<float*>(p);
   }
   void Free(float* p) override { ::operator delete(p, kAlignment); }
   void Copy(float* dst, const float* src, size_t floats) override {

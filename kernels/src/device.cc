@@ -1,6 +1,7 @@
 #include "kvstash/kernels/device.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <new>
 #include <utility>
 
@@ -16,9 +17,13 @@ Result<std::unique_ptr<Device>> MakeDevice(std::string_view name) {
   return InvalidArgumentError("unknown device '{}': cpu, cpu-staged or cuda", name);
 }
 
-float* Device::AllocateHost(size_t floats) {
-  if (floats == 0) return nullptr;
-  return static_cast<float*>(::operator new (floats * sizeof(float), std::align_val_t{64}));
+Result<float*> Device::AllocateHost(size_t floats) {
+  if (floats == 0) return static_cast<float*>(nullptr);
+  void* p = floats > SIZE_MAX / sizeof(float)
+                ? nullptr
+                : ::operator new (floats * sizeof(float), std::align_val_t{64}, std::nothrow);
+  if (p == nullptr) return ResourceExhaustedError("{} floats of host memory refused", floats);
+  return static_cast<float*>(p);
 }
 
 void Device::FreeHost(float* p) { ::operator delete (p, std::align_val_t{64}); }
@@ -37,16 +42,17 @@ DeviceBuffer::~DeviceBuffer() {
   if (data_ != nullptr) device_->Free(data_);
 }
 
-void DeviceBuffer::Grow(size_t floats, float fill) {
-  if (floats <= size_) return;
+Status DeviceBuffer::Grow(size_t floats, float fill) {
+  if (floats <= size_) return Status::OK();
   // Geometric growth: a buffer that grows step by step moves O(final size) floats in all.
   const size_t size = std::max(floats, size_ + size_ / 2);
-  float* data = device_->Allocate(size);
+  KVSTASH_ASSIGN_OR_RETURN(float* data, device_->Allocate(size));
   if (size_ > 0) device_->Copy(data, data_, size_);
   device_->Fill(data + size_, size - size_, fill);
   if (data_ != nullptr) device_->Free(data_);
   data_ = data;
   size_ = size;
+  return Status::OK();
 }
 
 }  // namespace kvstash::kernels

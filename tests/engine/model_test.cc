@@ -173,7 +173,9 @@ std::vector<float> Paged(const ModelConfig& c, const ModelWeights& w, const KvLa
   o.num_blocks = 1024;
   o.prefix_caching = false;
   KvCacheManager kv(o);
-  ModelRunner runner(c, w, layout, o.num_blocks);
+  auto created = ModelRunner::Create(c, w, layout, o.num_blocks);
+  EXPECT_TRUE(created.ok()) << created.status().ToString();
+  ModelRunner runner = std::move(created).value();
   // Poison the pool: a read of a page the request does not own shows up as NaN.
   runner.device().Fill(runner.device_pool(), runner.host_pool().size(), std::nanf(""));
   std::vector<float> all, logits;
@@ -404,6 +406,35 @@ TEST(ModelWeightsTest, SeededWeightsAreDeterministicAndSafetensorsRoundTrips) {
   EXPECT_FALSE(ModelWeights::FromSafetensors(c, path).ok());
   std::filesystem::remove(path);
   EXPECT_EQ(ModelWeights::FromSafetensors(c, path).status().code(), StatusCode::kNotFound);
+}
+
+// A header of the wrong types (a string for a shape, a number for a dtype, not an object) is an
+// InvalidArgument naming the tensor, never an exception out of the loader.
+TEST(ModelWeightsTest, MalformedSafetensorsHeadersAreRefusedNotThrown) {
+  const ModelConfig c = *ModelConfig::Load("builtin:tiny-full");
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("kvstash_bad_" + std::to_string(getpid()) + ".safetensors"))
+                               .string();
+  for (const std::string header :
+       {R"({"embed": {"dtype": "F32", "shape": "256x16", "data_offsets": [0, 4]}})",
+        R"({"embed": {"dtype": 7, "shape": [256, 16], "data_offsets": [0, 16384]}})",
+        R"({"embed": {"dtype": "F32", "shape": [256, -16], "data_offsets": [0, 4]}})",
+        R"({"embed": {"dtype": "F32", "shape": [256, 16], "data_offsets": {"a": 1}}})",
+        R"({"embed": [1, 2, 3]})"}) {
+    SCOPED_TRACE(header);
+    {
+      std::ofstream out(path, std::ios::binary);
+      const uint64_t length = header.size();
+      out.write(reinterpret_cast<const char*>(&length), 8);
+      out << header;
+    }
+    auto loaded = ModelWeights::FromSafetensors(c, path);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_EQ(loaded.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(loaded.status().message().find("'embed'"), std::string::npos)
+        << loaded.status().ToString();
+  }
+  std::filesystem::remove(path);
 }
 
 }  // namespace

@@ -83,7 +83,7 @@ class CudaDeviceTest : public ::testing::Test {
 
   // Device memory freed at the end of the test.
   float* Alloc(size_t floats) {
-    float* p = device_->Allocate(floats);
+    float* p = device_->Allocate(floats).value();
     buffers_.push_back(p);
     return p;
   }
@@ -113,7 +113,7 @@ class CudaDeviceTest : public ::testing::Test {
 TEST_F(CudaDeviceTest, MakeDeviceGivesTheCudaDevice) {
   EXPECT_EQ(device_->name(), "cuda");
   EXPECT_FALSE(device_->HostAccessible());
-  EXPECT_EQ(device_->Allocate(0), nullptr);
+  EXPECT_EQ(device_->Allocate(0).value(), nullptr);
   EXPECT_TRUE(device_->Synchronize().ok());
 }
 
@@ -125,7 +125,7 @@ TEST_F(CudaDeviceTest, UploadDownloadCopyFill) {
     for (bool pinned : {false, true}) {
       SCOPED_TRACE(testing::Message() << floats << " floats, pinned " << pinned);
       const std::vector<float> data = RandomFloats(floats, rng_);
-      float* host = pinned ? device_->AllocateHost(floats) : new float[floats];
+      float* host = pinned ? device_->AllocateHost(floats).value() : new float[floats];
       std::copy(data.begin(), data.end(), host);
       float* p = Alloc(floats);
       device_->Upload(p, host, floats);
@@ -567,7 +567,7 @@ TEST_F(CudaDeviceTest, PagesToHostCopiesThePagesAfterTheQueuedWork) {
                     n, in, out);
     device_->AddConstant(pool, floats, 1, floats, 0.5f);
 
-    float* host = pinned ? device_->AllocateHost(floats) : new float[floats];
+    float* host = pinned ? device_->AllocateHost(floats).value() : new float[floats];
     std::fill_n(host, floats, kSentinel);
     const std::vector<uint32_t> pages = SomePages(num_pages, rng_);
     ASSERT_TRUE(device_->PagesToHost(pool, host, page_floats, pages).ok());
@@ -594,7 +594,7 @@ TEST_F(CudaDeviceTest, PagesToDeviceIsOrderedWithTheComputeOnBothSides) {
   for (bool pinned : {false, true}) {
     SCOPED_TRACE(testing::Message() << "pinned host mirror " << pinned);
     const std::vector<float> data = RandomFloats(floats, rng_);
-    float* host = pinned ? device_->AllocateHost(floats) : new float[floats];
+    float* host = pinned ? device_->AllocateHost(floats).value() : new float[floats];
     std::copy(data.begin(), data.end(), host);
     // Long work queued before, then a write of the pool the copies must come after: without
     // the copy stream waiting for the compute, the Fill lands on the copied pages.
@@ -632,7 +632,7 @@ TEST(CudaDeviceErrorTest, AFailedLaunchIsReportedBySynchronize) {
   auto made = MakeDevice("cuda");
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   std::unique_ptr<Device> device = std::move(made).value();
-  float* buffer = device->Allocate(1024);
+  float* buffer = device->Allocate(1024).value();
   const PagedLayer layer{.pool = buffer,
                          .page_floats = 512,
                          .layer_offset = 0,

@@ -172,28 +172,27 @@ class CudaDevice final : public Device {
   std::string_view name() const override { return "cuda"; }
   bool HostAccessible() const override { return false; }
 
-  // std::bad_alloc when the device has not `floats` floats left.
-  float* Allocate(size_t floats) override {
-    if (floats == 0) return nullptr;
-    if (floats > SIZE_MAX / sizeof(float)) throw std::bad_alloc();
+  Result<float*> Allocate(size_t floats) override {
+    if (floats == 0) return static_cast<float*>(nullptr);
     void* p = nullptr;
-    if (cudaMalloc(&p, floats * sizeof(float)) != cudaSuccess) {
+    if (floats > SIZE_MAX / sizeof(float) ||
+        cudaMalloc(&p, floats * sizeof(float)) != cudaSuccess) {
       cudaGetLastError();  // out of memory is not sticky: clear it for the next launch check
-      throw std::bad_alloc();
+      return ResourceExhaustedError("{} floats of device memory refused", floats);
     }
     return static_cast<float*>(p);
   }
   void Free(float* p) override {
     if (p != nullptr) Check(cudaFree(p), "free");
   }
-  // Pinned: page copies to and from it run at the bus's speed. std::bad_alloc when refused.
-  float* AllocateHost(size_t floats) override {
-    if (floats == 0) return nullptr;
-    if (floats > SIZE_MAX / sizeof(float)) throw std::bad_alloc();
+  // Pinned: page copies to and from it run at the bus's speed.
+  Result<float*> AllocateHost(size_t floats) override {
+    if (floats == 0) return static_cast<float*>(nullptr);
     void* p = nullptr;
-    if (cudaHostAlloc(&p, floats * sizeof(float), cudaHostAllocDefault) != cudaSuccess) {
+    if (floats > SIZE_MAX / sizeof(float) ||
+        cudaHostAlloc(&p, floats * sizeof(float), cudaHostAllocDefault) != cudaSuccess) {
       cudaGetLastError();
-      throw std::bad_alloc();
+      return ResourceExhaustedError("{} floats of pinned host memory refused", floats);
     }
     return static_cast<float*>(p);
   }
@@ -201,11 +200,12 @@ class CudaDevice final : public Device {
     if (p != nullptr) Check(cudaFreeHost(p), "free host");
   }
   void Copy(float* dst, const float* src, size_t floats) override {
-    if (floats == 0) return;
+    if (floats == 0 || !error_.ok()) return;
     Check(cudaMemcpyAsync(dst, src, floats * sizeof(float), cudaMemcpyDeviceToDevice, stream()),
           "copy");
   }
   void Fill(float* x, size_t floats, float value) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchFill(x, floats, value, stream()), "fill");
   }
   void Upload(float* dst, const float* host, size_t floats) override {
@@ -217,6 +217,7 @@ class CudaDevice final : public Device {
       // stream: queued, and the caller's buffer is free at once.
       staged_upload_bytes_ += bytes;
       std::byte* pinned = Reserve(bytes).host;
+      if (pinned == nullptr) return;  // refused: the device has failed (Synchronize says so)
       std::memcpy(pinned, host, bytes);
       Check(cudaMemcpyAsync(dst, pinned, bytes, cudaMemcpyHostToDevice, stream()), "upload");
     } else {
@@ -234,6 +235,7 @@ class CudaDevice final : public Device {
   const uint32_t* Stage(std::span<const uint32_t> host) override {
     const size_t bytes = host.size_bytes();
     const Slot slot = Reserve(bytes);
+    if (slot.host == nullptr) return nullptr;  // refused: the device has failed
     if (bytes > 0) {
       std::memcpy(slot.host, host.data(), bytes);
       Check(cudaMemcpyAsync(slot.device, slot.host, bytes, cudaMemcpyHostToDevice, stream()),
@@ -248,8 +250,11 @@ class CudaDevice final : public Device {
     if (chunks_.size() > 1) {
       size_t total = 0;
       for (const Chunk& chunk : chunks_) total += chunk.bytes;
-      chunks_.clear();
-      chunks_.push_back(NewChunk(total));
+      // Refused: the chunks of the last step serve this one too.
+      if (Result<Chunk> merged = NewChunk(total); merged.ok()) {
+        chunks_.clear();
+        chunks_.push_back(std::move(merged).value());
+      }
     }
     chunk_ = 0;
     chunk_used_ = 0;
@@ -262,32 +267,40 @@ class CudaDevice final : public Device {
 
   void MatMul(const float* x, const float* w, float* y, size_t n, size_t in, size_t out,
               size_t x_stride, size_t y_stride) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchMatMul(x, w, y, n, in, out, x_stride, y_stride, stream()), "MatMul");
   }
   void RmsNorm(const float* x, const float* weight, float* y, size_t n, size_t dim,
                float eps) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchRmsNorm(x, weight, y, n, dim, eps, stream()), "RmsNorm");
   }
   void ApplyRope(float* x, size_t stride, size_t n, size_t num_heads, size_t head_dim,
                  const uint32_t* positions, float theta) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchApplyRope(x, stride, n, num_heads, head_dim, positions, theta, stream()),
           "ApplyRope");
   }
   void SiluMul(const float* gate, const float* up, float* out, size_t count) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchSiluMul(gate, up, out, count, stream()), "SiluMul");
   }
   void AddInPlace(float* x, const float* y, size_t count) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchAddInPlace(x, y, count, stream()), "AddInPlace");
   }
   void AddConstant(float* x, size_t stride, size_t rows, size_t cols, float value) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchAddConstant(x, stride, rows, cols, value, stream()), "AddConstant");
   }
   void Embed(const float* table, size_t vocab, size_t dim, const uint32_t* tokens, size_t n,
              float* out) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchEmbed(table, vocab, dim, tokens, n, out, stream()), "Embed");
   }
   void WriteKv(const PagedLayer& layer, const uint32_t* block_table, size_t table_len,
                size_t start_pos, size_t n, const float* k, const float* v, size_t stride) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchWriteKv(ToLayout(layer), block_table, table_len, start_pos, n, k, v, stride,
                         stream()),
           "WriteKv");
@@ -296,6 +309,7 @@ class CudaDevice final : public Device {
                       const float* q, size_t q_stride, size_t n, size_t start_pos,
                       uint32_t num_heads, const AttentionMask& mask, float scale, float* out,
                       size_t out_stride) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchPagedAttention(ToLayout(layer), block_table, q, q_stride, n, start_pos, num_heads,
                                ToMask(mask), scale, out, out_stride, stream()),
           "PagedAttention");
@@ -303,6 +317,7 @@ class CudaDevice final : public Device {
   void StateScan(float* state, const float* q, const float* k, const float* v, size_t stride,
                  const float* gate, size_t gate_stride, size_t n, uint32_t num_heads,
                  uint32_t head_dim, float* out, size_t out_stride) override {
+    if (!error_.ok()) return;  // a failed device runs nothing more
     Check(LaunchStateScan(state, q, k, v, stride, gate, gate_stride, n, num_heads, head_dim, out,
                           out_stride, stream()),
           "StateScan");
@@ -399,27 +414,27 @@ class CudaDevice final : public Device {
     return FromCuda(err, StatusCode::kInternal, what);
   }
 
-  // std::bad_alloc when the memory is refused.
-  static Chunk NewChunk(size_t bytes) {
+  // ResourceExhausted when the memory is refused.
+  static Result<Chunk> NewChunk(size_t bytes) {
     Chunk chunk;
     chunk.bytes = bytes;
     void* host = nullptr;
     void* device = nullptr;
     if (cudaHostAlloc(&host, bytes, cudaHostAllocDefault) != cudaSuccess) {
       cudaGetLastError();
-      throw std::bad_alloc();
+      return ResourceExhaustedError("{} bytes of pinned staging memory refused", bytes);
     }
     chunk.host.reset(static_cast<std::byte*>(host));
     if (cudaMalloc(&device, bytes) != cudaSuccess) {
       cudaGetLastError();
-      throw std::bad_alloc();
+      return ResourceExhaustedError("{} bytes of device staging memory refused", bytes);
     }
     chunk.device.reset(static_cast<std::byte*>(device));
     return chunk;
   }
 
   // `bytes` of staging memory, unused since the last BeginStep. Chunks are added, never moved,
-  // so what earlier calls of the step gave stays valid.
+  // so what earlier calls of the step gave stays valid. A null slot when memory is refused.
   Slot Reserve(size_t bytes) {
     const size_t size =
         (std::max<size_t>(bytes, 1) + kStageAlignment - 1) / kStageAlignment * kStageAlignment;
@@ -429,7 +444,14 @@ class CudaDevice final : public Device {
     }
     if (chunk_ == chunks_.size()) {
       size_t grown = chunks_.empty() ? kStageChunkBytes : chunks_.back().bytes * 2;
-      chunks_.push_back(NewChunk(std::max(grown, size)));
+      Result<Chunk> chunk = NewChunk(std::max(grown, size));
+      if (!chunk.ok()) {
+        // The step cannot be staged: the device fails as on a kernel error, and nothing more
+        // of the step runs.
+        if (error_.ok()) error_ = chunk.status();
+        return Slot{nullptr, nullptr};
+      }
+      chunks_.push_back(std::move(chunk).value());
       chunk_used_ = 0;
     }
     Chunk& chunk = chunks_[chunk_];

@@ -84,8 +84,10 @@ struct SeqInput {
 class ModelRunner {
  public:
   // `device` null: the CPU. The weights are copied to a device whose memory is not the host's.
-  ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout, size_t num_blocks,
-              std::shared_ptr<kernels::Device> device = nullptr);
+  // ResourceExhausted when the device refuses the pool, its mirror or the weights.
+  static Result<ModelRunner> Create(ModelConfig config, ModelWeights weights, KvLayout layout,
+                                    size_t num_blocks,
+                                    std::shared_ptr<kernels::Device> device = nullptr);
 
   const ModelConfig& config() const { return config_; }
   const KvLayout& layout() const { return layout_; }
@@ -121,12 +123,16 @@ class ModelRunner {
     uint32_t window = 0;
     size_t offset = 0;  // floats from a request's ring slot to this layer's ring
   };
+  ModelRunner(ModelConfig config, ModelWeights weights, KvLayout layout, size_t num_blocks,
+              std::shared_ptr<kernels::Device> device);
+  // The device memory: pool, host mirror, weights.
+  Status Init();
   void AttentionLayer(size_t l, std::span<const SeqInput> seqs);
   void RingAttentionLayer(size_t l, size_t ring, std::span<const SeqInput> seqs);
   void StateLayer(size_t l, std::span<const SeqInput> seqs);
   kernels::PagedLayer PagedFor(size_t l) const;
   // Ring slots of this step's requests, and the step buffers' block tables.
-  void PrepareRings(std::span<const SeqInput> seqs);
+  Status PrepareRings(std::span<const SeqInput> seqs);
   kernels::PagedLayer StepBufferLayer() const;
   // A ring's step-buffer table for one sequence: on the host, and staged on the device.
   std::span<const uint32_t> StepTable(size_t ring, size_t seq) const;

@@ -36,12 +36,14 @@ class Device {
   virtual bool HostAccessible() const = 0;
 
   // Memory. Allocate gives `floats` floats (nullptr for 0), never initialised; Free takes
-  // what Allocate gave. Copy and Fill are queued like the kernels.
-  virtual float* Allocate(size_t floats) = 0;
+  // what Allocate gave. ResourceExhausted, naming the size, when the memory is refused. Copy
+  // and Fill are queued like the kernels.
+  virtual Result<float*> Allocate(size_t floats) = 0;
   virtual void Free(float* p) = 0;
   // Host memory the device copies to and from at full speed (pinned on a GPU), for host
-  // mirrors of device memory. The base class gives plain host memory.
-  virtual float* AllocateHost(size_t floats);
+  // mirrors of device memory. The base class gives plain host memory. ResourceExhausted when
+  // refused.
+  virtual Result<float*> AllocateHost(size_t floats);
   virtual void FreeHost(float* p);
   virtual void Copy(float* dst, const float* src, size_t floats) = 0;
   virtual void Fill(float* x, size_t floats, float value) = 0;
@@ -51,7 +53,8 @@ class Device {
   virtual void Download(float* host, const float* src, size_t floats) = 0;
   // A device copy of a small host array (block tables, token ids, positions), valid until the
   // next BeginStep. On a host-accessible device it is the host array itself, which the caller
-  // keeps alive and unchanged until then.
+  // keeps alive and unchanged until then. When staging memory is refused the device fails
+  // (Synchronize answers ResourceExhausted) and later work of the step is not run.
   virtual const uint32_t* Stage(std::span<const uint32_t> host) = 0;
   // A new step: what Stage gave before is given back. Waits for the work queued before.
   virtual void BeginStep() = 0;
@@ -112,7 +115,8 @@ class DeviceBuffer {
   ~DeviceBuffer();
 
   // At least `floats` floats, the old ones kept and the new ones set to `fill`.
-  void Grow(size_t floats, float fill = 0.0f);
+  // ResourceExhausted, the buffer unchanged, when the device refuses the memory.
+  [[nodiscard]] Status Grow(size_t floats, float fill = 0.0f);
   float* data() const { return data_; }
   size_t size() const { return size_; }
 
