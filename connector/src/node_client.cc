@@ -196,7 +196,7 @@ class NodeClient::Impl {
 
   Status Init() {
     if (options_.nodes.empty()) return InvalidArgumentError("no nodes given");
-    if (!options_.worker) {
+    if (!options_.worker && !options_.connect) {
       KVSTASH_ASSIGN_OR_RETURN(options_.worker,
                                transport::ClientWorker::Create(options_.transport));
     }
@@ -210,8 +210,14 @@ class NodeClient::Impl {
       client.transport = options_.transport;
       client.connect_timeout = options_.connect_timeout;
       client.worker = options_.worker;
-      KVSTASH_ASSIGN_OR_RETURN(auto rpc, RpcClient::Create(client));
-      clients_.push_back(std::move(rpc));
+      if (options_.connect) {
+        KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<transport::Channel> channel,
+                                 options_.connect(client));
+        clients_.push_back(std::move(channel));
+      } else {
+        KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<RpcClient> rpc, RpcClient::Create(client));
+        clients_.push_back(std::move(rpc));
+      }
       names.push_back(node.ToString());
       node_hashes_.push_back(Xxh3Hash64(std::as_bytes(std::span(names.back()))));
     }
@@ -563,7 +569,7 @@ class NodeClient::Impl {
 
  private:
   NodeClientOptions options_;
-  std::vector<std::unique_ptr<RpcClient>> clients_;
+  std::vector<std::unique_ptr<transport::Channel>> clients_;
   std::vector<uint64_t> node_hashes_;
   std::shared_ptr<Accounting> accounting_;
   // Asynchronous touches still out.

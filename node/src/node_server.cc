@@ -167,7 +167,6 @@ class NodeServer::Impl {
   ~Impl() {
     // Handlers use the store and the CPU memory: stop serving first (sessions end there),
     // then close the store, then give the memory back while the transport still exists.
-    StopLeaseSweeper();
     if (server_) server_->Stop();
     store_.reset();
     cpu_region_ = transport::MemoryRegion();
@@ -177,7 +176,13 @@ class NodeServer::Impl {
   Status Start() {
     KVSTASH_RETURN_IF_ERROR(SetUpQuotas());
     options_.server.block_bytes = options_.store.block_bytes;
-    KVSTASH_ASSIGN_OR_RETURN(server_, transport::RpcServer::Create(options_.server));
+    if (options_.listen) {
+      KVSTASH_ASSIGN_OR_RETURN(server_, options_.listen(options_.server));
+    } else {
+      KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<transport::RpcServer> rpc,
+                               transport::RpcServer::Create(options_.server));
+      server_ = std::move(rpc);
+    }
     KVSTASH_ASSIGN_OR_RETURN(const size_t cpu_bytes, store::CpuMemoryBytes(options_.store));
     Result<transport::MemoryRegion> region = server_->AllocateMemory(cpu_bytes);
     if (region.ok() && reinterpret_cast<uintptr_t>(region->data()) % 4096 == 0) {
@@ -198,7 +203,6 @@ class NodeServer::Impl {
   }
 
   Status Shutdown() {
-    StopLeaseSweeper();
     server_->Stop();
     return store_->Flush();
   }
@@ -939,37 +943,17 @@ class NodeServer::Impl {
     }
   }
 
-  // A thread that asks the progress thread to expire leases a few times per lease.
+  // Expires leases a few times per lease, on the progress thread (a transport timer).
   void StartLeaseSweeper() {
-    sweeper_ = std::thread([this] {
-      const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
-      MutexLock lock(&sweeper_mu_);
-      while (!sweeper_stop_) {
-        sweeper_cv_.WaitFor(&sweeper_mu_, period);
-        if (sweeper_stop_) break;
-        server_->RunOnProgressThread([this] { ExpireLeases(); });
-      }
-    });
-  }
-
-  void StopLeaseSweeper() {
-    {
-      MutexLock lock(&sweeper_mu_);
-      sweeper_stop_ = true;
-    }
-    sweeper_cv_.SignalAll();
-    if (sweeper_.joinable()) sweeper_.join();
+    const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
+    server_->RunEvery(period, [this] { ExpireLeases(); });
   }
 
   NodeOptions options_;
-  std::unique_ptr<transport::RpcServer> server_;
+  std::unique_ptr<transport::Listener> server_;
   transport::MemoryRegion cpu_region_;
   std::unique_ptr<store::TieredStore> store_;
-  std::unordered_map<uint64_t, Session> sessions_;  // progress thread only
-  std::thread sweeper_;
-  Mutex sweeper_mu_;
-  CondVar sweeper_cv_;
-  bool sweeper_stop_ GUARDED_BY(sweeper_mu_) = false;
+  std::unordered_map<uint64_t, Session> sessions_;       // progress thread only
   std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
   // Namespace names for the metrics: those with a named quota, then those seen at hello.
   struct KnownNamespace {

@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "bootstrap.h"
+#include "hello.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
@@ -18,11 +19,11 @@
 
 namespace kvstash::transport {
 
-class ServerCallState;
+class UcxCall;
 
 // A held request payload the server asked the client for (kPull).
 struct PendingPull {
-  std::shared_ptr<ServerCallState> state;
+  std::shared_ptr<UcxCall> state;
   MutableBytes dest;
   const MemoryRegion* region = nullptr;
   bool as_data = false;  // asked for a kPayload frame rather than a copy into shared memory
@@ -46,16 +47,16 @@ struct ServerConnection {
 };
 
 // One request; shared by its ServerCall handle and the UCX operations it starts.
-class ServerCallState {
+class UcxCall : public ServerCallState, public std::enable_shared_from_this<UcxCall> {
  public:
   std::shared_ptr<RpcServer::Impl> server;  // calls may outlive the RpcServer handle
   std::shared_ptr<Worker> worker;
   std::shared_ptr<ServerConnection> connection;
-  uint16_t method = 0;
+  uint16_t method_id = 0;
   uint64_t request_id = 0;
-  Clock::time_point deadline;
-  std::vector<std::byte> request;
-  size_t payload_bytes = 0;
+  Clock::time_point deadline_at;
+  std::vector<std::byte> request_bytes;
+  size_t payload_size = 0;
   void* payload_data = nullptr;  // eager bytes or the rendezvous descriptor
   bool payload_rndv = false;
   bool payload_persistent = false;  // eager bytes kept past the AM callback
@@ -64,18 +65,33 @@ class ServerCallState {
   bool payload_consumed = false;
   bool in_am_callback = false;
   std::atomic<bool> replied{false};
-  std::atomic<bool> cancelled{false};
+  std::atomic<bool> cancel_flag{false};
 
   void ReleasePayload() {
-    if (payload_consumed || payload_bytes == 0) return;
+    if (payload_consumed || payload_size == 0) return;
     payload_consumed = true;
     if (payload_held) return;  // the client lets go of it when the call completes
     if (payload_rndv) {
-      worker->DiscardRendezvous(payload_data, payload_bytes);  // within limits: checked
+      worker->DiscardRendezvous(payload_data, payload_size);  // within limits: checked
     } else if (payload_persistent) {
       ucp_am_data_release(worker->ucp(), payload_data);
     }
   }
+
+  // ServerCallState.
+  uint16_t method() const override { return method_id; }
+  uint64_t connection_id() const override;
+  const std::string& key_namespace() const override;
+  Bytes request() const override { return request_bytes; }
+  size_t payload_bytes() const override { return payload_size; }
+  Clock::time_point deadline() const override { return deadline_at; }
+  bool cancelled() const override { return cancel_flag.load() || Clock::now() >= deadline_at; }
+  void ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                      std::function<void(Status)> done) override;
+  void Reply(Bytes message, Bytes payload, const MemoryRegion* region,
+             std::function<void(Status)> sent) override;
+  void ReplyError(const Status& status) override;
+  void Drop() override;
 };
 
 namespace {
@@ -84,11 +100,11 @@ struct ReplySend {
   std::vector<std::byte> header;
   std::vector<std::byte> message_in_data;
   std::function<void(Status)> sent;
-  std::shared_ptr<ServerCallState> state;  // keeps the connection alive while sending
+  std::shared_ptr<UcxCall> state;  // keeps the connection alive while sending
 };
 
 struct PayloadRecv {
-  std::shared_ptr<ServerCallState> state;
+  std::shared_ptr<UcxCall> state;
   std::function<void(Status)> done;
 };
 
@@ -99,17 +115,6 @@ struct ControlSend {
 };
 
 wire::Code ToWire(StatusCode code) { return static_cast<wire::Code>(code); }
-
-// Compares every byte whatever the first difference, so the time taken says nothing about how
-// much of a guessed token was right (only its length can show).
-bool ConstantTimeEqual(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  volatile unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = diff | static_cast<unsigned char>(a[i] ^ b[i]);
-  }
-  return diff == 0;
-}
 
 // At most 64 bytes of a string a client sent, for a log line (formatted with {:?}, escaped).
 std::string_view Printable(std::string_view s) { return s.substr(0, 64); }
@@ -173,6 +178,12 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   }
 
   void Stop() { worker_->Stop(); }
+
+  void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) {
+    auto timer = std::make_shared<asio::steady_timer>(worker_->io());
+    auto task = std::make_shared<std::function<void()>>(std::move(fn));
+    worker_->Run([this, timer, period, task] { Tick(timer, period, task); });
+  }
   uint16_t port() const { return port_; }
   const std::shared_ptr<Worker>& worker() const { return worker_; }
 
@@ -190,14 +201,14 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
 
   // ---- replies (any thread) ----------------------------------------------------------------
 
-  void Reply(const std::shared_ptr<ServerCallState>& state, StatusCode code, Bytes message,
-             Bytes payload, const MemoryRegion* region, std::function<void(Status)> sent) {
+  void Reply(const std::shared_ptr<UcxCall>& state, StatusCode code, Bytes message, Bytes payload,
+             const MemoryRegion* region, std::function<void(Status)> sent) {
     auto send = std::make_unique<ReplySend>();
     send->sent = std::move(sent);
     send->state = state;
     FrameHeader header;
     header.kind = FrameKind::kResponse;
-    header.method = state->method;
+    header.method = state->method_id;
     header.request_id = state->request_id;
     header.connection_id = state->connection->id;
     header.status = static_cast<uint16_t>(code);
@@ -217,7 +228,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     });
   }
 
-  void ReplyStatus(const std::shared_ptr<ServerCallState>& state, const Status& status) {
+  void ReplyStatus(const std::shared_ptr<UcxCall>& state, const Status& status) {
     wire::Error error;
     error.set_code(ToWire(status.code()));
     error.set_message(std::string(status.message()));
@@ -225,7 +236,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     Reply(state, status.code(), std::as_bytes(std::span(bytes)), {}, nullptr, {});
   }
 
-  void ReceivePayload(const std::shared_ptr<ServerCallState>& state, MutableBytes dest,
+  void ReceivePayload(const std::shared_ptr<UcxCall>& state, MutableBytes dest,
                       const MemoryRegion* region, std::function<void(Status)> done) {
     worker_->Run([this, state, dest, region, done = std::move(done)]() mutable {
       if (state->payload_consumed) {
@@ -233,12 +244,12 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
                                      state->request_id));
         return;
       }
-      if (state->payload_bytes == 0) {
+      if (state->payload_size == 0) {
         done(Status::OK());
         return;
       }
-      if (dest.size() < state->payload_bytes) {
-        const size_t n = state->payload_bytes;
+      if (dest.size() < state->payload_size) {
+        const size_t n = state->payload_size;
         state->ReleasePayload();
         done(InvalidArgumentError("payload of {} bytes does not fit a {}-byte buffer", n,
                                   dest.size()));
@@ -251,11 +262,11 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
         return;
       }
       if (state->payload_held) {
-        Pull(state, dest.first(state->payload_bytes), region, std::move(done));
+        Pull(state, dest.first(state->payload_size), region, std::move(done));
         return;
       }
       if (!state->payload_rndv) {
-        std::memcpy(dest.data(), state->payload_data, state->payload_bytes);
+        std::memcpy(dest.data(), state->payload_data, state->payload_size);
         state->ReleasePayload();
         done(Status::OK());
         return;
@@ -266,9 +277,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   }
 
   // Receives rendezvous payload bytes (of a request or a kPayload frame) into dest.
-  void ReceiveData(const std::shared_ptr<ServerCallState>& state, void* descriptor,
-                   MutableBytes dest, const MemoryRegion* region,
-                   std::function<void(Status)> done) {
+  void ReceiveData(const std::shared_ptr<UcxCall>& state, void* descriptor, MutableBytes dest,
+                   const MemoryRegion* region, std::function<void(Status)> done) {
     auto* op = new PayloadRecv{state, std::move(done)};
     ucp_request_param_t param = ContigParam(op, region);
     param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
@@ -289,8 +299,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   // Asks the client for a held payload: copied by the client straight into dest when dest is in
   // memory it can map, else sent as a kPayload frame. `done` runs on kPullDone / the data, or
   // when the connection closes.
-  void Pull(const std::shared_ptr<ServerCallState>& state, MutableBytes dest,
-            const MemoryRegion* region, std::function<void(Status)> done) {
+  void Pull(const std::shared_ptr<UcxCall>& state, MutableBytes dest, const MemoryRegion* region,
+            std::function<void(Status)> done) {
     state->payload_consumed = true;
     ServerConnection& connection = *state->connection;
     MappedRef ref;
@@ -340,8 +350,20 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
   }
 
+  // One period of RunEvery: runs the task when the timer fires, then sets it again, until the
+  // worker stops (its io_context then drops the pending wait).
+  void Tick(std::shared_ptr<asio::steady_timer> timer, std::chrono::milliseconds period,
+            std::shared_ptr<std::function<void()>> task) {
+    timer->expires_after(period);
+    timer->async_wait([this, timer, period, task](const asio::error_code& error) {
+      if (error || worker_->stopping()) return;
+      (*task)();
+      Tick(timer, period, task);
+    });
+  }
+
   // The handle was dropped: reply Internal if the handler never did, release the payload.
-  void Drop(std::shared_ptr<ServerCallState> state) {
+  void Drop(std::shared_ptr<UcxCall> state) {
     worker_->Run([this, state = std::move(state)] {
       if (!state->in_am_callback) {
         state->ReleasePayload();
@@ -349,7 +371,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       }
       if (!state->replied.exchange(true)) {
         ReplyStatus(state, InternalError("handler of method {} dropped the call without a reply",
-                                         state->method));
+                                         state->method_id));
       }
     });
   }
@@ -361,7 +383,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       if (send->sent) send->sent(UnavailableError("connection {} is closed", connection.id));
       return;
     }
-    if (send->state->cancelled.load()) {
+    if (send->state->cancel_flag.load()) {
       if (send->sent) {
         send->sent(CancelledError("call {} was cancelled by the client", send->state->request_id));
       }
@@ -509,22 +531,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
 
   // The hello's token against the namespace's own token, else the node's.
   Status CheckToken(const wire::Hello& hello) const {
-    const std::string& ns = hello.namespace_();
-    if (auto it = options_.namespace_tokens.find(ns); it != options_.namespace_tokens.end()) {
-      if (!ConstantTimeEqual(hello.auth_token(), it->second)) {
-        // The namespace is the client's bytes: the log line names it, escaped.
-        return UnauthenticatedError("wrong auth token for the namespace");
-      }
-      return Status::OK();
-    }
-    if (!options_.namespace_tokens.empty() && options_.auth_token.empty()) {
-      return PermissionDeniedError("the namespace is not served by this node");
-    }
-    if (!options_.auth_token.empty() &&
-        !ConstantTimeEqual(hello.auth_token(), options_.auth_token)) {
-      return UnauthenticatedError("wrong auth token");
-    }
-    return Status::OK();
+    return CheckHelloToken(options_, hello.namespace_(), hello.auth_token());
   }
 
   void OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
@@ -709,7 +716,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     if (h.kind == FrameKind::kCancel) {
       auto call = active_.find({h.connection_id, h.request_id});
       if (call != active_.end()) {
-        if (auto state = call->second.lock()) state->cancelled = true;
+        if (auto state = call->second.lock()) state->cancel_flag = true;
       }
       return UCS_OK;
     }
@@ -740,8 +747,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
       return UCS_OK;
     }
     calls_.fetch_add(1, std::memory_order_relaxed);
-    state->request.assign(frame->message.begin(), frame->message.end());
-    state->payload_bytes = frame->payload_bytes;
+    state->request_bytes.assign(frame->message.begin(), frame->message.end());
+    state->payload_size = frame->payload_bytes;
     state->payload_data = data;
     state->payload_rndv = rndv;
     state->payload_held = frame->has_ref;
@@ -749,10 +756,10 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     active_[{h.connection_id, h.request_id}] = state;
     handler->second(ServerCall(state));
     state->in_am_callback = false;
-    const bool keep = !state->payload_consumed && state->payload_bytes > 0 && state.use_count() > 1;
+    const bool keep = !state->payload_consumed && state->payload_size > 0 && state.use_count() > 1;
     if (!keep) {
       // Dropped during the handler (Drop ran inline and skipped the release) or consumed.
-      if (!state->payload_consumed && state->payload_bytes > 0) {
+      if (!state->payload_consumed && state->payload_size > 0) {
         state->ReleasePayload();
       }
       active_.erase({h.connection_id, h.request_id});
@@ -765,24 +772,22 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     return UCS_OK;
   }
 
-  std::shared_ptr<ServerCallState> NewState(const std::shared_ptr<ServerConnection>& connection,
-                                            const FrameHeader& h) {
-    auto state = std::make_shared<ServerCallState>();
+  std::shared_ptr<UcxCall> NewState(const std::shared_ptr<ServerConnection>& connection,
+                                    const FrameHeader& h) {
+    auto state = std::make_shared<UcxCall>();
     state->server = shared_from_this();
     state->worker = worker_;
     state->connection = connection;
-    state->method = h.method;
+    state->method_id = h.method;
     state->request_id = h.request_id;
     state->accepts_mapped = (h.flags & kAcceptsMapped) != 0;
-    state->deadline = h.timeout_us == 0 ? Clock::time_point::max()
-                                        : Clock::now() + std::chrono::microseconds(h.timeout_us);
+    state->deadline_at = h.timeout_us == 0 ? Clock::time_point::max()
+                                           : Clock::now() + std::chrono::microseconds(h.timeout_us);
     return state;
   }
 
  public:
-  void Forget(const ServerCallState& state) {
-    active_.erase({state.connection->id, state.request_id});
-  }
+  void Forget(const UcxCall& state) { active_.erase({state.connection->id, state.request_id}); }
 
  private:
   struct PairHash {
@@ -803,57 +808,38 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   std::function<void(uint64_t)> on_disconnect_;
   std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
   std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
-  std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ServerCallState>, PairHash>
-      active_;
+  std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<UcxCall>, PairHash> active_;
   std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0},
       refusals_{0};
   std::atomic<size_t> open_connections_{0};
 };
 
-// ---- ServerCall ------------------------------------------------------------------------------
+// ---- UcxCall ---------------------------------------------------------------------------------
 
-ServerCall::ServerCall(std::shared_ptr<ServerCallState> state) : state_(std::move(state)) {}
+uint64_t UcxCall::connection_id() const { return connection->id; }
+const std::string& UcxCall::key_namespace() const { return connection->key_namespace; }
 
-ServerCall& ServerCall::operator=(ServerCall&& other) noexcept {
-  if (this != &other) {
-    if (state_) state_->server->Drop(std::move(state_));
-    state_ = std::move(other.state_);
-  }
-  return *this;
+void UcxCall::ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                             std::function<void(Status)> done) {
+  server->ReceivePayload(shared_from_this(), dest, region, std::move(done));
 }
 
-ServerCall::~ServerCall() {
-  if (state_) state_->server->Drop(std::move(state_));
-}
-
-uint16_t ServerCall::method() const { return state_->method; }
-uint64_t ServerCall::connection_id() const { return state_->connection->id; }
-const std::string& ServerCall::key_namespace() const { return state_->connection->key_namespace; }
-Bytes ServerCall::request() const { return state_->request; }
-size_t ServerCall::payload_bytes() const { return state_->payload_bytes; }
-Clock::time_point ServerCall::deadline() const { return state_->deadline; }
-bool ServerCall::cancelled() const {
-  return state_->cancelled.load() || Clock::now() >= state_->deadline;
-}
-
-void ServerCall::ReceivePayload(MutableBytes dest, const MemoryRegion* region,
-                                std::function<void(Status)> done) {
-  state_->server->ReceivePayload(state_, dest, region, std::move(done));
-}
-
-void ServerCall::Reply(Bytes message, Bytes payload, const MemoryRegion* region,
-                       std::function<void(Status)> sent) {
-  if (state_->replied.exchange(true)) {
-    if (sent) sent(FailedPreconditionError("call {} already replied", state_->request_id));
+void UcxCall::Reply(Bytes message, Bytes payload, const MemoryRegion* region,
+                    std::function<void(Status)> sent) {
+  if (replied.exchange(true)) {
+    if (sent) sent(FailedPreconditionError("call {} already replied", request_id));
     return;
   }
-  state_->server->Reply(state_, StatusCode::kOk, message, payload, region, std::move(sent));
+  server->Reply(shared_from_this(), StatusCode::kOk, message, payload, region, std::move(sent));
 }
 
-void ServerCall::ReplyError(const Status& status) {
-  if (state_->replied.exchange(true)) return;
-  state_->server->ReplyStatus(state_, status.ok() ? InternalError("ReplyError with OK") : status);
+void UcxCall::ReplyError(const Status& status) {
+  if (replied.exchange(true)) return;
+  server->ReplyStatus(shared_from_this(),
+                      status.ok() ? InternalError("ReplyError with OK") : status);
 }
+
+void UcxCall::Drop() { server->Drop(shared_from_this()); }
 
 // ---- RpcServer -------------------------------------------------------------------------------
 
@@ -893,6 +879,10 @@ bool RpcServer::OnProgressThread() const { return impl_->worker()->OnThread(); }
 
 void RpcServer::RunOnProgressThread(std::function<void()> fn) {
   impl_->worker()->Run(std::move(fn));
+}
+
+void RpcServer::RunEvery(std::chrono::milliseconds period, std::function<void()> fn) {
+  impl_->RunEvery(period, std::move(fn));
 }
 
 TransportStats RpcServer::stats() const { return impl_->stats(); }

@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -50,6 +51,10 @@ struct NodeClientOptions {
   // The UCX worker and progress thread the connections run on; clients of one process should
   // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
   std::shared_ptr<transport::ClientWorker> worker;
+  // Makes the connection to one node; empty: UCX (an RpcClient on `worker`). Tests give a
+  // loopback network's channels (transport/loopback.h), possibly in a FaultChannel.
+  std::function<Result<std::unique_ptr<transport::Channel>>(const transport::ClientOptions&)>
+      connect;
 };
 
 // Keys of one request a node with these limits accepts: its key limit, and as many keys as

@@ -15,6 +15,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -41,6 +42,10 @@ struct NodeOptions {
   // the CPU tier's capacity. They bound the CPU tier only: the SSD tier holds what it cascades.
   std::map<std::string, size_t> namespace_quota_blocks;
   std::optional<size_t> default_namespace_quota_blocks;
+  // Makes the transport the node serves on; empty: UCX (an RpcServer of `server`). Tests give a
+  // loopback network's listener (transport/loopback.h).
+  std::function<Result<std::unique_ptr<transport::Listener>>(const transport::ServerOptions&)>
+      listen;
 };
 
 // Namespaces are reported by name up to this many (those with a named quota always, then those

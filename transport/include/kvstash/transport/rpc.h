@@ -154,14 +154,31 @@ struct TransportStats {
   uint64_t refused = 0;           // server: hellos refused for a wrong auth token
 };
 
+// The client end of a connection as a client of a service uses it: calls with deadlines and
+// payloads, the connection made ahead when wanted, and the limits the server stated. RpcClient
+// (UCX) and the loopback transport (loopback.h) implement it; FaultChannel (fault_channel.h)
+// wraps one. Thread-safe.
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  // As RpcClient::Call: `done` runs exactly once, on the transport's thread.
+  virtual uint64_t Call(uint16_t method, Bytes request, const CallOptions& options,
+                        ResponseCallback done) = 0;
+  virtual void Cancel(uint64_t id) = 0;
+  // Connects unless connected; `done` runs once with the outcome.
+  virtual void ConnectAsync(std::function<void(const Status&)> done) = 0;
+  // What the server stated at the latest hello; nullopt before the first connection.
+  virtual std::optional<ServerLimits> server_limits() const = 0;
+};
+
 // The client end of one connection to one server. Connects on the first call (or Connect)
 // and again on the next call after the connection is lost. Thread-safe: calls may start on
 // any thread; callbacks run on the client's progress thread (its own, or its ClientWorker's).
-class RpcClient {
+class RpcClient : public Channel {
  public:
   static Result<std::unique_ptr<RpcClient>> Create(ClientOptions options);
   // Fails every call still outstanding with Cancelled, then closes the connection.
-  ~RpcClient();
+  ~RpcClient() override;
 
   // Connects now (normally the first call does); blocks. Not on the progress thread.
   Status Connect();
@@ -169,11 +186,12 @@ class RpcClient {
   // Starts a call of `method` with `request` bytes (copied). `done` runs exactly once, on the
   // progress thread: with the reply, or with DeadlineExceeded, Cancelled, Unavailable (the
   // connection failed or was lost) or the server's error. Returns the call's id, for Cancel.
-  uint64_t Call(uint16_t method, Bytes request, const CallOptions& options, ResponseCallback done);
+  uint64_t Call(uint16_t method, Bytes request, const CallOptions& options,
+                ResponseCallback done) override;
 
   // Completes call `id` with Cancelled (and tells the server) unless it already completed.
   // Buffers it used are no longer touched when its callback runs.
-  void Cancel(uint64_t id);
+  void Cancel(uint64_t id) override;
 
   // Call and wait. Not on the progress thread. The reply message is copied into *reply.
   Status CallSync(uint16_t method, Bytes request, const CallOptions& options,
@@ -193,10 +211,10 @@ class RpcClient {
   // The limits the server stated at the latest hello, tightened by this client's own
   // (TransportOptions); nullopt before the first connection. A server restarted with other
   // limits is seen at the reconnection. Thread-safe.
-  std::optional<ServerLimits> server_limits() const;
+  std::optional<ServerLimits> server_limits() const override;
   // Starts connecting unless connected or connecting; `done` runs once on the progress thread
   // with the outcome (OK at once when connected). For connecting to many servers in parallel.
-  void ConnectAsync(std::function<void(const Status&)> done);
+  void ConnectAsync(std::function<void(const Status&)> done) override;
 
   // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
   // first. No reply is matched to it.
@@ -235,7 +253,29 @@ class ClientWorker {
   std::shared_ptr<Impl> impl_;
 };
 
-class ServerCallState;
+// One request on a server, as the transport that carries it implements it (UCX, loopback).
+// Used through ServerCall. Thread-safe where ServerCall's methods say so.
+class ServerCallState {
+ public:
+  virtual ~ServerCallState() = default;
+  virtual uint16_t method() const = 0;
+  virtual uint64_t connection_id() const = 0;
+  virtual const std::string& key_namespace() const = 0;
+  virtual Bytes request() const = 0;
+  virtual size_t payload_bytes() const = 0;
+  virtual Clock::time_point deadline() const = 0;
+  virtual bool cancelled() const = 0;
+  virtual void ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                              std::function<void(Status)> done) = 0;
+  // The first Reply or ReplyError answers; later ones do nothing (a later Reply's `sent` runs
+  // with FailedPrecondition).
+  virtual void Reply(Bytes message, Bytes payload, const MemoryRegion* region,
+                     std::function<void(Status)> sent) = 0;
+  virtual void ReplyError(const Status& status) = 0;
+  // The handle went away: the call answers Internal unless it was answered, and lets go of its
+  // payload.
+  virtual void Drop() = 0;
+};
 
 // One request on the server, handed to the method's handler. Move-only. The handler replies
 // now or later, from any thread; a call destroyed without a reply answers Internal. A call may
@@ -293,31 +333,56 @@ struct ServerOptions {
   std::chrono::milliseconds hello_timeout{5000};
 };
 
+// The server end of a transport as a service uses it: handlers by method, the end of each
+// connection, the thread everything runs on, timers, and memory clients on the same host can
+// map where the transport has it. RpcServer (UCX) and the loopback transport implement it.
+// Thread-safe after Start; register handlers before.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  virtual void Handle(uint16_t method, Handler handler) = 0;
+  // Runs on the progress thread when a connection ends (closed, lost, or the server stopping).
+  virtual void OnDisconnect(std::function<void(uint64_t connection_id)> fn) = 0;
+  virtual Status Start() = 0;
+  // Stops accepting and ends every connection; after it no handler or timer runs. Idempotent.
+  virtual void Stop() = 0;
+  virtual uint16_t port() const = 0;
+  // Memory clients on the same host copy into and out of directly; Unimplemented where the
+  // transport has none.
+  virtual Result<MemoryRegion> AllocateMemory(size_t bytes) = 0;
+  virtual void RunOnProgressThread(std::function<void()> fn) = 0;
+  // Runs `fn` on the progress thread every `period` from Start until Stop.
+  virtual void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) = 0;
+  virtual TransportStats stats() const = 0;
+  virtual size_t connection_count() const = 0;
+};
+
 // The server end: accepts connections and dispatches requests to handlers by method.
 // Handlers run on the progress thread and must not block (hand slow work to another thread and
 // reply from there). Register handlers before Start. Thread-safe after Start.
-class RpcServer {
+class RpcServer : public Listener {
  public:
   static Result<std::unique_ptr<RpcServer>> Create(ServerOptions options);
-  ~RpcServer();
+  ~RpcServer() override;
 
-  void Handle(uint16_t method, Handler handler);
+  void Handle(uint16_t method, Handler handler) override;
   // Runs on the progress thread when a connection ends (the client closed or died, or the
   // server is stopping), after its outstanding payload transfers failed. Register before Start.
-  void OnDisconnect(std::function<void(uint64_t connection_id)> fn);
+  void OnDisconnect(std::function<void(uint64_t connection_id)> fn) override;
   // Binds and starts accepting; port() is known after it returns.
-  Status Start();
+  Status Start() override;
   // Stops accepting, closes every connection (OnDisconnect runs for each) and joins the
   // progress thread; after it no handler runs. Idempotent; the destructor calls it.
-  void Stop();
-  uint16_t port() const;
+  void Stop() override;
+  uint16_t port() const override;
 
   Result<MemoryRegion> RegisterMemory(MutableBytes memory);
-  Result<MemoryRegion> AllocateMemory(size_t bytes);
+  Result<MemoryRegion> AllocateMemory(size_t bytes) override;
   bool OnProgressThread() const;
-  void RunOnProgressThread(std::function<void()> fn);
-  TransportStats stats() const;
-  size_t connection_count() const;
+  void RunOnProgressThread(std::function<void()> fn) override;
+  void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) override;
+  TransportStats stats() const override;
+  size_t connection_count() const override;
 
   class Impl;
 

@@ -1,0 +1,17 @@
+// What a server decides at a client's hello, the same on every transport.
+#pragma once
+
+#include <string_view>
+
+#include "kvstash/common/status.h"
+#include "kvstash/transport/rpc.h"
+
+namespace kvstash::transport {
+
+// The client's token against its namespace's own token, else the server's: OK,
+// Unauthenticated (a wrong token) or PermissionDenied (a namespace this server does not serve).
+// Compares in constant time.
+Status CheckHelloToken(const ServerOptions& options, std::string_view key_namespace,
+                       std::string_view token);
+
+}  // namespace kvstash::transport
