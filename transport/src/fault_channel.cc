@@ -1,6 +1,7 @@
 #include "kvstash/transport/fault_channel.h"
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <unordered_map>
 #include <vector>
@@ -14,10 +15,15 @@ namespace {
 // Ids of calls this channel holds back (dropped or delayed), apart from the wrapped channel's.
 constexpr uint64_t kHeldIdBase = uint64_t{1} << 62;
 
-// A call held back: completed once, by the timer or by Cancel.
+// A call held back: completed once, by a timer, by Cancel, or by the reply of the request once
+// it went (a delayed call). A delayed call's payload travels as a copy and its reply lands in
+// scratch first: the caller's buffers are only valid until its call completes.
 struct Held {
   std::atomic<bool> completed{false};
   ResponseCallback done;
+  std::vector<std::byte> payload;
+  std::vector<std::byte> reply;
+  MutableBytes recv;
   void Complete(const Status& status) {
     if (completed.exchange(true)) return;
     Response response;
@@ -130,14 +136,31 @@ uint64_t FaultChannel::Call(uint16_t method, Bytes request, const CallOptions& o
     case Fault::Kind::kDelay: {
       auto held = std::make_shared<Held>();
       held->done = std::move(done);
+      held->payload.assign(options.send_payload.begin(), options.send_payload.end());
+      held->reply.resize(options.recv_payload.size());
+      held->recv = options.recv_payload;
       const uint64_t id = impl_->Hold(held);
+      // The caller's deadline holds whatever the network does.
+      impl_->timers().RunAt(options.deadline, [held, id] {
+        held->Complete(DeadlineExceededError("call {} passed its deadline (a delayed frame)", id));
+      });
       impl_->timers().RunAt(Clock::now() + fault.delay,
                             [this, impl = impl_.get(), id, method, options,
                              bytes = std::vector<std::byte>(request.begin(), request.end())] {
                               std::shared_ptr<Held> h = impl->Release(id);
                               if (!h) return;  // cancelled meanwhile
-                              inner_->Call(method, bytes, options, [h](const Response& response) {
-                                if (h->completed.exchange(true)) return;
+                              CallOptions late = options;
+                              late.send_payload = h->payload;
+                              late.send_region = nullptr;
+                              late.recv_payload = h->reply;
+                              late.recv_region = nullptr;
+                              inner_->Call(method, bytes, late, [h](const Response& response) {
+                                if (h->completed.exchange(true))
+                                  return;  // the caller gave up: the reply goes nowhere
+                                if (response.status.ok() && response.payload_bytes > 0) {
+                                  std::memcpy(h->recv.data(), h->reply.data(),
+                                              response.payload_bytes);
+                                }
                                 h->done(response);
                               });
                             });

@@ -6,8 +6,9 @@
 //
 //   kDrop                   the request never arrives: the call ends with DeadlineExceeded at
 //                           its deadline, and the server sees nothing
-//   kDelay                  the request arrives `delay` later (past its deadline: the server
-//                           gets a call already cancelled, and the client DeadlineExceeded)
+//   kDelay                  the request arrives `delay` later, with its payload; past the
+//                           call's deadline the client has DeadlineExceeded already and the
+//                           server's reply goes nowhere
 //   kCorruptRequest         the request's first byte is made an invalid protobuf tag (a frame
 //                           damaged in flight: the server cannot parse it)
 //   kCorruptPayload         one byte of the request's payload is flipped (the server's checksum
