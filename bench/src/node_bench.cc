@@ -19,8 +19,6 @@
 
 namespace kvstash::bench {
 namespace {
-
-using connector::BlockKey;
 using connector::NodeClient;
 using Clock = std::chrono::steady_clock;
 

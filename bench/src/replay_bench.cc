@@ -32,9 +32,6 @@
 
 namespace kvstash::bench {
 namespace {
-
-using connector::BlockKey;
-using connector::KeyState;
 using connector::NodeClient;
 using Clock = std::chrono::steady_clock;
 
@@ -148,12 +145,12 @@ struct Latencies {
 
 // The leading run of hits; *retry when a RETRY (a block being written or promoted from SSD)
 // ends it, for the caller to ask again as the connector defers a request.
-size_t LeadingHits(const std::vector<KeyState>& states, bool* retry) {
+size_t LeadingHits(const std::vector<LookupResult>& states, bool* retry) {
   size_t hits = 0;
   *retry = false;
-  for (KeyState s : states) {
-    if (s == KeyState::kMiss) break;
-    if (s == KeyState::kRetry) {
+  for (LookupResult s : states) {
+    if (s == LookupResult::kMiss) break;
+    if (s == LookupResult::kRetry) {
       *retry = true;
       break;
     }
@@ -200,7 +197,7 @@ class Replayer {
     // 1. Lookup (asked again while a block of the leading run is being written or promoted).
     const auto lookup_start = Clock::now();
     const auto give_up = lookup_start + std::chrono::milliseconds(flags_.timeout_ms);
-    std::vector<KeyState> states;
+    std::vector<LookupResult> states;
     size_t hit = 0;
     for (auto pause = std::chrono::microseconds(100);;
          pause = std::min(pause * 2, std::chrono::microseconds(10000))) {
@@ -259,7 +256,7 @@ class Replayer {
         auto block = std::span(*scratch).subspan(i * block_bytes_, block_bytes_);
         FillContent(r.hash_ids[hit + i], block);
         blocks.push_back(block);
-        if (states[hit + i] == KeyState::kMiss) ++new_blocks;
+        if (states[hit + i] == LookupResult::kMiss) ++new_blocks;
       }
       const auto store_start = Clock::now();
       const Status put = client.Put(std::span(keys).subspan(hit), blocks);
@@ -308,12 +305,12 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
     managers.push_back(std::move(manager));
   }
   auto key_of = [](uint64_t id) {
-    store::OffloadKey key;
+    BlockKey key;
     key.hash = KeyOf(id).hash;
     return key;
   };
   uint64_t refs = 0, hits = 0;
-  std::vector<std::vector<store::OffloadKey>> by_node(managers.size());
+  std::vector<std::vector<BlockKey>> by_node(managers.size());
   auto touch = [&](std::span<const uint64_t> ids) {
     for (auto& keys : by_node) keys.clear();
     for (uint64_t id : ids) by_node[client.NodeOf(KeyOf(id))].push_back(key_of(id));
@@ -325,8 +322,8 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
     const std::span<const uint64_t> ids = r.hash_ids;
     size_t hit = 0;
     while (hit < ids.size()) {
-      const store::OffloadKey key = key_of(ids[hit]);
-      if (managers[client.NodeOf(KeyOf(ids[hit]))]->Lookup(key) != store::LookupResult::kHit) break;
+      const BlockKey key = key_of(ids[hit]);
+      if (managers[client.NodeOf(KeyOf(ids[hit]))]->Lookup(key) != LookupResult::kHit) break;
       ++hit;
     }
     refs += ids.size();
@@ -334,7 +331,7 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
     touch(ids);
     // Puts go last key first (NodeClient::Put); each prepares one key.
     for (size_t i = ids.size(); i-- > hit;) {
-      const store::OffloadKey key = key_of(ids[i]);
+      const BlockKey key = key_of(ids[i]);
       store::BlockManager& m = *managers[client.NodeOf(KeyOf(ids[i]))];
       store::StorePlan plan;
       if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable

@@ -17,10 +17,10 @@
 #include "commands.h"
 #include "fmt/format.h"
 #include "kvstash/bench/harness.h"
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_slab.h"
-#include "kvstash/store/offload_key.h"
 #include "kvstash/store/ssd_tier.h"
 #include "nlohmann/json.hpp"
 
@@ -102,13 +102,13 @@ Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, Align
   }
 
   auto key_of = [](uint64_t i) {
-    store::OffloadKey key;
+    BlockKey key;
     key.hash = {.lo = i + 1, .hi = 0x6b767374617368ULL};  // "kvstash": any constant would do
     return key;
   };
   TierFigures figures;
   figures.direct_io = tier->direct_io();
-  std::vector<store::OffloadKey> keys;
+  std::vector<BlockKey> keys;
   std::vector<store::SsdWrite> writes;
   store::StorePlan plan;
   const auto write_start = std::chrono::steady_clock::now();
@@ -133,7 +133,7 @@ Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, Align
   const std::span<std::byte> out(dst->Slot(0).data(), dst_bytes);
   const auto read_start = std::chrono::steady_clock::now();
   for (uint64_t i = 0; i < config.block_count; ++i) {
-    const store::OffloadKey key[] = {key_of(i)};
+    const BlockKey key[] = {key_of(i)};
     Status s = tier->PrepareLoad(key, &slots);
     if (!s.ok()) return s;
     Result<size_t> n = tier->Read(key[0], slots[0], out);

@@ -38,9 +38,9 @@ bool g_smoke = false;
 class KeyGenerator {
  public:
   explicit KeyGenerator(uint64_t seed) : next_(seed << 32) {}
-  OffloadKey operator()() {
+  BlockKey operator()() {
     ++next_;
-    return OffloadKey{BlockHash{Mix64(next_), Mix64(next_ ^ 0x5bd1e995)}, 0, 0};
+    return BlockKey{BlockHash{Mix64(next_), Mix64(next_ ^ 0x5bd1e995)}, 0, 0};
   }
 
  private:
@@ -54,10 +54,10 @@ std::unique_ptr<BlockManager> NewManager(size_t capacity, EvictionPolicy policy)
   return std::move(BlockManager::Create(options)).value();
 }
 
-void StoreAll(BlockManager& m, const std::vector<OffloadKey>& keys) {
+void StoreAll(BlockManager& m, const std::vector<BlockKey>& keys) {
   StorePlan plan;
   for (size_t i = 0; i < keys.size(); i += 1000) {
-    std::span<const OffloadKey> batch(keys.data() + i, std::min<size_t>(1000, keys.size() - i));
+    std::span<const BlockKey> batch(keys.data() + i, std::min<size_t>(1000, keys.size() - i));
     if (!m.PrepareStore(batch, &plan).ok()) std::abort();
     m.CompleteStore(batch, true);
   }
@@ -71,7 +71,7 @@ void BM_PrefixLookup(benchmark::State& state) {
   auto m = NewManager(resident, policy);
   std::mt19937_64 rng(1);
   KeyGenerator key_gen(1);
-  std::vector<OffloadKey> keys(resident);
+  std::vector<BlockKey> keys(resident);
   for (auto& k : keys) k = key_gen();
   StoreAll(*m, keys);
   const size_t chains = resident / kChain;
@@ -80,7 +80,7 @@ void BM_PrefixLookup(benchmark::State& state) {
   std::shuffle(order.begin(), order.end(), rng);
   size_t next = 0;
   for (auto _ : state) {
-    std::span<const OffloadKey> chain(keys.data() + order[next] * kChain, kChain);
+    std::span<const BlockKey> chain(keys.data() + order[next] * kChain, kChain);
     ScanResult hit = m->LookupPrefix(chain);
     if (!hit || *hit != kChain) state.SkipWithError("chain did not hit in full");
     benchmark::DoNotOptimize(hit);
@@ -104,27 +104,27 @@ void BM_StoreEvict(benchmark::State& state) {
   auto m = NewManager(resident, policy);
   KeyGenerator key_gen(2);
   // Keys in insertion order; the oldest resident key is keys[oldest].
-  std::vector<OffloadKey> keys(resident);
+  std::vector<BlockKey> keys(resident);
   for (auto& k : keys) k = key_gen();
   StoreAll(*m, keys);
   std::vector<SlotId> slots;
   if (variant == kPinned) {
     // A quarter of the cache pinned at the old end, for the whole run.
-    std::span<const OffloadKey> pinned(keys.data(), resident / 4);
+    std::span<const BlockKey> pinned(keys.data(), resident / 4);
     if (!m->PrepareLoad(pinned, &slots).ok()) std::abort();
   }
   // Ring of live keys, oldest first, for the churn variant.
-  std::vector<OffloadKey> ring = keys;
+  std::vector<BlockKey> ring = keys;
   size_t oldest = variant == kPinned ? resident / 4 : 0;
-  std::vector<OffloadKey> batch(kBatch);
-  std::vector<OffloadKey> pins;  // churn: keys pinned, released kChurnDelay iterations later
+  std::vector<BlockKey> batch(kBatch);
+  std::vector<BlockKey> pins;  // churn: keys pinned, released kChurnDelay iterations later
   constexpr size_t kChurnDelay = 64;
   size_t pin_head = 0;
   StorePlan plan;
   for (auto _ : state) {
     if (variant == kChurn && ring.size() > 4 * kBatch) {
       // Pin a block a little ahead of the old end; release the one pinned kChurnDelay ago.
-      const OffloadKey& k = ring[(oldest + 2 * kBatch) % ring.size()];
+      const BlockKey& k = ring[(oldest + 2 * kBatch) % ring.size()];
       if (m->PrepareLoad({&k, 1}, &slots).ok()) pins.push_back(k);
       if (pins.size() - pin_head > kChurnDelay) {
         if (!m->CompleteLoad({&pins[pin_head], 1}).ok()) std::abort();
@@ -278,10 +278,10 @@ int EvictLoop(const std::string& spec) {
   }
   auto m = NewManager(resident, *parsed);
   KeyGenerator key_gen(4);
-  std::vector<OffloadKey> keys(resident);
+  std::vector<BlockKey> keys(resident);
   for (auto& k : keys) k = key_gen();
   StoreAll(*m, keys);
-  std::vector<OffloadKey> batch(16);
+  std::vector<BlockKey> batch(16);
   StorePlan plan;
   for (size_t c = 0; c < calls; ++c) {
     for (auto& k : batch) k = key_gen();

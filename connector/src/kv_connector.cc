@@ -31,11 +31,11 @@ class NodeOffloadManager : public OffloadManager {
   void Prefetch(std::span<const BlockKey> keys) {
     known_.clear();
     if (keys.empty()) return;
-    std::vector<KeyState> states = client_->Lookup(keys);
+    std::vector<LookupResult> states = client_->Lookup(keys);
     for (size_t i = 0; i < keys.size(); ++i) known_[keys[i]] = states[i];
   }
 
-  KeyState Lookup(const BlockKey& key) override {
+  LookupResult Lookup(const BlockKey& key) override {
     if (auto it = known_.find(key); it != known_.end()) return it->second;
     return client_->Lookup(std::span<const BlockKey>(&key, 1))[0];
   }
@@ -73,10 +73,7 @@ class NodeOffloadManager : public OffloadManager {
   }
 
  private:
-  struct Hasher {
-    size_t operator()(const BlockKey& k) const { return k.hash.lo ^ (k.hash.hi * 31) ^ k.group; }
-  };
-  using KeySet = std::unordered_set<BlockKey, Hasher>;
+  using KeySet = std::unordered_set<BlockKey>;
 
   // touch(c1); ...; touch(cn) leaves the same order as one touch of cn ++ c(n-1) ++ ... ++ c1
   // with each key kept where it first appears: a touch makes its first key the most recent.
@@ -94,7 +91,7 @@ class NodeOffloadManager : public OffloadManager {
   }
 
   BlockStoreClient* client_;
-  std::unordered_map<BlockKey, KeyState, Hasher> known_;
+  std::unordered_map<BlockKey, LookupResult> known_;
   bool deciding_stores_ = false;
   std::vector<std::vector<BlockKey>> lookup_touches_, store_touches_;
   KeySet offered_;  // keys offered for store in this step

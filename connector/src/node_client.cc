@@ -11,8 +11,7 @@
 
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
-#include "kvstash/proto/wire.pb.h"
-#include "kvstash/store/lookup.h"
+#include "kvstash/proto/convert.h"
 
 namespace kvstash::connector {
 namespace {
@@ -21,14 +20,6 @@ using transport::Bytes;
 using transport::CallOptions;
 using transport::RpcClient;
 using transport::ServerLimits;
-
-wire::Key ToWire(const BlockKey& key) {
-  wire::Key out;
-  out.set_hash_lo(key.hash.lo);
-  out.set_hash_hi(key.hash.hi);
-  out.set_group(key.group);
-  return out;
-}
 
 // A call's outcome, copied out of the callback.
 struct Outcome {
@@ -322,8 +313,8 @@ class NodeClient::Impl {
   }
 
   // Per-key lookups; *refusal gets the first error that is not an unreachable node.
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys, Status* refusal) {
-    std::vector<KeyState> states(keys.size(), KeyState::kMiss);
+  std::vector<LookupResult> Lookup(std::span<const BlockKey> keys, Status* refusal) {
+    std::vector<LookupResult> states(keys.size(), LookupResult::kMiss);
     std::vector<std::vector<size_t>> by_node;
     std::vector<bool> wanted;
     ByNode(keys, &by_node, &wanted);
@@ -345,7 +336,7 @@ class NodeClient::Impl {
       wire::Lookup* lookup = request.add_lookups();
       lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
       for (size_t j = c.begin; j < c.end; ++j) {
-        *lookup->add_keys() = ToWire(keys[by_node[c.node][j]]);
+        *lookup->add_keys() = wire::ToWire(keys[by_node[c.node][j]]);
       }
       calls.push_back(Start(c.node, wire::METHOD_LOOKUP, request));
     }
@@ -366,10 +357,8 @@ class NodeClient::Impl {
         continue;  // misses, counted and logged
       }
       for (size_t j = 0; j < count; ++j) {
-        const int r = reply.answers(0).results(static_cast<int>(j));
-        states[by_node[c.node][c.begin + j]] = r == wire::LOOKUP_HIT     ? KeyState::kHit
-                                               : r == wire::LOOKUP_RETRY ? KeyState::kRetry
-                                                                         : KeyState::kMiss;
+        states[by_node[c.node][c.begin + j]] =
+            wire::FromWire(reply.answers(0).results(static_cast<int>(j)));
       }
     }
     return states;
@@ -416,7 +405,7 @@ class NodeClient::Impl {
         continue;
       }
       wire::PutBlockRequest put;
-      *put.mutable_key() = ToWire(keys[i]);
+      *put.mutable_key() = wire::ToWire(keys[i]);
       put.set_length(blocks[i].size());
       put.set_checksum(Xxh3Hash64(blocks[i]));
       put.set_prepare(true);
@@ -465,7 +454,7 @@ class NodeClient::Impl {
       calls.reserve(pending.size());
       for (size_t i : pending) {
         wire::GetBlockRequest get;
-        *get.mutable_key() = ToWire(keys[i]);
+        *get.mutable_key() = wire::ToWire(keys[i]);
         get.set_pin(true);
         CallOptions options;
         options.recv_payload = outs[i];
@@ -519,7 +508,7 @@ class NodeClient::Impl {
     for (const Chunk& c : SplitLastFirst(by_node, per_call)) {
       wire::TouchRequest request;
       for (size_t j = c.begin; j < c.end; ++j) {
-        *request.add_keys() = ToWire(keys[by_node[c.node][j]]);
+        *request.add_keys() = wire::ToWire(keys[by_node[c.node][j]]);
       }
       accounting_->Touched(c.end - c.begin);
       start(c.node, request);
@@ -592,30 +581,30 @@ const NodeAddress& NodeClient::node(size_t i) const { return impl_->node(i); }
 size_t NodeClient::NodeOf(const BlockKey& key) const { return impl_->NodeOf(key); }
 Result<transport::ServerLimits> NodeClient::Limits(size_t node) { return impl_->Limits(node); }
 
-std::vector<KeyState> NodeClient::Lookup(std::span<const BlockKey> keys) {
+std::vector<LookupResult> NodeClient::Lookup(std::span<const BlockKey> keys) {
   Status refusal;
   return impl_->Lookup(keys, &refusal);  // counted and logged by the client
 }
 
-Result<std::vector<KeyState>> NodeClient::LookupStrict(std::span<const BlockKey> keys) {
+Result<std::vector<LookupResult>> NodeClient::LookupStrict(std::span<const BlockKey> keys) {
   Status refusal;
-  std::vector<KeyState> states = impl_->Lookup(keys, &refusal);
+  std::vector<LookupResult> states = impl_->Lookup(keys, &refusal);
   if (!refusal.ok()) return refusal;
   return states;
 }
 
 std::optional<size_t> NodeClient::LookupPrefix(std::span<const BlockKey> keys) {
-  const std::vector<KeyState> states = Lookup(keys);
-  return store::MaximalPrefix(states.size(), [&](size_t i) {
+  const std::vector<LookupResult> states = Lookup(keys);
+  return MaximalPrefix(states.size(), [&](size_t i) {
     switch (states[i]) {
-      case KeyState::kHit:
-        return store::LookupResult::kHit;
-      case KeyState::kRetry:
-        return store::LookupResult::kRetry;
-      case KeyState::kMiss:
+      case LookupResult::kHit:
+        return LookupResult::kHit;
+      case LookupResult::kRetry:
+        return LookupResult::kRetry;
+      case LookupResult::kMiss:
         break;
     }
-    return store::LookupResult::kMiss;
+    return LookupResult::kMiss;
   });
 }
 

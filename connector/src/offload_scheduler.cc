@@ -27,10 +27,6 @@ CompletedJobs AggregateCompletedJobs(std::span<const CompletedJobs> per_worker) 
   return total;
 }
 
-size_t OffloadScheduler::BlockKeyHasher::operator()(const BlockKey& key) const {
-  return Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ key.group));
-}
-
 Result<std::unique_ptr<OffloadScheduler>> OffloadScheduler::Create(
     OffloadSchedulerOptions options, std::unique_ptr<OffloadManager> manager) {
   if (manager == nullptr) return InvalidArgumentError("offload scheduler needs a manager");
@@ -149,39 +145,16 @@ std::optional<size_t> OffloadScheduler::GetNumNewMatchedTokens(const OffloadRequ
 }
 
 std::optional<size_t> OffloadScheduler::MaximalPrefixLookup(std::span<const BlockKey> keys) {
-  size_t hits = 0;
-  bool defer = false;
-  for (const BlockKey& key : keys) {
-    const KeyState state = manager_->Lookup(key);
-    if (state == KeyState::kMiss) break;
-    // kRetry counts as a hit so that the scan goes on and the manager starts its asynchronous
-    // lookups for every block up to the first miss at once.
-    if (state == KeyState::kRetry) defer = true;
-    ++hits;
-  }
-  if (defer) return std::nullopt;
-  return hits;
+  // A kRetry counts as a hit so that the scan goes on and the manager starts its asynchronous
+  // lookups for every block up to the first miss at once.
+  return MaximalPrefix(keys.size(), [&](size_t i) { return manager_->Lookup(keys[i]); });
 }
 
 std::optional<size_t> OffloadScheduler::SlidingWindowLookup(std::span<const BlockKey> keys,
                                                             size_t window) {
-  bool defer = false;
-  size_t run = 0;
-  for (size_t i = keys.size(); i-- > 0;) {
-    const KeyState state = manager_->Lookup(keys[i]);
-    if (state == KeyState::kHit) {
-      if (++run == window) {
-        if (defer) return std::nullopt;
-        return i + window;  // the end of the rightmost full window
-      }
-      continue;
-    }
-    // A kRetry is not a hit yet; the scan goes on so the manager starts its other lookups.
-    if (state == KeyState::kRetry) defer = true;
-    run = 0;
-  }
-  if (defer) return std::nullopt;
-  return run;  // no full window: the hits from block 0 on, if any
+  // A kRetry is not a hit yet; the scan goes on so the manager starts its other lookups. With no
+  // full window, the hits from block 0 on, if any.
+  return SlidingWindow(keys.size(), window, [&](size_t i) { return manager_->Lookup(keys[i]); });
 }
 
 std::optional<size_t> OffloadScheduler::Lookup(const RequestState& state) {
@@ -425,7 +398,7 @@ void OffloadScheduler::BuildStoreJob(const ScheduledRequestView& scheduled, Requ
   }
   Touch(state);
 
-  const std::unordered_set<BlockKey, BlockKeyHasher> chosen(to_store->begin(), to_store->end());
+  const std::unordered_set<BlockKey> chosen(to_store->begin(), to_store->end());
   TransferJob job;
   job.id = job_counter_++;
   job.request = id;

@@ -17,47 +17,18 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
-#include "kvstash/proto/wire.pb.h"
+#include "kvstash/proto/convert.h"
 
 namespace kvstash::node {
 namespace {
-
-using store::OffloadKey;
 using Clock = std::chrono::steady_clock;
 using transport::Bytes;
 using transport::ServerCall;
 
 // A client namespace's id in the store's keys: the low 32 bits of xxh3-64 of its name, so the
 // same name maps to the same id across restarts (blocks on SSD stay with their namespace).
-store::NamespaceId NamespaceIdOf(std::string_view name) {
-  return static_cast<store::NamespaceId>(Xxh3Hash64(std::as_bytes(std::span(name))));
-}
-
-OffloadKey ToKey(const wire::Key& key, store::NamespaceId ns) {
-  OffloadKey k;
-  k.hash.lo = key.hash_lo();
-  k.hash.hi = key.hash_hi();
-  k.group = key.group();
-  k.namespace_id = ns;
-  return k;
-}
-
-void ToWire(const OffloadKey& key, wire::Key* out) {
-  out->set_hash_lo(key.hash.lo);
-  out->set_hash_hi(key.hash.hi);
-  out->set_group(key.group);
-}
-
-wire::LookupResult ToWire(store::LookupResult r) {
-  switch (r) {
-    case store::LookupResult::kHit:
-      return wire::LOOKUP_HIT;
-    case store::LookupResult::kRetry:
-      return wire::LOOKUP_RETRY;
-    case store::LookupResult::kMiss:
-      break;
-  }
-  return wire::LOOKUP_MISS;
+NamespaceId NamespaceIdOf(std::string_view name) {
+  return static_cast<NamespaceId>(Xxh3Hash64(std::as_bytes(std::span(name))));
 }
 
 // The latencies of one method in the buckets of kLatencyBuckets. Lock-free: Record (on the
@@ -309,7 +280,7 @@ class NodeServer::Impl {
 
   std::vector<NamespaceStats> Namespaces() const {
     std::vector<NamespaceStats> out;
-    std::unordered_map<store::NamespaceId, size_t> row;  // by id: its index in `out`
+    std::unordered_map<NamespaceId, size_t> row;  // by id: its index in `out`
     {
       MutexLock lock(&names_mu_);
       for (const auto& [ns, known] : names_) {
@@ -364,9 +335,9 @@ class NodeServer::Impl {
   };
   // What one connection holds. Progress thread only.
   struct Session {
-    store::NamespaceId ns = 0;
-    std::map<OffloadKey, Prepared> prepared;
-    std::map<OffloadKey, Pin> pins;
+    NamespaceId ns = 0;
+    std::map<BlockKey, Prepared> prepared;
+    std::map<BlockKey, Pin> pins;
     bool closed = false;  // the connection ended; kept while payloads are still arriving
     uint32_t writes_in_flight = 0;
     Clock::time_point last_seen = Clock::now();
@@ -412,7 +383,7 @@ class NodeServer::Impl {
         return InvalidArgumentError(
             "namespace name '{}' is reserved: the metrics sum unnamed namespaces under it", name);
       }
-      const store::NamespaceId ns = NamespaceIdOf(name);
+      const NamespaceId ns = NamespaceIdOf(name);
       if (auto it = names_.find(ns); it != names_.end()) {
         // They would share blocks too: a client's keys are (namespace id, block hash).
         return InvalidArgumentError("namespaces '{}' and '{}' have the same id {}; rename one",
@@ -439,7 +410,7 @@ class NodeServer::Impl {
   }
 
   // Remembers the name of a namespace seen at hello, while there is room for it.
-  void NoteNamespace(store::NamespaceId ns, const std::string& name) {
+  void NoteNamespace(NamespaceId ns, const std::string& name) {
     MutexLock lock(&names_mu_);
     if (names_.count(ns) != 0) return;
     if (seen_names_ >= kMaxNamedNamespaces || name == kOtherNamespaces) {
@@ -490,8 +461,7 @@ class NodeServer::Impl {
 
   // The keys of a request in this session's namespace, or an InvalidArgument answer.
   bool Keys(TimedCall& call, const Session& session,
-            const google::protobuf::RepeatedPtrField<wire::Key>& keys,
-            std::vector<OffloadKey>* out) {
+            const google::protobuf::RepeatedPtrField<wire::Key>& keys, std::vector<BlockKey>* out) {
     if (static_cast<size_t>(keys.size()) > options_.server.max_keys_per_request) {
       call.ReplyError(InvalidArgumentError("{} keys in one request; the limit is {}", keys.size(),
                                            options_.server.max_keys_per_request));
@@ -499,7 +469,7 @@ class NodeServer::Impl {
     }
     out->clear();
     out->reserve(keys.size());
-    for (const wire::Key& key : keys) out->push_back(ToKey(key, session.ns));
+    for (const wire::Key& key : keys) out->push_back(wire::FromWire(key, session.ns));
     return true;
   }
 
@@ -530,21 +500,21 @@ class NodeServer::Impl {
     if (!Parse(call, &request, "lookup request")) return;
     Session& session = SessionOf(call);
     wire::LookupReply reply;
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     for (const wire::Lookup& lookup : request.lookups()) {
       if (!Keys(call, session, lookup.keys(), &keys)) return;
       lookups_.fetch_add(keys.size(), std::memory_order_relaxed);
       wire::LookupAnswer* answer = reply.add_answers();
       switch (lookup.mode()) {
         case wire::LOOKUP_MODE_PER_KEY: {
-          std::vector<store::LookupResult> results(keys.size());
+          std::vector<LookupResult> results(keys.size());
           store_->Lookup(keys, results);
           uint64_t counts[kLookupCounts] = {};
-          for (store::LookupResult r : results) {
-            answer->add_results(ToWire(r));
-            ++counts[r == store::LookupResult::kHit    ? kHits
-                     : r == store::LookupResult::kMiss ? kMisses
-                                                       : kRetries];
+          for (LookupResult r : results) {
+            answer->add_results(wire::ToWire(r));
+            ++counts[r == LookupResult::kHit    ? kHits
+                     : r == LookupResult::kMiss ? kMisses
+                                                : kRetries];
           }
           Count(kPerKey, counts);
           break;
@@ -552,8 +522,8 @@ class NodeServer::Impl {
         case wire::LOOKUP_MODE_PREFIX:
         case wire::LOOKUP_MODE_WINDOW: {
           const bool prefix = lookup.mode() == wire::LOOKUP_MODE_PREFIX;
-          const store::ScanResult scan = prefix ? store_->LookupPrefix(keys)
-                                                : store_->LookupWindow(keys, lookup.window_size());
+          const ScanResult scan = prefix ? store_->LookupPrefix(keys)
+                                         : store_->LookupWindow(keys, lookup.window_size());
           answer->set_hit_length(static_cast<uint32_t>(scan.value_or(0)));
           answer->set_retry(!scan.has_value());
           // A scan has no per-key results: its hit_length keys count as hits and the others as
@@ -588,7 +558,7 @@ class NodeServer::Impl {
     wire::PrepareStoreRequest request;
     if (!Parse(call, &request, "prepare-store request")) return;
     Session& session = SessionOf(call);
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
     store::StorePlan plan;
     const Status prepared = store_->PrepareStore(keys, &plan);
@@ -598,14 +568,14 @@ class NodeServer::Impl {
                           : prepared);
       return;
     }
-    std::map<OffloadKey, store::SlotId> to_store;
+    std::map<BlockKey, store::SlotId> to_store;
     for (size_t i = 0; i < plan.keys_to_store.size(); ++i) {
       to_store.emplace(plan.keys_to_store[i], plan.slots[i]);
       session.prepared[plan.keys_to_store[i]] = Prepared{plan.slots[i]};
     }
     wire::PrepareStoreReply reply;
-    std::vector<OffloadKey> held;  // a store of a block held already is a use of it
-    for (const OffloadKey& key : keys) {
+    std::vector<BlockKey> held;  // a store of a block held already is a use of it
+    for (const BlockKey& key : keys) {
       const bool store = to_store.count(key) != 0;
       reply.add_store(store);
       if (!store) held.push_back(key);
@@ -615,8 +585,8 @@ class NodeServer::Impl {
       touched_keys_.fetch_add(held.size(), std::memory_order_relaxed);
     }
     // Only this namespace's evictions are the client's business.
-    for (const OffloadKey& key : plan.evicted) {
-      if (key.namespace_id == session.ns) ToWire(key, reply.add_evicted());
+    for (const BlockKey& key : plan.evicted) {
+      if (key.namespace_id == session.ns) wire::ToWire(key, reply.add_evicted());
     }
     ReplyWith(call, reply);
   }
@@ -625,7 +595,7 @@ class NodeServer::Impl {
     wire::PutBlockRequest request;
     if (!Parse(call, &request, "put-block request")) return;
     Session& session = SessionOf(call);
-    const OffloadKey key = ToKey(request.key(), session.ns);
+    const BlockKey key = wire::FromWire(request.key(), session.ns);
     const size_t bytes = call.payload_bytes();
     if (bytes != store_->block_bytes() || request.length() != bytes) {
       call.ReplyError(
@@ -644,8 +614,8 @@ class NodeServer::Impl {
                             : prepared);
         return;
       }
-      for (const OffloadKey& evicted : plan.evicted) {
-        if (evicted.namespace_id == session.ns) ToWire(evicted, reply.add_evicted());
+      for (const BlockKey& evicted : plan.evicted) {
+        if (evicted.namespace_id == session.ns) wire::ToWire(evicted, reply.add_evicted());
       }
       if (plan.keys_to_store.empty()) {
         // Held or being stored already: the bytes are not taken, and the store counts as a use
@@ -698,7 +668,7 @@ class NodeServer::Impl {
 
   // A PutBlock's bytes are in (ok) or failed. With `commit`, the block is committed (or
   // aborted) at once, as a Commit of it would.
-  void FinishWrite(uint64_t connection, const OffloadKey& key, bool ok, bool commit) {
+  void FinishWrite(uint64_t connection, const BlockKey& key, bool ok, bool commit) {
     auto s = sessions_.find(connection);
     if (s == sessions_.end()) return;
     Session& session = s->second;
@@ -720,16 +690,16 @@ class NodeServer::Impl {
     wire::CommitRequest request;
     if (!Parse(call, &request, "commit request")) return;
     Session& session = SessionOf(call);
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
-    std::vector<OffloadKey> commit, abort;
+    std::vector<BlockKey> commit, abort;
     wire::CommitReply reply;
-    auto fail = [&](const OffloadKey& key, const Status& why) {
+    auto fail = [&](const BlockKey& key, const Status& why) {
       wire::Error* error = reply.add_failed();
       error->set_code(static_cast<wire::Code>(why.code()));
       error->set_message(std::string(why.message()));
     };
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       auto it = session.prepared.find(key);
       if (it == session.prepared.end()) {
         fail(key, NotFoundError("block {} is not being stored by this client", key.ToString()));
@@ -762,11 +732,11 @@ class NodeServer::Impl {
     wire::LoadRequest request;
     if (!Parse(call, &request, "load request")) return;
     Session& session = SessionOf(call);
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
     wire::LoadReply reply;
     std::vector<std::span<const std::byte>> blocks;
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       const Status pinned = store_->PrepareLoad(std::span(&key, 1), &blocks);
       reply.add_pinned(pinned.ok());
       reply.add_length(pinned.ok() ? blocks[0].size() : 0);
@@ -783,7 +753,7 @@ class NodeServer::Impl {
     wire::GetBlockRequest request;
     if (!Parse(call, &request, "get-block request")) return;
     Session& session = SessionOf(call);
-    const OffloadKey key = ToKey(request.key(), session.ns);
+    const BlockKey key = wire::FromWire(request.key(), session.ns);
     std::span<const std::byte> block;
     bool pinned_here = false;  // pinned for this transfer only (request.pin)
     if (auto it = session.pins.find(key); it != session.pins.end()) {
@@ -791,11 +761,11 @@ class NodeServer::Impl {
     } else if (request.pin()) {
       std::vector<std::span<const std::byte>> blocks;
       if (!store_->PrepareLoad(std::span(&key, 1), &blocks).ok()) {
-        store::LookupResult found = store::LookupResult::kMiss;
+        LookupResult found = LookupResult::kMiss;
         store_->Lookup(std::span(&key, 1), std::span(&found, 1));  // starts a promotion
         // A hit here means a promotion landed between the two calls: ask again too.
         call.ReplyError(
-            found == store::LookupResult::kMiss
+            found == LookupResult::kMiss
                 ? NotFoundError("block {} is not on this node", key.ToString())
                 : AbortedError("block {} is on SSD and being promoted; ask again", key.ToString()));
         return;
@@ -825,9 +795,9 @@ class NodeServer::Impl {
     wire::ReleaseRequest request;
     if (!Parse(call, &request, "release request")) return;
     Session& session = SessionOf(call);
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       auto it = session.pins.find(key);
       if (it == session.pins.end()) continue;  // not pinned here: nothing to undo
       (void)store_->CompleteLoad(std::span(&key, 1));
@@ -840,7 +810,7 @@ class NodeServer::Impl {
     wire::TouchRequest request;
     if (!Parse(call, &request, "touch request")) return;
     Session& session = SessionOf(call);
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (!Keys(call, session, request.keys(), &keys)) return;
     store_->Touch(keys);
     touched_keys_.fetch_add(keys.size(), std::memory_order_relaxed);
@@ -910,7 +880,7 @@ class NodeServer::Impl {
 
   // Aborts the session's unfinished stores and releases its pins: {stores, pins}.
   std::pair<size_t, uint64_t> Undo(Session& session) {
-    std::vector<OffloadKey> abort;
+    std::vector<BlockKey> abort;
     for (const auto& [key, prepared] : session.prepared) abort.push_back(key);
     if (!abort.empty()) store_->CompleteStore(abort, false);
     uint64_t pins = 0;
@@ -961,7 +931,7 @@ class NodeServer::Impl {
     uint64_t refusals = 0;  // blocks refused for its quota
   };
   mutable Mutex names_mu_;
-  std::unordered_map<store::NamespaceId, KnownNamespace> names_ GUARDED_BY(names_mu_);
+  std::unordered_map<NamespaceId, KnownNamespace> names_ GUARDED_BY(names_mu_);
   size_t seen_names_ GUARDED_BY(names_mu_) = 0;
   bool other_used_ GUARDED_BY(names_mu_) = false;  // a namespace went unnamed
   uint64_t other_refusals_ GUARDED_BY(names_mu_) = 0;

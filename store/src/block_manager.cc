@@ -40,7 +40,7 @@ class CallKeySet {
     std::fill(table_.begin(), table_.begin() + static_cast<ptrdiff_t>(size), kNoId);
   }
   // Records keys[index]; false if an equal key was recorded before.
-  bool Insert(std::span<const OffloadKey> keys, uint32_t index, uint64_t hash) {
+  bool Insert(std::span<const BlockKey> keys, uint32_t index, uint64_t hash) {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
       if (table_[i] == kNoId) {
         table_[i] = index;
@@ -68,7 +68,7 @@ class PrefetchingWalk {
  public:
   // `policy`: also give the policy its prefetch hint (keys about to be stored or touched).
   PrefetchingWalk(const FlatIndex& index, const Entry* entries, const ReplacementPolicy* policy,
-                  std::span<const OffloadKey> keys, bool reverse)
+                  std::span<const BlockKey> keys, bool reverse)
       : index_(index), entries_(entries), policy_(policy), keys_(keys), reverse_(reverse) {}
 
   // The hash of the key at the next scan position (0, 1, 2, ...).
@@ -97,7 +97,7 @@ class PrefetchingWalk {
   const FlatIndex& index_;
   const Entry* const entries_;
   const ReplacementPolicy* const policy_;
-  const std::span<const OffloadKey> keys_;
+  const std::span<const BlockKey> keys_;
   const bool reverse_;
   size_t next_ = 0;
   size_t hashed_ = 0;
@@ -124,19 +124,19 @@ class BlockManagerImpl final : public BlockManager {
     }
   }
 
-  LookupResult Lookup(const OffloadKey& key) override {
+  LookupResult Lookup(const BlockKey& key) override {
     MutexLock lock(&mu_);
     return LookupLocked(key, KeyHash(key));
   }
 
-  void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) override {
+  void Lookup(std::span<const BlockKey> keys, std::span<LookupResult> results) override {
     MutexLock lock(&mu_);
     const size_t n = std::min(keys.size(), results.size());
     PrefetchingWalk walk = Walk(keys.first(n));
     for (size_t i = 0; i < n; ++i) results[i] = LookupLocked(keys[i], walk.Next());
   }
 
-  ScanResult LookupPrefix(std::span<const OffloadKey> keys) override {
+  ScanResult LookupPrefix(std::span<const BlockKey> keys) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = Walk(keys);
     return MaximalPrefix(keys.size(), [&](size_t i) {
@@ -145,7 +145,7 @@ class BlockManagerImpl final : public BlockManager {
     });
   }
 
-  ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) override {
+  ScanResult LookupWindow(std::span<const BlockKey> keys, size_t window) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = Walk(keys, /*reverse=*/true);
     return SlidingWindow(keys.size(), window, [&](size_t i) {
@@ -154,7 +154,7 @@ class BlockManagerImpl final : public BlockManager {
     });
   }
 
-  Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) override {
+  Status PrepareLoad(std::span<const BlockKey> keys, std::vector<SlotId>* slots) override {
     MutexLock lock(&mu_);
     slots->clear();
     PrefetchingWalk walk = Walk(keys);
@@ -181,7 +181,7 @@ class BlockManagerImpl final : public BlockManager {
     return Status::OK();
   }
 
-  Status CompleteLoad(std::span<const OffloadKey> keys) override {
+  Status CompleteLoad(std::span<const BlockKey> keys) override {
     MutexLock lock(&mu_);
     scratch_ids_.clear();
     PrefetchingWalk walk = Walk(keys);
@@ -202,7 +202,7 @@ class BlockManagerImpl final : public BlockManager {
     return Status::OK();
   }
 
-  void Touch(std::span<const OffloadKey> keys) override {
+  void Touch(std::span<const BlockKey> keys) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = WalkForTouch(keys);
     const bool quotas = book_ && book_->has_quotas();
@@ -214,7 +214,7 @@ class BlockManagerImpl final : public BlockManager {
     }
   }
 
-  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) override {
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) override {
     MutexLock lock(&mu_);
     plan->keys_to_store.clear();
     plan->slots.clear();
@@ -291,7 +291,7 @@ class BlockManagerImpl final : public BlockManager {
       }
     }
     call_keys_.Trim();
-    for (const OffloadKey& key : plan->keys_to_store) {
+    for (const BlockKey& key : plan->keys_to_store) {
       const uint32_t id = AllocateSlot();
       Entry& e = entries_[id];
       e.key = key;
@@ -306,11 +306,11 @@ class BlockManagerImpl final : public BlockManager {
     return Status::OK();
   }
 
-  void CompleteStore(std::span<const OffloadKey> keys, bool success) override {
+  void CompleteStore(std::span<const BlockKey> keys, bool success) override {
     MutexLock lock(&mu_);
-    std::vector<OffloadKey> stored;
+    std::vector<BlockKey> stored;
     PrefetchingWalk walk = Walk(keys);
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       const uint64_t hash = walk.Next();
       const uint32_t id = FindHashed(key, hash);
       if (id == kNoId || entries_[id].ref >= 0) continue;
@@ -325,11 +325,11 @@ class BlockManagerImpl final : public BlockManager {
     if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
   }
 
-  size_t Remove(std::span<const OffloadKey> keys, std::vector<OffloadKey>* out) override {
+  size_t Remove(std::span<const BlockKey> keys, std::vector<BlockKey>* out) override {
     MutexLock lock(&mu_);
-    std::vector<OffloadKey> removed;
+    std::vector<BlockKey> removed;
     PrefetchingWalk walk = Walk(keys);
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       const uint64_t hash = walk.Next();
       const uint32_t id = FindHashed(key, hash);
       if (id == kNoId || entries_[id].ref != 0) continue;
@@ -470,33 +470,33 @@ class BlockManagerImpl final : public BlockManager {
   }
 
  private:
-  PrefetchingWalk Walk(std::span<const OffloadKey> keys, bool reverse = false) const REQUIRES(mu_) {
+  PrefetchingWalk Walk(std::span<const BlockKey> keys, bool reverse = false) const REQUIRES(mu_) {
     return PrefetchingWalk(index_, entries_.data(), nullptr, keys, reverse);
   }
   // For a store's keys, mostly absent: index buckets and the policy's hint, no entries.
-  PrefetchingWalk WalkForStore(std::span<const OffloadKey> keys) const REQUIRES(mu_) {
+  PrefetchingWalk WalkForStore(std::span<const BlockKey> keys) const REQUIRES(mu_) {
     return PrefetchingWalk(index_, nullptr, policy_.get(), keys, /*reverse=*/false);
   }
   // For a touch's keys, in reverse: entries and the policy's hint.
-  PrefetchingWalk WalkForTouch(std::span<const OffloadKey> keys) const REQUIRES(mu_) {
+  PrefetchingWalk WalkForTouch(std::span<const BlockKey> keys) const REQUIRES(mu_) {
     return PrefetchingWalk(index_, entries_.data(), policy_.get(), keys, /*reverse=*/true);
   }
 
-  uint32_t FindHashed(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
-    return index_.Find(key, hash, [this](uint32_t id) -> const OffloadKey& {
+  uint32_t FindHashed(const BlockKey& key, uint64_t hash) const REQUIRES(mu_) {
+    return index_.Find(key, hash, [this](uint32_t id) -> const BlockKey& {
       mu_.AssertHeld();
       return entries_[id].key;
     });
   }
 
-  LookupResult LookupLocked(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
+  LookupResult LookupLocked(const BlockKey& key, uint64_t hash) REQUIRES(mu_) {
     if (tracker_) CountLookup(key, hash);
     const uint32_t id = FindHashed(key, hash);
     if (id == kNoId) return LookupResult::kMiss;
     return entries_[id].ref < 0 ? LookupResult::kRetry : LookupResult::kHit;
   }
 
-  void CountLookup(const OffloadKey& key, uint64_t hash) REQUIRES(mu_) {
+  void CountLookup(const BlockKey& key, uint64_t hash) REQUIRES(mu_) {
     const uint32_t node = tracker_->Find(key, hash);
     if (node != kNoId) {
       tracker_->MoveToMru(node);
@@ -507,7 +507,7 @@ class BlockManagerImpl final : public BlockManager {
     tracker_->PushMru(0, key, hash, 1);
   }
 
-  bool PassesReuseFilter(const OffloadKey& key, uint64_t hash) const REQUIRES(mu_) {
+  bool PassesReuseFilter(const BlockKey& key, uint64_t hash) const REQUIRES(mu_) {
     const uint32_t node = tracker_->Find(key, hash);
     return node != kNoId && tracker_->value(node) >= options_.store_threshold;
   }
@@ -518,14 +518,14 @@ class BlockManagerImpl final : public BlockManager {
   Status ChooseOwnVictims(StorePlan* plan) REQUIRES(mu_) {
     // New keys per namespace: one namespace per call is the rule (a node's session), so check
     // for that in one pass before sorting.
-    const std::vector<OffloadKey>& keys = plan->keys_to_store;
+    const std::vector<BlockKey>& keys = plan->keys_to_store;
     new_per_ns_.clear();
     const NamespaceId first = keys[0].namespace_id;
     if (std::all_of(keys.begin(), keys.end(),
-                    [first](const OffloadKey& k) { return k.namespace_id == first; })) {
+                    [first](const BlockKey& k) { return k.namespace_id == first; })) {
       new_per_ns_.emplace_back(first, keys.size());
     } else {
-      for (const OffloadKey& k : keys) new_per_ns_.emplace_back(k.namespace_id, 1);
+      for (const BlockKey& k : keys) new_per_ns_.emplace_back(k.namespace_id, 1);
       std::sort(new_per_ns_.begin(), new_per_ns_.end());
       size_t out = 0;
       for (size_t i = 0; i < new_per_ns_.size(); ++i) {

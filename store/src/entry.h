@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "kvstash/store/offload_key.h"
+#include "kvstash/common/block_key.h"
 
 namespace kvstash::store {
 
@@ -23,7 +23,7 @@ enum class Place : uint8_t {
 struct Entry {
   static constexpr int32_t kMaxRef = (1 << 23) - 1;
 
-  OffloadKey key;
+  BlockKey key;
   uint32_t stamp;       // recency within its list: larger is more recent
   uint32_t heap_pos;    // position in the list's heap while kReturned
   uint32_t aux;         // the owner's: free-stack link while the slot is free; KeyLists' value

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "huge_array.h"
-#include "kvstash/store/offload_key.h"
+#include "kvstash/common/block_key.h"
 
 namespace kvstash::store {
 
@@ -23,7 +23,7 @@ class FlatIndex {
 
   // The id whose key equals `key`, or kNone. `key_at(id)` returns the key stored under id.
   template <typename KeyAt>
-  uint32_t Find(const OffloadKey& key, uint64_t hash, const KeyAt& key_at) const {
+  uint32_t Find(const BlockKey& key, uint64_t hash, const KeyAt& key_at) const {
     const uint32_t tag = Tag(hash);
     for (size_t i = Home(tag);; i = Next(i)) {
       const Bucket& b = buckets_[i];

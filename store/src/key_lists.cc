@@ -9,7 +9,7 @@ KeyLists::KeyLists(size_t per_list, uint32_t lists)
   }
 }
 
-uint32_t KeyLists::PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, uint32_t value) {
+uint32_t KeyLists::PushMru(uint32_t list, const BlockKey& key, uint64_t hash, uint32_t value) {
   uint32_t node;
   if (free_head_ != kNoId) {
     node = free_head_;
@@ -60,7 +60,7 @@ void KeyLists::Clear() {
   free_head_ = kNoId;
 }
 
-void KeyLists::AppendKeys(uint32_t list, std::vector<OffloadKey>* keys) const {
+void KeyLists::AppendKeys(uint32_t list, std::vector<BlockKey>* keys) const {
   std::vector<uint32_t> ids;
   lists_[list]->AppendInOrder(&ids);
   for (uint32_t id : ids) keys->push_back(nodes_[id].key);

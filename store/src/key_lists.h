@@ -23,28 +23,28 @@ class KeyLists {
   KeyLists(size_t per_list, uint32_t lists);
 
   // The node holding `key`, or kNoId. `hash` is KeyHash(key).
-  uint32_t Find(const OffloadKey& key, uint64_t hash) const {
+  uint32_t Find(const BlockKey& key, uint64_t hash) const {
     return index_.Find(key, hash,
-                       [this](uint32_t id) -> const OffloadKey& { return nodes_[id].key; });
+                       [this](uint32_t id) -> const BlockKey& { return nodes_[id].key; });
   }
   // Starts loading the index bucket of `hash` (before a Find, PushMru or Erase of that key).
   void Prefetch(uint64_t hash) const { index_.Prefetch(hash); }
   uint32_t list_of(uint32_t node) const { return nodes_[node].list; }
   uint32_t value(uint32_t node) const { return nodes_[node].aux; }
   void set_value(uint32_t node, uint32_t value) { nodes_[node].aux = value & kMaxValue; }
-  const OffloadKey& key(uint32_t node) const { return nodes_[node].key; }
+  const BlockKey& key(uint32_t node) const { return nodes_[node].key; }
   size_t size(uint32_t list) const { return lists_[list]->size(); }
   size_t per_list() const { return per_list_; }
 
   // Adds `key` (absent) at the MRU end of `list`. Precondition: size(list) < per_list().
-  uint32_t PushMru(uint32_t list, const OffloadKey& key, uint64_t hash, uint32_t value);
+  uint32_t PushMru(uint32_t list, const BlockKey& key, uint64_t hash, uint32_t value);
   void MoveToMru(uint32_t node) { lists_[nodes_[node].list]->MoveToMru(node); }
   void Erase(uint32_t node, uint64_t hash);
   // Removes the `n` least recent keys of `list` (which holds at least n), oldest first. Their
   // index buckets are loaded together, so a batch costs about one cache miss, not n.
   void PopLru(uint32_t list, size_t n = 1);
   void Clear();
-  void AppendKeys(uint32_t list, std::vector<OffloadKey>* keys) const;
+  void AppendKeys(uint32_t list, std::vector<BlockKey>* keys) const;
 
   size_t MemoryBytes() const;
 

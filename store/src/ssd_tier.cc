@@ -84,7 +84,7 @@ uint64_t GetBe64(const char* p) {
 
 // Index key: 'b', namespace, group, hash hi, hash lo; big-endian, so a scan is in key order.
 constexpr size_t kIndexKeyBytes = 25;
-std::string EncodeKey(const OffloadKey& key) {
+std::string EncodeKey(const BlockKey& key) {
   std::string out(kIndexKeyBytes, '\0');
   out[0] = kBlockPrefix;
   PutBe32(&out[1], key.namespace_id);
@@ -93,7 +93,7 @@ std::string EncodeKey(const OffloadKey& key) {
   PutBe64(&out[17], key.hash.lo);
   return out;
 }
-bool DecodeKey(std::string_view bytes, OffloadKey* key) {
+bool DecodeKey(std::string_view bytes, BlockKey* key) {
   if (bytes.size() != kIndexKeyBytes || bytes[0] != kBlockPrefix) return false;
   key->namespace_id = GetBe32(&bytes[1]);
   key->group = GetBe32(&bytes[5]);
@@ -133,7 +133,7 @@ bool DecodeRecord(std::string_view bytes, SlotId* slot, SlotRecord* r) {
 
 // xxh3-64 of the bytes, seeded with the key and the sequence number: bytes left in a slot by
 // an earlier block, or by a torn write of a later one, do not match the record.
-uint64_t BlockChecksum(const OffloadKey& key, uint64_t seq, std::span<const std::byte> data) {
+uint64_t BlockChecksum(const BlockKey& key, uint64_t seq, std::span<const std::byte> data) {
   char seed_bytes[kIndexKeyBytes + 8];
   const std::string k = EncodeKey(key);
   std::memcpy(seed_bytes, k.data(), kIndexKeyBytes);
@@ -343,7 +343,7 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Open(const SsdTierOptions& options) {
   // Rebuild the index. Two records naming one slot: the later write owns it (the earlier one's
   // delete was lost in a crash); its bytes are the later block's.
   struct Found {
-    OffloadKey key;
+    BlockKey key;
     SlotRecord record;
   };
   std::map<SlotId, Found> by_slot;
@@ -354,7 +354,7 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Open(const SsdTierOptions& options) {
     for (it->Seek(std::string(1, kBlockPrefix)); it->Valid(); it->Next()) {
       const std::string_view k(it->key().data(), it->key().size());
       if (k.empty() || k[0] != kBlockPrefix) break;
-      OffloadKey key;
+      BlockKey key;
       SlotId slot = 0;
       SlotRecord record;
       const bool good = DecodeKey(k, &key) &&
@@ -437,15 +437,15 @@ SsdTier::SsdTier(std::unique_ptr<Impl> impl, std::unique_ptr<BlockManager> index
 
 SsdTier::~SsdTier() = default;
 
-Status SsdTier::DeleteRecords(std::span<const OffloadKey> keys) {
+Status SsdTier::DeleteRecords(std::span<const BlockKey> keys) {
   if (keys.empty()) return Status::OK();
   rocksdb::WriteBatch batch;
-  for (const OffloadKey& key : keys) batch.Delete(EncodeKey(key));
+  for (const BlockKey& key : keys) batch.Delete(EncodeKey(key));
   return FromRocks(impl_->db->Write(impl_->WriteOpts(), &batch),
                    fmt::format("cannot delete {} SSD index records", keys.size()));
 }
 
-Status SsdTier::PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) {
+Status SsdTier::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) {
   MutexLock lock(&impl_->records_mu);
   KVSTASH_RETURN_IF_ERROR(index_->PrepareStore(keys, plan));
   impl_->evictions += plan->evicted.size();
@@ -457,7 +457,7 @@ Status SsdTier::PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) 
 }
 
 Status SsdTier::WriteAndCommit(std::span<const SsdWrite> writes) {
-  std::vector<OffloadKey> keys;
+  std::vector<BlockKey> keys;
   keys.reserve(writes.size());
   for (const SsdWrite& w : writes) keys.push_back(w.key);
   auto fail = [&](Status s) {
@@ -518,7 +518,7 @@ Status SsdTier::WriteAndCommit(std::span<const SsdWrite> writes) {
   return Status::OK();
 }
 
-Result<size_t> SsdTier::Read(const OffloadKey& key, SlotId slot, std::span<std::byte> out) {
+Result<size_t> SsdTier::Read(const BlockKey& key, SlotId slot, std::span<std::byte> out) {
   const SlotRecord record = impl_->slots[slot];
   if (out.size() < record.length) {
     return InvalidArgumentError("buffer of {} bytes for a block of {}", out.size(), record.length);
@@ -550,22 +550,22 @@ Result<size_t> SsdTier::Read(const OffloadKey& key, SlotId slot, std::span<std::
   return size_t{record.length};
 }
 
-size_t SsdTier::Remove(std::span<const OffloadKey> keys) {
+size_t SsdTier::Remove(std::span<const BlockKey> keys) {
   MutexLock lock(&impl_->records_mu);
-  std::vector<OffloadKey> removed;
+  std::vector<BlockKey> removed;
   const size_t n = index_->Remove(keys, &removed);
   Status s = DeleteRecords(removed);
   if (!s.ok()) KVSTASH_LOG_WARN("SSD tier {}: {}", impl_->options.dir, s.ToString());
   return n;
 }
 
-Status SsdTier::Put(const OffloadKey& key, std::span<const std::byte> data) {
+Status SsdTier::Put(const BlockKey& key, std::span<const std::byte> data) {
   if (data.size() > block_bytes_) {
     return InvalidArgumentError("block {} has {} bytes; the SSD tier holds at most {}",
                                 key.ToString(), data.size(), block_bytes_);
   }
   StorePlan plan;
-  const OffloadKey keys[] = {key};
+  const BlockKey keys[] = {key};
   KVSTASH_RETURN_IF_ERROR(PrepareStore(keys, &plan));
   if (plan.keys_to_store.empty()) {
     if (index_->Lookup(key) == LookupResult::kRetry) {
@@ -577,8 +577,8 @@ Status SsdTier::Put(const OffloadKey& key, std::span<const std::byte> data) {
   return WriteAndCommit({&write, 1});
 }
 
-Status SsdTier::Get(const OffloadKey& key, std::vector<std::byte>* out) {
-  const OffloadKey keys[] = {key};
+Status SsdTier::Get(const BlockKey& key, std::vector<std::byte>* out) {
+  const BlockKey keys[] = {key};
   std::vector<SlotId> slots;
   if (!index_->PrepareLoad(keys, &slots).ok()) {
     if (index_->Lookup(key) == LookupResult::kRetry) {
@@ -598,8 +598,8 @@ Status SsdTier::Get(const OffloadKey& key, std::vector<std::byte>* out) {
   return Status::OK();
 }
 
-Status SsdTier::Delete(const OffloadKey& key) {
-  const OffloadKey keys[] = {key};
+Status SsdTier::Delete(const BlockKey& key) {
+  const BlockKey keys[] = {key};
   switch (index_->Lookup(key)) {
     case LookupResult::kMiss:
       return NotFoundError("block {} is not in the SSD tier", key.ToString());

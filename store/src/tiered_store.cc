@@ -178,7 +178,7 @@ TieredStore::~TieredStore() {
 
 // --- Lookups and promotion -------------------------------------------------------------------
 
-LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred) {
+LookupResult TieredStore::LookupLocked(const BlockKey& key, Deferred* deferred) {
   const LookupResult cpu = cpu_->Lookup(key);
   if (cpu != LookupResult::kMiss || !ssd_) return cpu;
   const LookupResult ssd = ssd_->Lookup(key);
@@ -192,7 +192,7 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   }
   // Reserve a CPU slot (the CPU tier now answers RETRY, so the block is promoted once however
   // often it is looked up) and pin the SSD copy.
-  const OffloadKey keys[] = {key};
+  const BlockKey keys[] = {key};
   StorePlan plan;
   if (!cpu_->PrepareStore(keys, &plan).ok()) {  // no CPU room
     counters_->quota_refusals += plan.quota_refused;
@@ -213,14 +213,14 @@ LookupResult TieredStore::LookupLocked(const OffloadKey& key, Deferred* deferred
   return LookupResult::kRetry;
 }
 
-LookupResult TieredStore::Lookup(const OffloadKey& key) {
+LookupResult TieredStore::Lookup(const BlockKey& key) {
   LookupResult result;
   std::span<LookupResult> results(&result, 1);
   Lookup({&key, 1}, results);
   return result;
 }
 
-void TieredStore::Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) {
+void TieredStore::Lookup(std::span<const BlockKey> keys, std::span<LookupResult> results) {
   Deferred deferred;
   {
     MutexLock lock(&mu_);
@@ -231,7 +231,7 @@ void TieredStore::Lookup(std::span<const OffloadKey> keys, std::span<LookupResul
   Execute(std::move(deferred));
 }
 
-ScanResult TieredStore::LookupPrefix(std::span<const OffloadKey> keys) {
+ScanResult TieredStore::LookupPrefix(std::span<const BlockKey> keys) {
   Deferred deferred;
   ScanResult result;
   {
@@ -246,7 +246,7 @@ ScanResult TieredStore::LookupPrefix(std::span<const OffloadKey> keys) {
   return result;
 }
 
-ScanResult TieredStore::LookupWindow(std::span<const OffloadKey> keys, size_t window) {
+ScanResult TieredStore::LookupWindow(std::span<const BlockKey> keys, size_t window) {
   Deferred deferred;
   ScanResult result;
   {
@@ -262,7 +262,7 @@ ScanResult TieredStore::LookupWindow(std::span<const OffloadKey> keys, size_t wi
 }
 
 void TieredStore::RunPromotion(const Transfer& promotion) {
-  std::vector<OffloadKey> good, bad;
+  std::vector<BlockKey> good, bad;
   for (size_t i = 0; i < promotion.keys.size(); ++i) {
     std::span<std::byte> slot = slab_->Slot(promotion.cpu_slots[i]);
     Result<size_t> n = ssd_->Read(promotion.keys[i], promotion.ssd_slots[i], slot);
@@ -302,7 +302,7 @@ void TieredStore::NoteEvictedLocked(const StorePlan& plan, Deferred* deferred) {
 
 void TieredStore::PlanWriteBackLocked(Deferred* deferred) {
   if (deferred->evicted.empty()) return;
-  std::vector<OffloadKey> keys;
+  std::vector<BlockKey> keys;
   std::vector<SlotId> cpu_slots;
   for (size_t i = 0; i < deferred->evicted.size(); ++i) {
     if (ssd_->Lookup(deferred->evicted[i]) != LookupResult::kMiss) continue;  // already there
@@ -386,7 +386,7 @@ void TieredStore::WriteToSsd(const Transfer& transfer,
 
 // --- Loads and stores ------------------------------------------------------------------------
 
-Status TieredStore::PrepareLoad(std::span<const OffloadKey> keys,
+Status TieredStore::PrepareLoad(std::span<const BlockKey> keys,
                                 std::vector<std::span<const std::byte>>* blocks) {
   std::vector<SlotId> slots;
   blocks->clear();
@@ -395,16 +395,16 @@ Status TieredStore::PrepareLoad(std::span<const OffloadKey> keys,
   return Status::OK();
 }
 
-Status TieredStore::CompleteLoad(std::span<const OffloadKey> keys) {
+Status TieredStore::CompleteLoad(std::span<const BlockKey> keys) {
   return cpu_->CompleteLoad(keys);
 }
 
-void TieredStore::Touch(std::span<const OffloadKey> keys) {
+void TieredStore::Touch(std::span<const BlockKey> keys) {
   cpu_->Touch(keys);
   if (ssd_) ssd_->Touch(keys);
 }
 
-Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) {
+Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) {
   Deferred deferred;
   {
     MutexLock lock(&mu_);
@@ -422,10 +422,10 @@ Status TieredStore::PrepareStore(std::span<const OffloadKey> keys, StorePlan* pl
   return Status::OK();
 }
 
-void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade,
+void TieredStore::StartCascadeLocked(std::span<const BlockKey> keys, Transfer* cascade,
                                      bool bounded) {
-  std::vector<OffloadKey> candidates;
-  for (const OffloadKey& key : keys) {
+  std::vector<BlockKey> candidates;
+  for (const BlockKey& key : keys) {
     if (cpu_->Lookup(key) != LookupResult::kHit || ssd_->Lookup(key) != LookupResult::kMiss) {
       continue;
     }
@@ -444,7 +444,7 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
       candidates.pop_back();
     }
   }
-  for (const OffloadKey& key : candidates) deferred_cascades_.erase(key);
+  for (const BlockKey& key : candidates) deferred_cascades_.erase(key);
   if (candidates.empty()) return;
   std::vector<SlotId> cpu_slots;
   if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) return;  // pin overflow: skip
@@ -462,7 +462,7 @@ void TieredStore::StartCascadeLocked(std::span<const OffloadKey> keys, Transfer*
   cascade->ssd_slots = std::move(plan.slots);
 }
 
-void TieredStore::CompleteStore(std::span<const OffloadKey> keys, bool success) {
+void TieredStore::CompleteStore(std::span<const BlockKey> keys, bool success) {
   Transfer cascade;
   {
     MutexLock lock(&mu_);
@@ -496,7 +496,7 @@ Status TieredStore::Flush() {
     if (deferred_cascades_.empty()) return Status::OK();
   }
   const BlockManagerState state = cpu_->DebugState();
-  std::vector<OffloadKey> keys;
+  std::vector<BlockKey> keys;
   for (const auto* list : {&state.lru, &state.t1, &state.t2}) {
     for (const BlockInfo& block : *list) {
       if (block.ref_count >= 0) keys.push_back(block.key);
@@ -505,8 +505,8 @@ Status TieredStore::Flush() {
   constexpr size_t kBatch = 64;
   const uint64_t failures_before = counters_->cascade_failures;
   for (size_t first = 0; first < keys.size(); first += kBatch) {
-    const std::span<const OffloadKey> batch =
-        std::span<const OffloadKey>(keys).subspan(first, std::min(kBatch, keys.size() - first));
+    const std::span<const BlockKey> batch =
+        std::span<const BlockKey>(keys).subspan(first, std::min(kBatch, keys.size() - first));
     Transfer cascade;
     {
       MutexLock lock(&mu_);

@@ -35,9 +35,9 @@ std::optional<uint64_t> ParseNumber(std::string_view word) {
 }
 
 // A trace key is block hash K (low 64 bits), group 0, namespace 0.
-OffloadKey TraceKey(uint64_t k) { return OffloadKey{BlockHash{k, 0}, 0, 0}; }
+BlockKey TraceKey(uint64_t k) { return BlockKey{BlockHash{k, 0}, 0, 0}; }
 
-std::string JoinKeys(const std::vector<OffloadKey>& keys) {
+std::string JoinKeys(const std::vector<BlockKey>& keys) {
   std::string out;
   for (size_t i = 0; i < keys.size(); ++i) {
     if (i > 0) out += ',';
@@ -128,7 +128,7 @@ class Replayer {
     return Status::OK();
   }
 
-  Status ParseKeys(std::span<const std::string_view> words, std::vector<OffloadKey>* keys) {
+  Status ParseKeys(std::span<const std::string_view> words, std::vector<BlockKey>* keys) {
     keys->clear();
     for (std::string_view w : words) {
       std::optional<uint64_t> k = ParseNumber(w);
@@ -144,7 +144,7 @@ class Replayer {
   }
 
   Status Operation(std::string_view op, std::span<const std::string_view> args) {
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     if (op == "lookup") {
       KVSTASH_RETURN_IF_ERROR(ParseKeys(args, &keys));
       std::string line;

@@ -42,12 +42,12 @@ class FakeManager : public OffloadManager {
   using StorePolicy =
       std::function<std::optional<std::vector<BlockKey>>(std::span<const BlockKey>)>;
 
-  KeyState Lookup(const BlockKey& key) override {
+  LookupResult Lookup(const BlockKey& key) override {
     lookups.push_back(key);
     if (lookup) return lookup(key);
-    if (stored.contains(key)) return KeyState::kHit;
-    if (writing.contains(key)) return KeyState::kRetry;
-    return KeyState::kMiss;
+    if (stored.contains(key)) return LookupResult::kHit;
+    if (writing.contains(key)) return LookupResult::kRetry;
+    return LookupResult::kMiss;
   }
   void PrepareLoad(std::span<const BlockKey> keys) override {
     prepare_loads.emplace_back(keys.begin(), keys.end());
@@ -88,7 +88,7 @@ class FakeManager : public OffloadManager {
     reset_calls = 0;
   }
 
-  std::function<KeyState(const BlockKey&)> lookup;
+  std::function<LookupResult(const BlockKey&)> lookup;
   StorePolicy prepare_store;
   KeySet stored;
   KeySet writing;
@@ -109,7 +109,7 @@ std::optional<std::vector<BlockKey>> StoreNone(std::span<const BlockKey>) {
   return std::vector<BlockKey>();
 }
 std::optional<std::vector<BlockKey>> Refuse(std::span<const BlockKey>) { return std::nullopt; }
-KeyState AllHit(const BlockKey&) { return KeyState::kHit; }
+LookupResult AllHit(const BlockKey&) { return LookupResult::kHit; }
 
 struct Fixture {
   std::unique_ptr<OffloadScheduler> scheduler;
@@ -546,9 +546,9 @@ TEST(OffloadSchedulerLookupTest, CrossGroupVectors) {
     f.manager->lookups.clear();
     f.manager->lookup = [&](const BlockKey& key) {
       const size_t i = index_of(key);
-      if (v.hits[key.group].contains(i)) return KeyState::kHit;
-      if (v.retry[key.group].contains(i)) return KeyState::kRetry;
-      return KeyState::kMiss;
+      if (v.hits[key.group].contains(i)) return LookupResult::kHit;
+      if (v.retry[key.group].contains(i)) return LookupResult::kRetry;
+      return LookupResult::kMiss;
     };
     const OffloadRequestView request{.id = 1, .num_tokens = v.num_tokens, .block_hashes = hashes};
     EXPECT_EQ(f.scheduler->GetNumNewMatchedTokens(request, v.computed), v.result);
@@ -579,7 +579,8 @@ TEST(OffloadSchedulerLookupTest, ChunkedLocalIsLookedUpAsAWindowOfItsChunk) {
        .hash_block_size = 4});
   const std::set<uint64_t> window_hits = {2, 3, 4};  // blocks 2..4 of group 1
   f.manager->lookup = [&](const BlockKey& key) {
-    return key.group == 0 || window_hits.contains(key.hash.lo) ? KeyState::kHit : KeyState::kMiss;
+    return key.group == 0 || window_hits.contains(key.hash.lo) ? LookupResult::kHit
+                                                               : LookupResult::kMiss;
   };
   std::vector<BlockHash> hashes = Hashes(6);
   EXPECT_EQ(
@@ -816,7 +817,7 @@ TEST_F(OffloadSchedulerFenceTest, LoadIntoAFencedBlockFlushesTheStore) {
 }
 
 TEST_F(OffloadSchedulerFenceTest, NewBlockOfAScheduledRequestFlushesTheStore) {
-  f_.manager->lookup = [](const BlockKey&) { return KeyState::kMiss; };
+  f_.manager->lookup = [](const BlockKey&) { return LookupResult::kMiss; };
   ASSERT_EQ(f_.scheduler->GetNumNewMatchedTokens(View(2), 0), 0u);
   SchedulerStepView step = DecodeRequest3();
   step.scheduled.push_back(Sched(View(2), 0, 4, {{1}}));

@@ -38,9 +38,6 @@ void PrintTo(const BlockKey& key, std::ostream* os) { *os << key.ToString(); }
 
 namespace kvstash::engine {
 namespace {
-
-using connector::BlockKey;
-using connector::KeyState;
 using ::testing::IsEmpty;
 
 constexpr size_t kBlock = 16;  // tokens per block of every built-in's groups
@@ -73,10 +70,10 @@ class RecordingManager {
       std::function<std::optional<std::vector<BlockKey>>(std::span<const BlockKey>)>;
   explicit RecordingManager(const FakeNodeStore* store) : store_(store) {}
 
-  KeyState Lookup(const BlockKey& key) {
+  LookupResult Lookup(const BlockKey& key) {
     lookups.push_back(key);
     if (lookup) return lookup(key);
-    return store_->Holds(key) ? KeyState::kHit : KeyState::kMiss;
+    return store_->Holds(key) ? LookupResult::kHit : LookupResult::kMiss;
   }
   void PrepareLoad(std::span<const BlockKey> keys) {
     prepare_loads.emplace_back(keys.begin(), keys.end());
@@ -106,7 +103,7 @@ class RecordingManager {
     complete_loads.clear();
   }
 
-  std::function<KeyState(const BlockKey&)> lookup;
+  std::function<LookupResult(const BlockKey&)> lookup;
   StorePolicy prepare_store;
   std::vector<BlockKey> lookups;
   std::vector<std::vector<BlockKey>> touches, prepare_stores, complete_stores;
@@ -120,7 +117,7 @@ class RecordingManager {
 class ManagerProxy : public connector::OffloadManager {
  public:
   explicit ManagerProxy(RecordingManager* m) : m_(m) {}
-  KeyState Lookup(const BlockKey& key) override { return m_->Lookup(key); }
+  LookupResult Lookup(const BlockKey& key) override { return m_->Lookup(key); }
   void PrepareLoad(std::span<const BlockKey> keys) override { m_->PrepareLoad(keys); }
   void CompleteLoad(std::span<const BlockKey> keys) override { m_->CompleteLoad(keys); }
   std::optional<std::vector<BlockKey>> PrepareStore(std::span<const BlockKey> keys) override {
@@ -364,7 +361,7 @@ TEST(EngineConnectorTest, J1ALookupHitLoadsOnlyPastTheLocalPrefixHit) {
   const size_t groups = NumGroups(*e);
   std::vector<uint32_t> head(prompt.begin(), prompt.begin() + kBlock);
   head = Concat(head, Tokens(5, 8));
-  m.lookup = [](const BlockKey&) { return KeyState::kMiss; };
+  m.lookup = [](const BlockKey&) { return LookupResult::kMiss; };
   EXPECT_EQ(RunRequest(*e, head, 2).tokens, Reference(model, head, 2));
   EXPECT_EQ(store.get_calls(), 0u);
 

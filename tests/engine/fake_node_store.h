@@ -21,9 +21,6 @@
 
 namespace kvstash::engine::fakes {
 
-using connector::BlockKey;
-using connector::KeyState;
-
 struct KeyLess {
   bool operator()(const BlockKey& a, const BlockKey& b) const {
     return std::tie(a.group, a.hash) < std::tie(b.group, b.hash);
@@ -109,11 +106,11 @@ class FakeNodeStore {
     touches_.clear();
   }
 
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys) const {
+  std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) const {
     std::lock_guard lock(mu_);
-    std::vector<KeyState> out;
+    std::vector<LookupResult> out;
     for (const BlockKey& k : keys)
-      out.push_back(blocks_.contains(k) ? KeyState::kHit : KeyState::kMiss);
+      out.push_back(blocks_.contains(k) ? LookupResult::kHit : LookupResult::kMiss);
     return out;
   }
 
@@ -185,7 +182,7 @@ class FakeStoreClient : public connector::BlockStoreClient {
   size_t node_count() const override { return 1; }
   const connector::NodeAddress& node(size_t) const override { return address_; }
   Result<uint64_t> BlockBytes(size_t) override { return store_->block_bytes(); }
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys) override {
+  std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) override {
     return store_->Lookup(keys);
   }
   Status Put(std::span<const BlockKey> keys,

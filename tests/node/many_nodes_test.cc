@@ -12,9 +12,6 @@
 
 namespace kvstash {
 namespace {
-
-using connector::BlockKey;
-using connector::KeyState;
 using connector::NodeClient;
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::FillPattern;
@@ -44,20 +41,20 @@ TEST(NodeAddressTest, ParsesHostPortAndRefusesTheRest) {
 }
 
 TEST(BlockKeyTest, ParsesHexDecimalAndGroups) {
-  auto k = connector::ParseBlockKey("0x2a/g3");
+  auto k = ParseBlockKey("0x2a/g3");
   ASSERT_TRUE(k.ok());
   EXPECT_EQ(k->hash.lo, 42u);
   EXPECT_EQ(k->hash.hi, 0u);
   EXPECT_EQ(k->group, 3u);
   EXPECT_EQ(k->ToString(), "0x2a/g3");
-  auto wide = connector::ParseBlockKey("0x1ffffffffffffffff");
+  auto wide = ParseBlockKey("0x1ffffffffffffffff");
   ASSERT_TRUE(wide.ok());
   EXPECT_EQ(wide->hash.hi, 1u);
   EXPECT_EQ(wide->hash.lo, ~uint64_t{0});
-  EXPECT_EQ(connector::ParseBlockKey("42")->hash.lo, 42u);
+  EXPECT_EQ(ParseBlockKey("42")->hash.lo, 42u);
   for (const std::string& bad : std::vector<std::string>{"", "0x", "0xzz", "4x2", "0x2a/3",
                                                          "0x2a/gx", "0x" + std::string(33, 'f')}) {
-    EXPECT_EQ(connector::ParseBlockKey(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(ParseBlockKey(bad).status().code(), StatusCode::kInvalidArgument) << bad;
   }
 }
 
@@ -94,8 +91,8 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
     ASSERT_TRUE(stats.ok());
     EXPECT_EQ(stats->at("cpu.resident_blocks"), static_cast<uint64_t>(per_node[n])) << n;
   }
-  const std::vector<KeyState> before = client.Lookup(keys);
-  EXPECT_EQ(std::count(before.begin(), before.end(), KeyState::kHit), kKeys);
+  const std::vector<LookupResult> before = client.Lookup(keys);
+  EXPECT_EQ(std::count(before.begin(), before.end(), LookupResult::kHit), kKeys);
   {
     // A batched read across the nodes: each block where it belongs, a never-stored key NotFound.
     std::vector<BlockKey> batch = {keys[3], keys[40], keys[11], BlockKey{{999, 999}, 0}};
@@ -122,9 +119,10 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
 
   // Node 1 dies.
   daemons[1]->process().Kill(SIGKILL);
-  const std::vector<KeyState> after = client.Lookup(keys);
+  const std::vector<LookupResult> after = client.Lookup(keys);
   for (int k = 0; k < kKeys; ++k) {
-    const KeyState expected = client.NodeOf(keys[k]) == 1 ? KeyState::kMiss : KeyState::kHit;
+    const LookupResult expected =
+        client.NodeOf(keys[k]) == 1 ? LookupResult::kMiss : LookupResult::kHit;
     EXPECT_EQ(after[k], expected) << "key " << k << " on node " << client.NodeOf(keys[k]);
   }
   EXPECT_GT(client.unreachable(), 0u);

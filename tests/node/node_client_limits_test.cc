@@ -22,9 +22,6 @@
 
 namespace kvstash {
 namespace {
-
-using connector::BlockKey;
-using connector::KeyState;
 using connector::NodeClient;
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::FillPattern;
@@ -134,8 +131,8 @@ TEST_P(NodeClientSplitTest, BatchesOverTheLimitsAreSplitAndEveryKeyHits) {
   PutAll(*client, keys);
   const uint64_t calls_before = client->counters().calls;
 
-  const std::vector<KeyState> states = client->Lookup(keys);
-  EXPECT_EQ(std::count(states.begin(), states.end(), KeyState::kHit), 40);
+  const std::vector<LookupResult> states = client->Lookup(keys);
+  EXPECT_EQ(std::count(states.begin(), states.end(), LookupResult::kHit), 40);
   // At least 40 / 8 lookup calls went out (more with two nodes: each gets its own).
   EXPECT_GE(client->counters().calls - calls_before, 5u);
   auto strict = client->LookupStrict(keys);
@@ -168,7 +165,7 @@ TEST_P(NodeClientSplitTest, TheMessageLimitSplitsToo) {
   PutAll(*client, keys);
   auto strict = client->LookupStrict(keys);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();
-  EXPECT_EQ(std::count(strict->begin(), strict->end(), KeyState::kHit), 400);
+  EXPECT_EQ(std::count(strict->begin(), strict->end(), LookupResult::kHit), 400);
   EXPECT_TRUE(client->TouchSync(keys).ok());
   EXPECT_EQ(client->counters().refused, 0u);
 }
@@ -189,9 +186,10 @@ TEST(NodeClientRecencyTest, TouchedAndReStoredBlocksOutliveNewerIdleOnes) {
   client->Touch(Keys(63, 1));
   PutAll(*client, Keys(62, 1));
   PutAll(*client, Keys(1000, 2));  // evicts two blocks
-  const std::vector<KeyState> states = client->Lookup(Keys(59, 5));
-  EXPECT_EQ(states, (std::vector<KeyState>{KeyState::kHit, KeyState::kMiss, KeyState::kMiss,
-                                           KeyState::kHit, KeyState::kHit}));
+  const std::vector<LookupResult> states = client->Lookup(Keys(59, 5));
+  EXPECT_EQ(states,
+            (std::vector<LookupResult>{LookupResult::kHit, LookupResult::kMiss, LookupResult::kMiss,
+                                       LookupResult::kHit, LookupResult::kHit}));
 }
 
 TEST(NodeClientRecencyTest, TouchesOfOneCallLeaveTheFirstKeyMostRecentAcrossSplitCalls) {
@@ -205,9 +203,9 @@ TEST(NodeClientRecencyTest, TouchesOfOneCallLeaveTheFirstKeyMostRecentAcrossSpli
   // 52 new blocks evict keys 12..63; 11 more evict 11, 10, ... 1: key 0 stays.
   PutAll(*client, Keys(1000, 52));
   PutAll(*client, Keys(2000, 11));
-  const std::vector<KeyState> states = client->Lookup(Keys(0, 12));
-  EXPECT_EQ(states[0], KeyState::kHit);
-  for (int k = 1; k < 12; ++k) EXPECT_EQ(states[k], KeyState::kMiss) << k;
+  const std::vector<LookupResult> states = client->Lookup(Keys(0, 12));
+  EXPECT_EQ(states[0], LookupResult::kHit);
+  for (int k = 1; k < 12; ++k) EXPECT_EQ(states[k], LookupResult::kMiss) << k;
 }
 
 TEST(NodeClientRecencyTest, ArcMovesABlockToT2OnItsSecondUseAndALookupIsNone) {
@@ -233,9 +231,9 @@ TEST(NodeClientErrorsTest, ARefusalIsCountedAndReturnedNeverASilentMiss) {
   auto daemons = StartNodes(1, {"--auth-token-file", token_file.string()});
   auto wrong = Client(daemons, "wrong-token");
   ASSERT_NE(wrong, nullptr);
-  const std::vector<KeyState> states = wrong->Lookup(Keys(0, 3));
-  EXPECT_EQ(states, std::vector<KeyState>(3, KeyState::kMiss));  // the engine goes on ...
-  EXPECT_GE(wrong->counters().refused, 1u);                      // ... but it is counted
+  const std::vector<LookupResult> states = wrong->Lookup(Keys(0, 3));
+  EXPECT_EQ(states, std::vector<LookupResult>(3, LookupResult::kMiss));  // the engine goes on ...
+  EXPECT_GE(wrong->counters().refused, 1u);                              // ... but it is counted
   EXPECT_EQ(wrong->counters().unreachable, 0u);
   auto strict = wrong->LookupStrict(Keys(0, 3));
   EXPECT_EQ(strict.status().code(), StatusCode::kUnauthenticated) << strict.status().ToString();
@@ -277,7 +275,8 @@ TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
   EXPECT_GE(client->counters().unreachable, 4u);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();  // down is not a refusal
   for (size_t i = 0; i < keys.size(); ++i) {
-    EXPECT_EQ((*strict)[i], client->NodeOf(keys[i]) == 1 ? KeyState::kMiss : KeyState::kHit) << i;
+    EXPECT_EQ((*strict)[i], client->NodeOf(keys[i]) == 1 ? LookupResult::kMiss : LookupResult::kHit)
+        << i;
   }
   EXPECT_GE(client->counters().unreachable, 1u);
   EXPECT_EQ(client->counters().refused, 0u);

@@ -22,8 +22,6 @@ namespace kvstash::node {
 namespace {
 
 using namespace std::chrono_literals;
-using connector::BlockKey;
-using connector::KeyState;
 using connector::NodeClient;
 using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
@@ -115,8 +113,9 @@ TEST_F(NodeLoopbackTest, StoresLooksUpAndReadsBackOverTheLoopback) {
   auto client = Client();
   ASSERT_NE(client, nullptr);
   for (uint64_t k = 0; k < 4; ++k) ASSERT_TRUE(Put(*client, k).ok());
-  EXPECT_EQ(client->Lookup(Keys({Key(0), Key(3), Key(9)})),
-            (std::vector<KeyState>{KeyState::kHit, KeyState::kHit, KeyState::kMiss}));
+  EXPECT_EQ(
+      client->Lookup(Keys({Key(0), Key(3), Key(9)})),
+      (std::vector<LookupResult>{LookupResult::kHit, LookupResult::kHit, LookupResult::kMiss}));
   EXPECT_TRUE(ReadsBack(*client, 2));
   EXPECT_FALSE(node_->shares_cpu_memory());  // the loopback shares no memory: payloads copied
   EXPECT_EQ(Counter("node.blocks_stored"), 4u);
@@ -128,7 +127,7 @@ TEST_F(NodeLoopbackTest, ADroppedFrameIsADeadlineAndChangesNothing) {
   ASSERT_NE(client, nullptr);
   EXPECT_EQ(Put(*client, 1).code(), StatusCode::kDeadlineExceeded);
   // The dropped lookup reads as misses, counted as an unreachable node, not as a refusal.
-  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<KeyState>{KeyState::kMiss});
+  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<LookupResult>{LookupResult::kMiss});
   EXPECT_EQ(client->counters().unreachable, 2u);
   EXPECT_EQ(client->counters().refused, 0u);
   EXPECT_EQ(Counter("cpu.resident_blocks"), 0u);
@@ -149,7 +148,7 @@ TEST_F(NodeLoopbackTest, AStoreDelayedPastItsDeadlineIsWholeOrAbsentNeverHalfWri
   std::this_thread::sleep_for(250ms);
   Settle();
   EXPECT_EQ(Counter("node.blocks_stored"), 1u);
-  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<KeyState>{KeyState::kHit});
+  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<LookupResult>{LookupResult::kHit});
   EXPECT_TRUE(ReadsBack(*client, 1));
   // A delay within the deadline is only slower.
   ASSERT_TRUE(Put(*client, 2).ok());
@@ -171,7 +170,7 @@ TEST_F(NodeLoopbackTest, ACorruptedFrameIsRefusedAndACorruptPayloadNeverStored) 
   EXPECT_EQ(Put(*client, 1).code(), StatusCode::kDataLoss);
   EXPECT_EQ(Counter("node.checksum_failures"), 1u);
   EXPECT_EQ(Counter("cpu.resident_blocks"), 0u);
-  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<KeyState>{KeyState::kMiss});
+  EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<LookupResult>{LookupResult::kMiss});
   // The session goes on.
   ASSERT_TRUE(Put(*client, 1).ok());
   EXPECT_TRUE(ReadsBack(*client, 1));
@@ -189,7 +188,7 @@ TEST_F(NodeLoopbackTest, AConnectionCutMidStoreAbortsTheStoreAndTheClientReconne
   EXPECT_EQ(Counter("cpu.resident_blocks"), 1u);  // block 1 only: the slot of 2 came back
   // The client connects again; what was committed before the cut is still there.
   EXPECT_EQ(client->Lookup(Keys({Key(1), Key(2)})),
-            (std::vector<KeyState>{KeyState::kHit, KeyState::kMiss}));
+            (std::vector<LookupResult>{LookupResult::kHit, LookupResult::kMiss}));
   EXPECT_TRUE(ReadsBack(*client, 1));
   ASSERT_TRUE(Put(*client, 2).ok());
   EXPECT_EQ(faults_->counts().disconnects, 1u);

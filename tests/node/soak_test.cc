@@ -136,9 +136,9 @@ TEST(SoakTest, SixtyFourClientsForAMinuteLoseNothingAndDaemonMemoryStaysFlat) {
         } else {  // lookups: per key and the prefix of the client's first keys
           std::vector<BlockKey> keys;
           for (int j = 0; j < 8; ++j) keys.push_back(KeyOf(c, j));
-          const std::vector<KeyState> states = (*client)->Lookup(keys);
+          const std::vector<LookupResult> states = (*client)->Lookup(keys);
           for (int j = 0; j < 8; ++j) {
-            if (committed[c][j] && states[j] == KeyState::kMiss) {
+            if (committed[c][j] && states[j] == LookupResult::kMiss) {
               fail("lookup: committed block " + keys[j].ToString() + " missed");
             }
           }

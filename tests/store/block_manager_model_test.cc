@@ -39,11 +39,10 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_manager.h"
-#include "kvstash/store/lookup.h"
-#include "kvstash/store/offload_key.h"
 
 namespace kvstash::store {
 namespace {
@@ -55,8 +54,8 @@ namespace {
 using KeyId = uint64_t;
 
 // Key i: small readable id in hash.lo, the rest spread so keys look like real hashes.
-OffloadKey MakeKey(KeyId id) {
-  OffloadKey key;
+BlockKey MakeKey(KeyId id) {
+  BlockKey key;
   key.hash.lo = id;
   key.hash.hi = Mix64(id + 0x1234);
   key.group = static_cast<uint32_t>(id % 3);
@@ -64,10 +63,10 @@ OffloadKey MakeKey(KeyId id) {
   return key;
 }
 
-KeyId IdOf(const OffloadKey& key) { return key.hash.lo; }
+KeyId IdOf(const BlockKey& key) { return key.hash.lo; }
 
-std::vector<OffloadKey> MakeKeys(const std::vector<KeyId>& ids) {
-  std::vector<OffloadKey> keys;
+std::vector<BlockKey> MakeKeys(const std::vector<KeyId>& ids) {
+  std::vector<BlockKey> keys;
   for (KeyId id : ids) keys.push_back(MakeKey(id));
   return keys;
 }
@@ -86,8 +85,8 @@ std::string IdsStr(const std::vector<KeyId>& ids) {
   return ListStr(ids, [](KeyId id) { return id; });
 }
 
-std::string KeysStr(const std::vector<OffloadKey>& keys) {
-  return ListStr(keys, [](const OffloadKey& k) { return IdOf(k); });
+std::string KeysStr(const std::vector<BlockKey>& keys) {
+  return ListStr(keys, [](const BlockKey& k) { return IdOf(k); });
 }
 
 std::string SlotsStr(const std::vector<SlotId>& slots) {
@@ -199,7 +198,7 @@ struct Coverage {
 class Model {
  public:
   struct Block {
-    OffloadKey key;
+    BlockKey key;
     SlotId slot;
     int32_t ref;  // -1 being written, 0 idle, k > 0 pinned by k loads
   };
@@ -214,7 +213,7 @@ class Model {
 
   // ---- lookups ----
 
-  LookupResult Lookup(const OffloadKey& key) {
+  LookupResult Lookup(const BlockKey& key) {
     Track(key);
     const Block* block = Find(key);
     if (block == nullptr) return LookupResult::kMiss;
@@ -226,10 +225,10 @@ class Model {
   }
 
   // §7.4 maximal_prefix: left to right; RETRY counts as a hit but defers; a miss stops.
-  ScanResult LookupPrefix(const std::vector<OffloadKey>& keys) {
+  ScanResult LookupPrefix(const std::vector<BlockKey>& keys) {
     bool defer = false;
     size_t count = 0;
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       LookupResult r = Lookup(key);
       if (r == LookupResult::kMiss) break;
       if (r == LookupResult::kRetry) defer = true;
@@ -241,7 +240,7 @@ class Model {
 
   // §7.4 sliding_window: right to left; RETRY defers and breaks the run; a full window returns
   // its exclusive end (nullopt if deferred); otherwise the run reaching index 0.
-  ScanResult LookupWindow(const std::vector<OffloadKey>& keys, size_t window) {
+  ScanResult LookupWindow(const std::vector<BlockKey>& keys, size_t window) {
     if (window == 0) window = 1;
     bool defer = false;
     size_t run = 0;
@@ -264,8 +263,8 @@ class Model {
 
   // ---- loads ----
 
-  Status PrepareLoad(const std::vector<OffloadKey>& keys, std::vector<SlotId>* slots) {
-    for (const OffloadKey& key : keys) {
+  Status PrepareLoad(const std::vector<BlockKey>& keys, std::vector<SlotId>* slots) {
+    for (const BlockKey& key : keys) {
       const Block* block = Find(key);
       if (block == nullptr || block->ref < 0) {
         ++coverage_.failed_loads;
@@ -273,7 +272,7 @@ class Model {
       }
     }
     slots->clear();
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       Block* block = Find(key);
       block->ref += 1;
       slots->push_back(block->slot);
@@ -281,8 +280,8 @@ class Model {
     return Status::OK();
   }
 
-  Status CompleteLoad(const std::vector<OffloadKey>& keys) {
-    for (const OffloadKey& key : keys) {
+  Status CompleteLoad(const std::vector<BlockKey>& keys) {
+    for (const BlockKey& key : keys) {
       const Block* block = Find(key);
       int32_t needed = static_cast<int32_t>(std::count(keys.begin(), keys.end(), key));
       if (block == nullptr || block->ref < needed) {
@@ -290,15 +289,15 @@ class Model {
         return Status(StatusCode::kFailedPrecondition, "model: not pinned");
       }
     }
-    for (const OffloadKey& key : keys) Find(key)->ref -= 1;
+    for (const BlockKey& key : keys) Find(key)->ref -= 1;
     return Status::OK();
   }
 
   // ---- touch ----
 
-  void Touch(const std::vector<OffloadKey>& keys) {
+  void Touch(const std::vector<BlockKey>& keys) {
     for (size_t i = keys.size(); i-- > 0;) {
-      const OffloadKey& key = keys[i];
+      const BlockKey& key = keys[i];
       if (policy_ == EvictionPolicy::kLru) {
         // §3: a present key moves to MRU; absent keys are ignored.
         std::optional<size_t> at = IndexIn(lru_, key);
@@ -321,7 +320,7 @@ class Model {
             std::max(1.0, static_cast<double>(b2_.size()) / static_cast<double>(b1_.size()));
         p_ = std::min(p_ + delta, static_cast<double>(capacity_));
         ++coverage_.arc_b1_hits;
-        OffloadKey ghost = b1_[*g1];
+        BlockKey ghost = b1_[*g1];
         b1_.erase(b1_.begin() + static_cast<std::ptrdiff_t>(*g1));
         b1_.push_back(ghost);
       } else if (std::optional<size_t> g2 = GhostIndex(b2_, key)) {
@@ -329,7 +328,7 @@ class Model {
             std::max(1.0, static_cast<double>(b1_.size()) / static_cast<double>(b2_.size()));
         p_ = std::max(p_ - delta, 0.0);
         ++coverage_.arc_b2_hits;
-        OffloadKey ghost = b2_[*g2];
+        BlockKey ghost = b2_[*g2];
         b2_.erase(b2_.begin() + static_cast<std::ptrdiff_t>(*g2));
         b2_.push_back(ghost);
       }
@@ -339,20 +338,20 @@ class Model {
   // ---- stores ----
 
   // The keys of a PrepareStore call that pass the reuse filter (all of them when it is off).
-  std::vector<OffloadKey> Filtered(const std::vector<OffloadKey>& keys) const {
+  std::vector<BlockKey> Filtered(const std::vector<BlockKey>& keys) const {
     if (threshold_ < 2) return keys;
-    std::vector<OffloadKey> out;
-    for (const OffloadKey& key : keys) {
+    std::vector<BlockKey> out;
+    for (const BlockKey& key : keys) {
       if (TrackerCount(key) >= threshold_) out.push_back(key);
     }
     return out;
   }
 
-  Status PrepareStore(const std::vector<OffloadKey>& keys, StorePlan* plan) {
+  Status PrepareStore(const std::vector<BlockKey>& keys, StorePlan* plan) {
     // 1. reuse filter; 2. keys neither stored nor in flight, once each, in call order.
-    std::vector<OffloadKey> filtered = Filtered(keys);
-    std::vector<OffloadKey> to_store;
-    for (const OffloadKey& key : filtered) {
+    std::vector<BlockKey> filtered = Filtered(keys);
+    std::vector<BlockKey> to_store;
+    for (const BlockKey& key : filtered) {
       if (Find(key) != nullptr) continue;
       if (std::find(to_store.begin(), to_store.end(), key) != to_store.end()) {
         ++coverage_.dedup_stores;
@@ -366,13 +365,13 @@ class Model {
     if (to_store.empty()) return Status::OK();
     // 4. evict what does not fit.
     size_t free_count = free_slots_.size() + (capacity_ - fresh_used_);
-    std::vector<OffloadKey> evicted;
+    std::vector<BlockKey> evicted;
     if (to_store.size() > free_count) {
       size_t need = to_store.size() - free_count;
-      std::set<OffloadKey> protected_keys(filtered.begin(), filtered.end());
-      std::optional<std::vector<OffloadKey>> victims = policy_ == EvictionPolicy::kLru
-                                                           ? LruEvict(need, protected_keys)
-                                                           : ArcEvict(need, protected_keys);
+      std::set<BlockKey> protected_keys(filtered.begin(), filtered.end());
+      std::optional<std::vector<BlockKey>> victims = policy_ == EvictionPolicy::kLru
+                                                         ? LruEvict(need, protected_keys)
+                                                         : ArcEvict(need, protected_keys);
       if (!victims) {
         ++coverage_.refused_stores;
         return Status(StatusCode::kResourceExhausted, "model: no room");
@@ -382,7 +381,7 @@ class Model {
       if (events_on_) events_.push_back(OffloadEvent{OffloadEvent::Kind::kRemoved, evicted});
     }
     // 5. allocate (fresh first, then LIFO) and insert at MRU (ARC: T1, leaving the ghosts).
-    for (const OffloadKey& key : to_store) {
+    for (const BlockKey& key : to_store) {
       SlotId slot;
       if (fresh_used_ < capacity_) {
         slot = static_cast<SlotId>(fresh_used_++);
@@ -407,10 +406,10 @@ class Model {
     return Status::OK();
   }
 
-  void CompleteStore(const std::vector<OffloadKey>& keys, bool success) {
+  void CompleteStore(const std::vector<BlockKey>& keys, bool success) {
     if (success) {
-      std::vector<OffloadKey> stored;
-      for (const OffloadKey& key : keys) {
+      std::vector<BlockKey> stored;
+      for (const BlockKey& key : keys) {
         Block* block = Find(key);
         if (block != nullptr && block->ref < 0) {
           block->ref = 0;
@@ -422,7 +421,7 @@ class Model {
       }
       return;
     }
-    for (const OffloadKey& key : keys) {
+    for (const BlockKey& key : keys) {
       for (List* list : Lists()) {
         std::optional<size_t> at = IndexIn(*list, key);
         if (at && (*list)[*at].ref < 0) {
@@ -481,7 +480,7 @@ class Model {
 
   // ---- read access for the generator ----
 
-  const Block* Find(const OffloadKey& key) const {
+  const Block* Find(const BlockKey& key) const {
     for (const List* list : Lists()) {
       if (std::optional<size_t> at = IndexIn(*list, key)) return &(*list)[*at];
     }
@@ -496,29 +495,29 @@ class Model {
 
   const Coverage& coverage() const { return coverage_; }
 
-  std::vector<OffloadKey> Ghosts() const {
-    std::vector<OffloadKey> out = b1_;
+  std::vector<BlockKey> Ghosts() const {
+    std::vector<BlockKey> out = b1_;
     out.insert(out.end(), b2_.begin(), b2_.end());
     return out;
   }
 
  private:
-  static std::optional<size_t> IndexIn(const List& list, const OffloadKey& key) {
+  static std::optional<size_t> IndexIn(const List& list, const BlockKey& key) {
     for (size_t i = 0; i < list.size(); ++i) {
       if (list[i].key == key) return i;
     }
     return std::nullopt;
   }
 
-  static std::optional<size_t> GhostIndex(const std::vector<OffloadKey>& ghosts,
-                                          const OffloadKey& key) {
+  static std::optional<size_t> GhostIndex(const std::vector<BlockKey>& ghosts,
+                                          const BlockKey& key) {
     for (size_t i = 0; i < ghosts.size(); ++i) {
       if (ghosts[i] == key) return i;
     }
     return std::nullopt;
   }
 
-  static void EraseGhost(std::vector<OffloadKey>& ghosts, const OffloadKey& key) {
+  static void EraseGhost(std::vector<BlockKey>& ghosts, const BlockKey& key) {
     ghosts.erase(std::remove(ghosts.begin(), ghosts.end(), key), ghosts.end());
   }
 
@@ -543,14 +542,14 @@ class Model {
     return {&t1_, &t2_};
   }
 
-  Block* Find(const OffloadKey& key) {
+  Block* Find(const BlockKey& key) {
     return const_cast<Block*>(static_cast<const Model*>(this)->Find(key));
   }
 
   // The first block of `list` from the LRU end that is idle, not protected, not yet chosen.
   static std::optional<size_t> ScanEligible(const List& list,
-                                            const std::set<OffloadKey>& protected_keys,
-                                            const std::set<OffloadKey>& selected) {
+                                            const std::set<BlockKey>& protected_keys,
+                                            const std::set<BlockKey>& selected) {
     for (size_t i = 0; i < list.size(); ++i) {
       const Block& b = list[i];
       if (b.ref != 0) continue;
@@ -562,17 +561,17 @@ class Model {
   }
 
   // §3 evict: scan from LRU, collect n eligible, all or nothing; frees their slots in order.
-  std::optional<std::vector<OffloadKey>> LruEvict(size_t n,
-                                                  const std::set<OffloadKey>& protected_keys) {
-    std::set<OffloadKey> selected;
-    std::vector<OffloadKey> chosen;
+  std::optional<std::vector<BlockKey>> LruEvict(size_t n,
+                                                const std::set<BlockKey>& protected_keys) {
+    std::set<BlockKey> selected;
+    std::vector<BlockKey> chosen;
     while (chosen.size() < n) {
       std::optional<size_t> at = ScanEligible(lru_, protected_keys, selected);
       if (!at) return std::nullopt;
       chosen.push_back(lru_[*at].key);
       selected.insert(lru_[*at].key);
     }
-    for (const OffloadKey& key : chosen) {
+    for (const BlockKey& key : chosen) {
       size_t at = *IndexIn(lru_, key);
       free_slots_.push_back(lru_[at].slot);
       lru_.erase(lru_.begin() + static_cast<std::ptrdiff_t>(at));
@@ -581,12 +580,12 @@ class Model {
   }
 
   // §4 evict with the kvstash T1 fallback; commit appends to the ghosts, then trims them.
-  std::optional<std::vector<OffloadKey>> ArcEvict(size_t n,
-                                                  const std::set<OffloadKey>& protected_keys) {
+  std::optional<std::vector<BlockKey>> ArcEvict(size_t n,
+                                                const std::set<BlockKey>& protected_keys) {
     size_t virtual_t1 = t1_.size();
     const int64_t target = static_cast<int64_t>(p_);  // int(p): truncation toward zero
-    std::set<OffloadKey> selected;
-    std::vector<std::pair<OffloadKey, bool>> chosen;  // (key, from T1)
+    std::set<BlockKey> selected;
+    std::vector<std::pair<BlockKey, bool>> chosen;  // (key, from T1)
     size_t fallbacks = 0;
     for (size_t i = 0; i < n; ++i) {
       bool found = false;
@@ -618,7 +617,7 @@ class Model {
       if (!found) return std::nullopt;
     }
     coverage_.arc_t1_fallbacks += fallbacks;
-    std::vector<OffloadKey> out;
+    std::vector<BlockKey> out;
     for (const auto& [key, from_t1] : chosen) {
       if (!from_t1) ++coverage_.arc_t2_evictions;
       List& list = from_t1 ? t1_ : t2_;
@@ -641,7 +640,7 @@ class Model {
 
   // ---- reuse tracker (§2 lookup step 1) ----
 
-  void Track(const OffloadKey& key) {
+  void Track(const BlockKey& key) {
     if (threshold_ < 2) return;
     for (size_t i = 0; i < tracker_.size(); ++i) {
       if (tracker_[i].first == key) {
@@ -659,7 +658,7 @@ class Model {
     tracker_.emplace_back(key, 1);
   }
 
-  uint32_t TrackerCount(const OffloadKey& key) const {
+  uint32_t TrackerCount(const BlockKey& key) const {
     for (const auto& [k, count] : tracker_) {
       if (k == key) return count;
     }
@@ -674,11 +673,11 @@ class Model {
 
   List lru_;
   List t1_, t2_;
-  std::vector<OffloadKey> b1_, b2_;  // oldest first
+  std::vector<BlockKey> b1_, b2_;  // oldest first
   double p_ = 0.0;
   std::vector<SlotId> free_slots_;  // top of the stack at the back
   size_t fresh_used_ = 0;
-  std::vector<std::pair<OffloadKey, uint32_t>> tracker_;  // least recent first
+  std::vector<std::pair<BlockKey, uint32_t>> tracker_;  // least recent first
   std::vector<OffloadEvent> events_;
   Coverage coverage_;
 };
@@ -799,7 +798,7 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
   if (blocks.size() != resident_blocks) return "resident_blocks() disagrees with DebugState";
   if (s.fresh_slots_used > capacity) return "fresh_slots_used above capacity";
   std::set<SlotId> slots;
-  std::set<OffloadKey> keys;
+  std::set<BlockKey> keys;
   for (const BlockInfo& b : blocks) {
     if (b.slot >= capacity) return "resident slot out of range";
     if (b.slot >= s.fresh_slots_used) return "resident slot was never handed out";
@@ -813,14 +812,14 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
   }
   if (slots.size() != s.fresh_slots_used) return "a handed-out slot is neither resident nor free";
   if (s.b1.size() > capacity || s.b2.size() > capacity) return "ghost list above capacity";
-  std::set<OffloadKey> ghosts;
-  for (const OffloadKey& k : s.b1) {
+  std::set<BlockKey> ghosts;
+  for (const BlockKey& k : s.b1) {
     if (!ghosts.insert(k).second) return "duplicate ghost";
   }
-  for (const OffloadKey& k : s.b2) {
+  for (const BlockKey& k : s.b2) {
     if (!ghosts.insert(k).second) return "duplicate ghost";
   }
-  for (const OffloadKey& k : ghosts) {
+  for (const BlockKey& k : ghosts) {
     if (keys.count(k) != 0) return "a resident key is also a ghost";
   }
   if (!(s.arc_target >= 0.0 && s.arc_target <= static_cast<double>(capacity))) {
@@ -829,7 +828,7 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
   return std::nullopt;
 }
 
-const BlockInfo* FindInfo(const BlockManagerState& s, const OffloadKey& key) {
+const BlockInfo* FindInfo(const BlockManagerState& s, const BlockKey& key) {
   for (const std::vector<BlockInfo>* list : {&s.lru, &s.t1, &s.t2}) {
     for (const BlockInfo& b : *list) {
       if (b.key == key) return &b;
@@ -852,7 +851,7 @@ class Harness {
   std::optional<std::string> Step(const Op& op) {
     std::ostringstream diff;
     BlockManagerState before = impl_->DebugState();
-    std::vector<OffloadKey> keys = MakeKeys(op.keys);
+    std::vector<BlockKey> keys = MakeKeys(op.keys);
     bool state_must_not_change = false;
     switch (op.kind) {
       case OpKind::kLookup: {
@@ -864,7 +863,7 @@ class Harness {
       }
       case OpKind::kLookupBatch: {
         std::vector<LookupResult> got(keys.size(), LookupResult::kRetry);
-        impl_->Lookup(std::span<const OffloadKey>(keys), std::span<LookupResult>(got));
+        impl_->Lookup(std::span<const BlockKey>(keys), std::span<LookupResult>(got));
         for (size_t i = 0; i < keys.size(); ++i) {
           LookupResult want = model_.Lookup(keys[i]);
           if (got[i] != want) {
@@ -894,7 +893,7 @@ class Harness {
         break;
       }
       case OpKind::kPrepareStore: {
-        std::vector<OffloadKey> protected_keys = model_.Filtered(keys);
+        std::vector<BlockKey> protected_keys = model_.Filtered(keys);
         StorePlan got_plan;
         Status got = impl_->PrepareStore(keys, &got_plan);
         StorePlan want_plan;
@@ -915,7 +914,7 @@ class Harness {
             diff << " invariant: plan has " << got_plan.slots.size() << " slots for "
                  << got_plan.keys_to_store.size() << " keys;";
           }
-          for (const OffloadKey& victim : got_plan.evicted) {
+          for (const BlockKey& victim : got_plan.evicted) {
             const BlockInfo* was = FindInfo(before, victim);
             if (was == nullptr) {
               diff << " invariant: evicted " << IdOf(victim) << " was not resident;";
@@ -1089,7 +1088,7 @@ class Generator {
       if (b.ref >= 0) ready.push_back(IdOf(b.key));
       for (int32_t i = 0; i < b.ref; ++i) pinned.push_back(IdOf(b.key));
     }
-    for (const OffloadKey& k : m.Ghosts()) ghosts.push_back(IdOf(k));
+    for (const BlockKey& k : m.Ghosts()) ghosts.push_back(IdOf(k));
 
     Op op;
     const bool arc = config_.policy == EvictionPolicy::kArc;

@@ -41,7 +41,7 @@ std::string StateString(const BlockManagerState& s) {
     }
     out += "\n";
   };
-  auto keys = [&](const char* name, const std::vector<OffloadKey>& v) {
+  auto keys = [&](const char* name, const std::vector<BlockKey>& v) {
     out += name;
     for (const auto& k : v) out += " " + k.ToString();
     out += "\n";
@@ -91,7 +91,7 @@ TEST_P(BlockManagerTest, LoadOfMissingOrUnreadyKeyFailsAndChangesNothing) {
   std::vector<SlotId> slots = {99};
   Status missing = m->PrepareLoad(Keys({1, 9}), &slots);
   EXPECT_EQ(missing.code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(missing.message()), HasSubstr("ns0/g0/0x9 (2 of 2): it is not stored"));
+  EXPECT_THAT(std::string(missing.message()), HasSubstr("key 0x9 (2 of 2): it is not stored"));
   EXPECT_THAT(slots, IsEmpty());
   Status writing = m->PrepareLoad(Keys({2, 3}), &slots);
   EXPECT_EQ(writing.code(), StatusCode::kFailedPrecondition);
@@ -163,9 +163,9 @@ TEST_P(BlockManagerTest, StoreOfPresentKeysNeverEvicts) {
 
 TEST_P(BlockManagerTest, GroupsAndNamespacesAreDistinctKeys) {
   auto m = Make(8);
-  OffloadKey a = Key(5, 0);
-  OffloadKey b = Key(5, 1);
-  OffloadKey c = Key(5, 0);
+  BlockKey a = Key(5, 0);
+  BlockKey b = Key(5, 1);
+  BlockKey c = Key(5, 0);
   c.namespace_id = 3;
   StoreAndCommit(*m, {a});
   EXPECT_EQ(m->Lookup(a), LookupResult::kHit);
@@ -263,7 +263,7 @@ TEST_P(BlockManagerTest, StampRenumberingKeepsOrder) {
 TEST_P(BlockManagerTest, MetadataIsBoundedPerBlock) {
   constexpr size_t kBlocks = 100000;
   auto m = Make(kBlocks);
-  std::vector<OffloadKey> keys;
+  std::vector<BlockKey> keys;
   for (uint64_t i = 0; i < kBlocks; ++i) keys.push_back(Key(i));
   StoreAndCommit(*m, keys);
   const double per_block = static_cast<double>(m->MetadataBytes()) / kBlocks;

@@ -1,13 +1,12 @@
 // The per-key scans of docs/semantics.md §7.4, with vectors §12.E (maximal prefix) and §12.F
 // (sliding window): the result and the number of per-key lookups made.
-#include "kvstash/store/lookup.h"
-
 #include <gtest/gtest.h>
 
 #include <map>
 #include <optional>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "test_util.h"
 
 namespace kvstash::store {
@@ -141,7 +140,7 @@ TEST(ManagerScanTest, BatchedLookupAnswersEachKey) {
   auto m = testing::MakeManager({.capacity = 8});
   testing::StoreAndCommit(*m, Keys({1, 3}));
   testing::PrepareStore(*m, Keys({4}));
-  std::vector<OffloadKey> keys = Keys({1, 2, 3, 4});
+  std::vector<BlockKey> keys = Keys({1, 2, 3, 4});
   std::vector<LookupResult> results(keys.size());
   m->Lookup(keys, results);
   EXPECT_EQ(results, (std::vector<LookupResult>{T, F, T, N}));

@@ -197,7 +197,7 @@ TEST_P(BlockManagerQuotaTest, CountingWithoutQuotasChangesNothing) {
   std::map<NamespaceId, size_t> held;
   for (int step = 0; step < 400; ++step) {
     const NamespaceId ns = 1 + rng() % 3;
-    const std::vector<OffloadKey> keys = {NsKey(ns, rng() % 8), NsKey(ns, rng() % 8)};
+    const std::vector<BlockKey> keys = {NsKey(ns, rng() % 8), NsKey(ns, rng() % 8)};
     switch (rng() % 4) {
       case 0:
       case 1: {
@@ -250,9 +250,9 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
   struct Block {
     int ref = 0;  // -1 being written, else pins
   };
-  std::map<OffloadKey, Block> blocks;
-  std::vector<OffloadKey> order;  // every resident key, least recent first
-  auto to_back = [&](const OffloadKey& key) {
+  std::map<BlockKey, Block> blocks;
+  std::vector<BlockKey> order;  // every resident key, least recent first
+  auto to_back = [&](const BlockKey& key) {
     order.erase(std::find(order.begin(), order.end(), key));
     order.push_back(key);
   };
@@ -265,29 +265,29 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
   size_t refusals = 0, own_evictions = 0;
   for (int step = 0; step < 4000; ++step) {
     const NamespaceId ns = std::vector<NamespaceId>{kA, kB, kC}[rng() % 3];
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     const size_t n = 1 + rng() % 3;
     for (size_t i = 0; i < n; ++i) keys.push_back(NsKey(ns, rng() % 12));
     const auto op = rng() % 8;
     SCOPED_TRACE(::testing::Message() << "step " << step << " op " << op << " ns " << ns);
     if (op <= 2) {
       // Store. The model's expectation first.
-      std::vector<OffloadKey> fresh;
-      for (const OffloadKey& k : keys) {
+      std::vector<BlockKey> fresh;
+      for (const BlockKey& k : keys) {
         if (!blocks.count(k) && std::find(fresh.begin(), fresh.end(), k) == fresh.end()) {
           fresh.push_back(k);
         }
       }
-      auto in_call = [&](const OffloadKey& k) {
+      auto in_call = [&](const BlockKey& k) {
         return std::find(keys.begin(), keys.end(), k) != keys.end();
       };
-      std::vector<OffloadKey> own;
+      std::vector<BlockKey> own;
       bool quota_refused = false;
       if (auto q = quotas.find(ns); q != quotas.end() && !fresh.empty()) {
         const size_t h = held(ns);
         if (h + fresh.size() > q->second) {
           const size_t need = h + fresh.size() - q->second;
-          for (const OffloadKey& k : order) {
+          for (const BlockKey& k : order) {
             if (own.size() == need) break;
             if (k.namespace_id == ns && blocks[k].ref == 0 && !in_call(k)) own.push_back(k);
           }
@@ -304,8 +304,8 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
         continue;
       }
       const size_t free_slots = kCapacity - blocks.size() + own.size();
-      std::vector<OffloadKey> global;  // what LRU must evict besides `own`
-      for (const OffloadKey& k : order) {
+      std::vector<BlockKey> global;  // what LRU must evict besides `own`
+      for (const BlockKey& k : order) {
         if (global.size() + free_slots >= fresh.size()) break;
         if (blocks[k].ref == 0 && !in_call(k) &&
             std::find(own.begin(), own.end(), k) == own.end()) {
@@ -327,14 +327,14 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
         EXPECT_TRUE(std::equal(global.begin(), global.end(), plan.evicted.begin(),
                                plan.evicted.end() - own.size()));
       }
-      for (const OffloadKey& k : plan.evicted) {
+      for (const BlockKey& k : plan.evicted) {
         ASSERT_EQ(blocks.count(k), 1u);
         EXPECT_EQ(blocks[k].ref, 0);
         EXPECT_FALSE(in_call(k));
         blocks.erase(k);
         order.erase(std::find(order.begin(), order.end(), k));
       }
-      for (const OffloadKey& k : fresh) {
+      for (const BlockKey& k : fresh) {
         blocks[k].ref = -1;
         order.push_back(k);
       }
@@ -342,7 +342,7 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
       if (rng() % 3 != 0) {
         const bool ok = rng() % 5 != 0;
         m->CompleteStore(fresh, ok);
-        for (const OffloadKey& k : fresh) {
+        for (const BlockKey& k : fresh) {
           if (ok) {
             blocks[k].ref = 0;
           } else {
@@ -353,7 +353,7 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
       }
     } else if (op == 3) {
       // Complete every store in flight in this namespace.
-      std::vector<OffloadKey> writing;
+      std::vector<BlockKey> writing;
       for (auto& [k, b] : blocks) {
         if (k.namespace_id == ns && b.ref < 0) {
           writing.push_back(k);
@@ -363,11 +363,11 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
       m->CompleteStore(writing, true);
     } else if (op == 4) {
       // Pin or unpin one readable key.
-      const OffloadKey k = keys[0];
+      const BlockKey k = keys[0];
       auto it = blocks.find(k);
       if (it == blocks.end() || it->second.ref < 0) continue;
       if (it->second.ref > 0 && rng() % 2 == 0) {
-        ASSERT_TRUE(m->CompleteLoad(std::vector<OffloadKey>{k}).ok());
+        ASSERT_TRUE(m->CompleteLoad(std::vector<BlockKey>{k}).ok());
         --it->second.ref;
       } else if (it->second.ref < 2) {
         PrepareLoad(*m, {k});
@@ -379,9 +379,9 @@ TEST_P(BlockManagerQuotaTest, RandomOperationsFollowTheQuotaRules) {
         if (blocks.count(keys[i])) to_back(keys[i]);
       }
     } else {
-      std::vector<OffloadKey> removed;
+      std::vector<BlockKey> removed;
       m->Remove(keys, &removed);
-      for (const OffloadKey& k : removed) {
+      for (const BlockKey& k : removed) {
         ASSERT_EQ(blocks[k].ref, 0);
         blocks.erase(k);
         order.erase(std::find(order.begin(), order.end(), k));

@@ -78,7 +78,7 @@ TEST(SsdEnospcTest, FullDiskFailsSsdStoresCleanlyAndCpuKeepsServing) {
 
   constexpr uint64_t kBlocks = 48;
   for (uint64_t k = 0; k < kBlocks; ++k) {
-    const std::vector<OffloadKey> keys = {Key(k)};
+    const std::vector<BlockKey> keys = {Key(k)};
     StorePlan plan;
     Status s = store.PrepareStore(keys, &plan);
     ASSERT_TRUE(s.ok()) << "CPU store of block " << k << ": " << s.ToString();
@@ -97,7 +97,7 @@ TEST(SsdEnospcTest, FullDiskFailsSsdStoresCleanlyAndCpuKeepsServing) {
 
   // The CPU tier still serves its newest 8 blocks.
   for (uint64_t k = kBlocks - 8; k < kBlocks; ++k) {
-    const std::vector<OffloadKey> keys = {Key(k)};
+    const std::vector<BlockKey> keys = {Key(k)};
     std::vector<std::span<const std::byte>> blocks;
     ASSERT_TRUE(store.PrepareLoad(keys, &blocks).ok()) << "block " << k;
     EXPECT_TRUE(MatchesPattern(k, blocks[0])) << "block " << k;

@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   std::vector<std::byte> block(options.block_bytes);
   for (uint64_t k = first;; ++k) {
     kvstash::testing::FillPattern(k, block);
-    const kvstash::store::OffloadKey key{kvstash::BlockHash{k, 0}, 0, 0};
+    const kvstash::BlockKey key{kvstash::BlockHash{k, 0}, 0, 0};
     kvstash::Status s = (*tier)->Put(key, block);
     if (!s.ok()) {
       std::fprintf(stderr, "put %llu: %s\n", static_cast<unsigned long long>(k),

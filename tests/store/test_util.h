@@ -15,21 +15,19 @@
 namespace kvstash::store::testing {
 
 // k(i) of docs/semantics.md §12: block hash i, group 0, namespace 0.
-inline OffloadKey Key(uint64_t i, uint32_t group = 0) {
-  return OffloadKey{BlockHash{i, 0}, group, 0};
-}
+inline BlockKey Key(uint64_t i, uint32_t group = 0) { return BlockKey{BlockHash{i, 0}, group, 0}; }
 
-inline std::vector<OffloadKey> Keys(std::initializer_list<uint64_t> ids) {
-  std::vector<OffloadKey> keys;
+inline std::vector<BlockKey> Keys(std::initializer_list<uint64_t> ids) {
+  std::vector<BlockKey> keys;
   for (uint64_t i : ids) keys.push_back(Key(i));
   return keys;
 }
 
 // Key i of namespace `ns` (group 0).
-inline OffloadKey NsKey(NamespaceId ns, uint64_t i) { return OffloadKey{BlockHash{i, 0}, 0, ns}; }
+inline BlockKey NsKey(NamespaceId ns, uint64_t i) { return BlockKey{BlockHash{i, 0}, 0, ns}; }
 
-inline std::vector<OffloadKey> NsKeys(NamespaceId ns, std::initializer_list<uint64_t> ids) {
-  std::vector<OffloadKey> keys;
+inline std::vector<BlockKey> NsKeys(NamespaceId ns, std::initializer_list<uint64_t> ids) {
+  std::vector<BlockKey> keys;
   for (uint64_t i : ids) keys.push_back(NsKey(ns, i));
   return keys;
 }
@@ -58,19 +56,19 @@ inline std::unique_ptr<BlockManager> MakeManager(const ManagerSpec& spec) {
   return std::move(manager).value();
 }
 
-inline StorePlan PrepareStore(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+inline StorePlan PrepareStore(BlockManager& manager, const std::vector<BlockKey>& keys) {
   StorePlan plan;
   Status status = manager.PrepareStore(keys, &plan);
   EXPECT_TRUE(status.ok()) << status.ToString();
   return plan;
 }
 
-inline void StoreAndCommit(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+inline void StoreAndCommit(BlockManager& manager, const std::vector<BlockKey>& keys) {
   PrepareStore(manager, keys);
   manager.CompleteStore(keys, true);
 }
 
-inline std::vector<SlotId> PrepareLoad(BlockManager& manager, const std::vector<OffloadKey>& keys) {
+inline std::vector<SlotId> PrepareLoad(BlockManager& manager, const std::vector<BlockKey>& keys) {
   std::vector<SlotId> slots;
   Status status = manager.PrepareLoad(keys, &slots);
   EXPECT_TRUE(status.ok()) << status.ToString();
@@ -93,7 +91,7 @@ inline OffloadEvent Removed(std::initializer_list<uint64_t> ids) {
 
 namespace kvstash::store {
 // gtest finds these by argument-dependent lookup.
-inline void PrintTo(const OffloadKey& key, std::ostream* os) { *os << key.ToString(); }
+inline void PrintTo(const BlockKey& key, std::ostream* os) { *os << key.ToString(); }
 inline void PrintTo(const BlockInfo& b, std::ostream* os) {
   *os << "(" << b.key.ToString() << " slot " << b.slot << " ref " << b.ref_count << ")";
 }

@@ -80,7 +80,7 @@ class TieredStoreTest : public ::testing::Test {
     return store.ok() ? std::move(store).value() : nullptr;
   }
   // Stores each key k with Pattern(k).
-  void Store(TieredStore& store, const std::vector<OffloadKey>& keys) {
+  void Store(TieredStore& store, const std::vector<BlockKey>& keys) {
     StorePlan plan;
     Status s = store.PrepareStore(keys, &plan);
     ASSERT_TRUE(s.ok()) << s.ToString();
@@ -90,7 +90,7 @@ class TieredStoreTest : public ::testing::Test {
     store.CompleteStore(keys, true);
   }
   void ExpectCpuBlock(TieredStore& store, uint64_t k) {
-    const std::vector<OffloadKey> keys = {Key(k)};
+    const std::vector<BlockKey> keys = {Key(k)};
     std::vector<std::span<const std::byte>> blocks;
     Status s = store.PrepareLoad(keys, &blocks);
     ASSERT_TRUE(s.ok()) << "key " << k << ": " << s.ToString();
@@ -213,7 +213,7 @@ TEST_F(TieredStoreTest, PromotionsOfOneLookupAreOneJob) {
   Store(*store, Keys({5, 6, 7, 8}));
   store->WaitIdle();
   const int jobs_before = gate_.entered();
-  const std::vector<OffloadKey> keys = Keys({1, 2, 3});
+  const std::vector<BlockKey> keys = Keys({1, 2, 3});
   std::vector<LookupResult> results(3);
   store->Lookup(keys, results);
   EXPECT_THAT(results, ::testing::Each(LookupResult::kRetry));
@@ -229,7 +229,7 @@ TEST_F(TieredStoreTest, ScansStartPromotionsAndRetry) {
   store->WaitIdle();
   Store(*store, Keys({5, 6}));  // evicts 1 and 2 from CPU
   store->WaitIdle();
-  const std::vector<OffloadKey> keys = Keys({1, 2, 3, 4, 99});
+  const std::vector<BlockKey> keys = Keys({1, 2, 3, 4, 99});
   // 1 and 2 are promoted, evicting 3 and 4 from CPU, which the scan then finds on SSD and
   // promotes too (evicting 5 and 6): all four come back in one pass.
   EXPECT_EQ(store->LookupPrefix(keys), std::nullopt);
@@ -424,7 +424,7 @@ TEST_F(TieredStoreTest, RestartServesCommittedBlocksFromSsd) {
   }  // the destructor waits for the cascades
   auto store = Open(options);
   EXPECT_EQ(store->cpu().resident_blocks(), 0u);
-  const std::vector<OffloadKey> keys = Keys({1, 2, 3});
+  const std::vector<BlockKey> keys = Keys({1, 2, 3});
   EXPECT_EQ(store->LookupPrefix(keys), std::nullopt);
   store->WaitIdle();
   EXPECT_EQ(store->LookupPrefix(keys), ScanResult(3));
@@ -490,7 +490,7 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
         // cascades, stores and promotions are refused (correctly) and nothing is exercised.
         if (op % 32 == 31) store.WaitIdle();
         const uint64_t k = next() % kKeys;
-        const std::vector<OffloadKey> keys = {Key(k), Key((k + 1) % kKeys)};
+        const std::vector<BlockKey> keys = {Key(k), Key((k + 1) % kKeys)};
         switch (next() % 4) {
           case 0: {
             StorePlan plan;
@@ -511,7 +511,7 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
             break;
           case 3: {
             // One key: a pair is rarely resident in a 16-block CPU tier at the same moment.
-            const std::vector<OffloadKey> one = {keys[0]};
+            const std::vector<BlockKey> one = {keys[0]};
             std::vector<std::span<const std::byte>> blocks;
             if (!store.PrepareLoad(one, &blocks).ok()) break;
             if (!MatchesPattern(one[0].hash.lo, blocks[0])) ++wrong;
@@ -541,7 +541,7 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
     }
   }
   // Nothing is left pinned or in flight: the whole CPU tier can be replaced.
-  std::vector<OffloadKey> fresh;
+  std::vector<BlockKey> fresh;
   for (uint64_t k = 1000; k < 1016; ++k) fresh.push_back(Key(k));
   StorePlan plan;
   EXPECT_TRUE(store.PrepareStore(fresh, &plan).ok());

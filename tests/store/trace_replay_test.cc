@@ -67,8 +67,8 @@ TEST(TraceReplayTest, ArcStateAndLoadErrors) {
             "ok\n"
             "store=3 evict=1\n"  // kvstash's T2->T1 fallback does not apply: p=0, T1 first
             "arc p=0.000000 t1=3:-1 t2=2:1 b1=1 b2=\n"
-            "error cannot load key ns0/g0/0x3 (1 of 1): it is still being written\n"
-            "error cannot unload key ns0/g0/0x1 (1 of 1): it is not stored\n"
+            "error cannot load key 0x3 (1 of 1): it is still being written\n"
+            "error cannot unload key 0x1 (1 of 1): it is not stored\n"
             "ok\n"
             "ok\n"
             "arc p=1.000000 t1=3:-1 t2=2:0 b1=1 b2=\n"

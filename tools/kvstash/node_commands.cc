@@ -15,9 +15,6 @@
 
 namespace kvstash::cli {
 namespace {
-
-using connector::BlockKey;
-using connector::KeyState;
 using connector::NodeClient;
 
 struct NodeFlags {
@@ -79,7 +76,7 @@ Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
 Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
   std::vector<BlockKey> keys;
   for (const std::string& text : flags.keys) {
-    KVSTASH_ASSIGN_OR_RETURN(auto key, connector::ParseBlockKey(text));
+    KVSTASH_ASSIGN_OR_RETURN(auto key, ParseBlockKey(text));
     keys.push_back(key);
   }
   return keys;
@@ -147,13 +144,13 @@ int RunGet(const NodeFlags& flags) {
   return kExitOk;
 }
 
-std::string_view StateName(KeyState s) {
+std::string_view StateName(LookupResult s) {
   switch (s) {
-    case KeyState::kHit:
+    case LookupResult::kHit:
       return "hit";
-    case KeyState::kRetry:
+    case LookupResult::kRetry:
       return "retry";
-    case KeyState::kMiss:
+    case LookupResult::kMiss:
       break;
   }
   return "miss";
@@ -169,13 +166,13 @@ int RunLookup(const NodeFlags& flags) {
   // A refusal (over a limit, a wrong token) is an error, never a column of misses.
   auto looked_up = (*client)->LookupStrict(*keys);
   if (!looked_up.ok()) return Errors("lookup").Fail(kExitFailure, looked_up.status().message());
-  const std::vector<KeyState>& states = *looked_up;
+  const std::vector<LookupResult>& states = *looked_up;
   std::optional<size_t> prefix;
   if (flags.prefix) {
     prefix = 0;
-    for (KeyState s : states) {
-      if (s == KeyState::kMiss) break;
-      if (s == KeyState::kRetry) {
+    for (LookupResult s : states) {
+      if (s == LookupResult::kMiss) break;
+      if (s == LookupResult::kRetry) {
         prefix.reset();
         break;
       }

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/status.h"
-#include "kvstash/connector/block_key.h"
 
 namespace kvstash::connector {
 
@@ -48,7 +48,7 @@ class BlockStoreClient {
 
   // Per-key lookups in key order. A key whose node cannot be reached, or whose node refused the
   // call, is a miss; either is counted (counters()) and logged.
-  virtual std::vector<KeyState> Lookup(std::span<const BlockKey> keys) = 0;
+  virtual std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) = 0;
   // Marks the keys used on their nodes, the first key most recent (docs/semantics.md §3: LRU moves
   // them to the most recent end, ARC to T2; keys a node does not hold are ignored, or count as
   // ghost hits). Asynchronous: returns once the calls are sent, and their outcome is counted and

@@ -29,9 +29,9 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
-#include "kvstash/connector/block_key.h"
 #include "kvstash/connector/block_store_client.h"
 #include "kvstash/transport/rpc.h"
 
@@ -79,10 +79,10 @@ class NodeClient : public BlockStoreClient {
   Result<transport::ServerLimits> Limits(size_t node);
 
   // Per-key lookups in key order (see BlockStoreClient::Lookup).
-  std::vector<KeyState> Lookup(std::span<const BlockKey> keys) override;
+  std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) override;
   // The same, but a node's refusal (or a reply that does not parse) is returned as the error,
   // naming the node; keys of unreachable nodes still read as misses.
-  Result<std::vector<KeyState>> LookupStrict(std::span<const BlockKey> keys);
+  Result<std::vector<LookupResult>> LookupStrict(std::span<const BlockKey> keys);
   // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 

@@ -23,9 +23,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
-#include "kvstash/connector/block_key.h"
 
 namespace kvstash::connector {
 
@@ -47,7 +47,7 @@ class OffloadManager {
 
   // kHit: stored and readable now. kMiss: absent. kRetry: not decided yet (a write in flight, an
   // asynchronous tier lookup or promotion started); the connector defers the request a step.
-  virtual KeyState Lookup(const BlockKey& key) = 0;
+  virtual LookupResult Lookup(const BlockKey& key) = 0;
   // Pins `keys`, all of them hits, against eviction until CompleteLoad.
   virtual void PrepareLoad(std::span<const BlockKey> keys) = 0;
   virtual void CompleteLoad(std::span<const BlockKey> keys) = 0;
@@ -253,9 +253,6 @@ class OffloadScheduler {
   JobId stale_job_threshold() const { return stale_job_threshold_; }
 
  private:
-  struct BlockKeyHasher {
-    size_t operator()(const BlockKey& key) const;
-  };
   struct GroupState {
     std::vector<BlockKey> keys;         // one per offloaded block with a full hash
     std::vector<GpuBlockId> block_ids;  // the request's GPU blocks as reported, null included
@@ -310,7 +307,7 @@ class OffloadScheduler {
   JobId job_counter_ = 0;
   JobId stale_job_threshold_ = 0;  // acknowledgements of older jobs are ignored
   std::map<GpuBlockId, std::set<JobId>> fence_;
-  std::unordered_set<BlockKey, BlockKeyHasher> blocks_being_loaded_;
+  std::unordered_set<BlockKey> blocks_being_loaded_;
 
   // This step's work, handed out and cleared by BuildConnectorMeta.
   std::vector<TransferJob> batch_load_jobs_;

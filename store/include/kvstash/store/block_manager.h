@@ -11,9 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/status.h"
-#include "kvstash/store/lookup.h"
-#include "kvstash/store/offload_key.h"
 
 namespace kvstash::store {
 
@@ -66,11 +65,11 @@ struct NamespaceUsage {
 
 // What PrepareStore decided.
 struct StorePlan {
-  std::vector<OffloadKey> keys_to_store;  // the keys to write, in call order
-  std::vector<SlotId> slots;              // slots[i] receives keys_to_store[i]
-  std::vector<OffloadKey> evicted;        // keys evicted to make room, in eviction order
-  std::vector<SlotId> evicted_slots;      // the slot each evicted key held (its bytes are still
-                                          // there until the new key is written)
+  std::vector<BlockKey> keys_to_store;  // the keys to write, in call order
+  std::vector<SlotId> slots;            // slots[i] receives keys_to_store[i]
+  std::vector<BlockKey> evicted;        // keys evicted to make room, in eviction order
+  std::vector<SlotId> evicted_slots;    // the slot each evicted key held (its bytes are still
+                                        // there until the new key is written)
   // Set when PrepareStore refused the call for a namespace quota: that namespace, and the new
   // blocks of it the call asked for. 0 otherwise.
   NamespaceId quota_namespace = 0;
@@ -80,14 +79,14 @@ struct StorePlan {
 struct OffloadEvent {
   enum class Kind : uint8_t { kStored, kRemoved };
   Kind kind;
-  std::vector<OffloadKey> keys;  // stored: in commit order; removed: in eviction order
+  std::vector<BlockKey> keys;  // stored: in commit order; removed: in eviction order
 
   friend bool operator==(const OffloadEvent&, const OffloadEvent&) = default;
 };
 
 // One resident block as state dumps show it.
 struct BlockInfo {
-  OffloadKey key;
+  BlockKey key;
   SlotId slot;
   int32_t ref_count;  // -1 while being written, else the number of loads pinning it
 
@@ -99,7 +98,7 @@ struct BlockManagerState {
   EvictionPolicy policy = EvictionPolicy::kLru;
   std::vector<BlockInfo> lru;      // LRU: every block, least recent first
   std::vector<BlockInfo> t1, t2;   // ARC: recency and frequency lists, least recent first
-  std::vector<OffloadKey> b1, b2;  // ARC: ghost lists, oldest first
+  std::vector<BlockKey> b1, b2;    // ARC: ghost lists, oldest first
   double arc_target = 0.0;         // ARC: p, the target size of T1
   std::vector<SlotId> free_slots;  // freed slots; the last is reused first
   size_t fresh_slots_used = 0;     // slots 0..n-1 have been handed out at least once
@@ -138,24 +137,24 @@ class BlockManager {
 
   // HIT if stored and readable, RETRY while it is being written, else MISS. Never changes
   // recency; counts the key in the reuse tracker when the filter is on.
-  virtual LookupResult Lookup(const OffloadKey& key) = 0;
+  virtual LookupResult Lookup(const BlockKey& key) = 0;
   // Lookup of each key, in order, under one lock. `results.size()` must equal `keys.size()`.
-  virtual void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results) = 0;
+  virtual void Lookup(std::span<const BlockKey> keys, std::span<LookupResult> results) = 0;
   // The maximal-prefix and sliding-window scans of lookup.h over `keys`, under one lock; the
   // per-key lookups they make are exactly those the scans define (the tracker counts them).
-  virtual ScanResult LookupPrefix(std::span<const OffloadKey> keys) = 0;
-  virtual ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window) = 0;
+  virtual ScanResult LookupPrefix(std::span<const BlockKey> keys) = 0;
+  virtual ScanResult LookupWindow(std::span<const BlockKey> keys, size_t window) = 0;
 
   // Pins every key for reading and sets `slots` to their slots in key order. FailedPrecondition
   // (and no change) if any key is not stored or still being written; ResourceExhausted if a pin
   // count would overflow.
-  virtual Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) = 0;
+  virtual Status PrepareLoad(std::span<const BlockKey> keys, std::vector<SlotId>* slots) = 0;
   // Unpins keys pinned by PrepareLoad. FailedPrecondition (and no change) if any key is not
   // stored or not pinned (as many times as it appears).
-  virtual Status CompleteLoad(std::span<const OffloadKey> keys) = 0;
+  virtual Status CompleteLoad(std::span<const BlockKey> keys) = 0;
   // Marks the stored keys as recently used, the first key most recent. Absent keys are
   // ignored (ARC: a key in a ghost list adapts the T1 target).
-  virtual void Touch(std::span<const OffloadKey> keys) = 0;
+  virtual void Touch(std::span<const BlockKey> keys) = 0;
 
   // Reserves slots for the keys that are neither stored nor being written (duplicates once),
   // evicting idle blocks if needed; never evicts a key of this call (that passed the reuse
@@ -165,18 +164,18 @@ class BlockManager {
   // by evicting its own least recently used idle blocks first (listed in `evicted` after the
   // policy's victims); when too few are idle the whole call is refused, like a full tier
   // (ResourceExhausted, no change, plan->quota_namespace and quota_refused set).
-  virtual Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan) = 0;
+  virtual Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) = 0;
   // success: keys being written become readable (one stored event for them). Failure: keys
   // being written are dropped and their slots freed. Keys already readable, or absent, are
   // ignored either way.
-  virtual void CompleteStore(std::span<const OffloadKey> keys, bool success) = 0;
+  virtual void CompleteStore(std::span<const BlockKey> keys, bool success) = 0;
 
   // Drops the keys that are stored, readable and not pinned (a corrupt record, an explicit
   // delete) and frees their slots; no ghost is kept. Absent, pinned and being-written keys are
   // skipped. Returns how many were dropped (one removed event for them) and, when `removed` is
   // given, appends them to it.
-  virtual size_t Remove(std::span<const OffloadKey> keys,
-                        std::vector<OffloadKey>* removed = nullptr) = 0;
+  virtual size_t Remove(std::span<const BlockKey> keys,
+                        std::vector<BlockKey>* removed = nullptr) = 0;
   // Rebuilds the index of a persistent tier after a restart: on a manager that has not stored
   // anything since it was created or Reset, inserts each block as readable and idle at the
   // given slot, the first least recent. InvalidArgument, and no change, for a slot outside the

@@ -9,10 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_manager.h"
-#include "kvstash/store/lookup.h"
-#include "kvstash/store/offload_key.h"
 
 namespace kvstash::store {
 
@@ -57,7 +56,7 @@ struct SsdTierStats {
 
 // One block to write into a slot reserved by PrepareStore.
 struct SsdWrite {
-  OffloadKey key;
+  BlockKey key;
   SlotId slot;
   std::span<const std::byte> data;  // at most block_bytes
 };
@@ -90,34 +89,34 @@ class SsdTier {
   // Stores `data` under `key`, evicting idle blocks if needed. OK without writing if the key is
   // already stored. Unavailable while another store of the key is in flight; ResourceExhausted
   // when nothing can be evicted or the disk is full; nothing is kept on failure.
-  Status Put(const OffloadKey& key, std::span<const std::byte> data);
+  Status Put(const BlockKey& key, std::span<const std::byte> data);
   // Reads the block into `out` (resized to the block's length). NotFound if absent, Unavailable
   // while being written, DataLoss if its bytes are corrupt (the block is dropped).
-  Status Get(const OffloadKey& key, std::vector<std::byte>* out);
+  Status Get(const BlockKey& key, std::vector<std::byte>* out);
   // NotFound if absent; FailedPrecondition while it is pinned or being written.
-  Status Delete(const OffloadKey& key);
+  Status Delete(const BlockKey& key);
 
   // The two-phase protocol of BlockManager, for the tiered store.
-  LookupResult Lookup(const OffloadKey& key) { return index_->Lookup(key); }
-  void Touch(std::span<const OffloadKey> keys) { index_->Touch(keys); }
+  LookupResult Lookup(const BlockKey& key) { return index_->Lookup(key); }
+  void Touch(std::span<const BlockKey> keys) { index_->Touch(keys); }
   // Reserves slots as BlockManager::PrepareStore does; the records of evicted blocks are
   // deleted before this returns, so their slots may be overwritten.
-  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan);
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan);
   // Writes the blocks into their reserved slots and commits them (lookups HIT) with one index
   // batch. On any failure nothing of the call is committed: every key is aborted, its slot freed.
   Status WriteAndCommit(std::span<const SsdWrite> writes);
   // Drops reserved keys without writing them.
-  void Abort(std::span<const OffloadKey> keys) { index_->CompleteStore(keys, false); }
-  Status PrepareLoad(std::span<const OffloadKey> keys, std::vector<SlotId>* slots) {
+  void Abort(std::span<const BlockKey> keys) { index_->CompleteStore(keys, false); }
+  Status PrepareLoad(std::span<const BlockKey> keys, std::vector<SlotId>* slots) {
     return index_->PrepareLoad(keys, slots);
   }
   // Reads the pinned block in `slot` into `out` (at least block_bytes). Returns its length.
   // DataLoss for a checksum mismatch, Unavailable for a failed or short read; either way the
   // caller unpins and calls Remove.
-  Result<size_t> Read(const OffloadKey& key, SlotId slot, std::span<std::byte> out);
-  Status CompleteLoad(std::span<const OffloadKey> keys) { return index_->CompleteLoad(keys); }
+  Result<size_t> Read(const BlockKey& key, SlotId slot, std::span<std::byte> out);
+  Status CompleteLoad(std::span<const BlockKey> keys) { return index_->CompleteLoad(keys); }
   // Drops idle stored keys and their index records. Returns how many were dropped.
-  size_t Remove(std::span<const OffloadKey> keys);
+  size_t Remove(std::span<const BlockKey> keys);
 
   size_t block_bytes() const { return block_bytes_; }
   size_t slot_stride() const { return stride_; }
@@ -132,7 +131,7 @@ class SsdTier {
           size_t stride, bool direct_io);
 
   // Deletes the index records of `keys` (evicted or dropped blocks).
-  Status DeleteRecords(std::span<const OffloadKey> keys);
+  Status DeleteRecords(std::span<const BlockKey> keys);
 
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<BlockManager> index_;

@@ -11,12 +11,11 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/block_key.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/common/status.h"
 #include "kvstash/store/block_manager.h"
 #include "kvstash/store/block_slab.h"
-#include "kvstash/store/lookup.h"
-#include "kvstash/store/offload_key.h"
 #include "kvstash/store/ssd_tier.h"
 
 namespace kvstash::store {
@@ -117,26 +116,26 @@ class TieredStore {
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;
 
-  LookupResult Lookup(const OffloadKey& key);
+  LookupResult Lookup(const BlockKey& key);
   // Per-key lookups in order; every SSD-only key found starts one batched promotion.
-  void Lookup(std::span<const OffloadKey> keys, std::span<LookupResult> results);
-  ScanResult LookupPrefix(std::span<const OffloadKey> keys);
-  ScanResult LookupWindow(std::span<const OffloadKey> keys, size_t window);
+  void Lookup(std::span<const BlockKey> keys, std::span<LookupResult> results);
+  ScanResult LookupPrefix(std::span<const BlockKey> keys);
+  ScanResult LookupWindow(std::span<const BlockKey> keys, size_t window);
 
   // Pins CPU-resident keys and sets `blocks` to their bytes, in key order (BlockManager's
   // errors: FailedPrecondition if a key is not readable in the CPU tier).
-  Status PrepareLoad(std::span<const OffloadKey> keys,
+  Status PrepareLoad(std::span<const BlockKey> keys,
                      std::vector<std::span<const std::byte>>* blocks);
-  Status CompleteLoad(std::span<const OffloadKey> keys);
+  Status CompleteLoad(std::span<const BlockKey> keys);
   // Recency for both tiers, the first key most recent.
-  void Touch(std::span<const OffloadKey> keys);
+  void Touch(std::span<const BlockKey> keys);
 
   // Reserves CPU slots (BlockManager::PrepareStore); write each key's bytes to
   // CpuSlot(plan->slots[i]), then CompleteStore.
-  Status PrepareStore(std::span<const OffloadKey> keys, StorePlan* plan);
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan);
   std::span<std::byte> CpuSlot(SlotId slot) { return slab_->Slot(slot); }
   // Publishes (or on failure drops) the keys; under write-through, starts their cascade.
-  void CompleteStore(std::span<const OffloadKey> keys, bool success);
+  void CompleteStore(std::span<const BlockKey> keys, bool success);
 
   // Blocks until no background job is queued or running.
   void WaitIdle();
@@ -154,14 +153,14 @@ class TieredStore {
   struct Counters;
   // Blocks moving between the tiers, by key: SSD slot, CPU slot.
   struct Transfer {
-    std::vector<OffloadKey> keys;
+    std::vector<BlockKey> keys;
     std::vector<SlotId> cpu_slots;
     std::vector<SlotId> ssd_slots;
   };
   // Work decided under the lock and carried out after it is released.
   struct Deferred {
     Transfer promotion;                 // SSD -> CPU: SSD copies pinned, CPU slots being written
-    std::vector<OffloadKey> evicted;    // write-back: blocks the CPU tier just evicted ...
+    std::vector<BlockKey> evicted;      // write-back: blocks the CPU tier just evicted ...
     std::vector<SlotId> evicted_slots;  // ... whose bytes are still in these slots
     Transfer write_back;                // CPU -> SSD of evicted blocks: SSD slots reserved
   };
@@ -169,7 +168,7 @@ class TieredStore {
   TieredStore(const TieredStoreOptions& options, std::unique_ptr<BlockManager> cpu,
               std::unique_ptr<BlockSlab> slab, std::unique_ptr<SsdTier> ssd);
 
-  LookupResult LookupLocked(const OffloadKey& key, Deferred* deferred) REQUIRES(mu_);
+  LookupResult LookupLocked(const BlockKey& key, Deferred* deferred) REQUIRES(mu_);
   // Reserves SSD slots for the evicted blocks it lacks.
   void PlanWriteBackLocked(Deferred* deferred) REQUIRES(mu_);
   // Copies or writes the evicted blocks (before their CPU slots are reused), then starts the
@@ -182,7 +181,7 @@ class TieredStore {
   void RunCascade(const Transfer& cascade);
   // Under write-through, starts the cascade of committed `keys` the SSD tier lacks; `bounded`:
   // past max_cascades_in_flight the rest are deferred to their eviction.
-  void StartCascadeLocked(std::span<const OffloadKey> keys, Transfer* cascade, bool bounded)
+  void StartCascadeLocked(std::span<const BlockKey> keys, Transfer* cascade, bool bounded)
       REQUIRES(mu_);
   // The blocks a CPU-tier eviction of `plan` must write to SSD first (write-back: all; write-
   // through: those whose cascade was deferred), into deferred->evicted.
@@ -204,7 +203,7 @@ class TieredStore {
   // copies pinned), and committed blocks whose cascade waits for their eviction.
   size_t promotions_in_flight_ GUARDED_BY(mu_) = 0;
   size_t cascades_in_flight_ GUARDED_BY(mu_) = 0;
-  std::set<OffloadKey> deferred_cascades_ GUARDED_BY(mu_);
+  std::set<BlockKey> deferred_cascades_ GUARDED_BY(mu_);
   std::unique_ptr<IoPool> io_;  // last: its threads stop first
 };
 

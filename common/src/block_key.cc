@@ -1,4 +1,4 @@
-#include "kvstash/connector/block_key.h"
+#include "kvstash/common/block_key.h"
 
 #include <fmt/format.h>
 
@@ -6,12 +6,13 @@
 #include <charconv>
 #include <utility>
 
-namespace kvstash::connector {
+namespace kvstash {
 
 std::string BlockKey::ToString() const {
   std::string text = hash.hi != 0 ? fmt::format("0x{:x}{:016x}", hash.hi, hash.lo)
                                   : fmt::format("0x{:x}", hash.lo);
   if (group != 0) text += fmt::format("/g{}", group);
+  if (namespace_id != 0) text += fmt::format("@ns{}", namespace_id);
   return text;
 }
 
@@ -52,4 +53,4 @@ Result<BlockKey> ParseBlockKey(std::string_view text) {
   return key;
 }
 
-}  // namespace kvstash::connector
+}  // namespace kvstash

@@ -1,0 +1,20 @@
+// The one conversion between the shared vocabulary (kvstash/common/block_key.h) and the wire's
+// messages. Every client and server goes through here.
+#pragma once
+
+#include "kvstash/common/block_key.h"
+#include "kvstash/proto/wire.pb.h"
+
+namespace kvstash::wire {
+
+// The key on the wire: hash and group. The namespace never travels (it is the connection's).
+Key ToWire(const BlockKey& key);
+void ToWire(const BlockKey& key, Key* out);
+// The key of a request, in the namespace of the connection it came on.
+BlockKey FromWire(const Key& key, NamespaceId namespace_id = 0);
+
+wire::LookupResult ToWire(kvstash::LookupResult result);
+// Values a newer peer may send read as kMiss, which is never wrong for a cache.
+kvstash::LookupResult FromWire(wire::LookupResult result);
+
+}  // namespace kvstash::wire
