@@ -490,6 +490,28 @@ TEST(ServeTest, ATakenPortFailsToStart) {
   EXPECT_EQ(first.process().Kill(SIGTERM), 0);
 }
 
+// chat names a worker it cannot reach, and one that does not answer within --worker-timeout-ms.
+TEST(ServeTest, ChatNamesAWorkerThatIsDownOrTooSlow) {
+  Worker worker({"--model", "builtin:tiny-hybrid"});
+  ASSERT_NE(worker.port(), 0);
+  const auto slow = RunProcess({KVSTASH_ENGINE_PATH, "chat", "--model", "builtin:tiny-hybrid",
+                                "--decode-worker", worker.address(), "--turns", "1",
+                                "--max-new-tokens", "4000", "--worker-timeout-ms", "100"});
+  EXPECT_EQ(slow.exit_code, 1);
+  EXPECT_NE(slow.err.find("worker " + worker.address() +
+                          ": no answer to POST /v1/completions within 100 ms"),
+            std::string::npos)
+      << slow.err;
+  EXPECT_EQ(worker.process().Kill(SIGTERM), 0);
+
+  const auto down = RunProcess({KVSTASH_ENGINE_PATH, "chat", "--model", "builtin:tiny-hybrid",
+                                "--decode-worker", worker.address(), "--turns", "1"});
+  EXPECT_EQ(down.exit_code, 1);
+  EXPECT_NE(down.err.find("worker " + worker.address() + ": GET /v1/models failed: Connection"),
+            std::string::npos)
+      << down.err;
+}
+
 std::map<std::string, std::string> Fields(const std::string& line) {
   std::map<std::string, std::string> f;
   std::istringstream in(line);

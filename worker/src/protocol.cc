@@ -176,8 +176,9 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, std::str
   }
   CompletionRequest out;
   if (const json* model = Field(req, "model"); model != nullptr && !model->is_null()) {
-    if (!model->is_string())
+    if (!model->is_string()) {
       return fail("model", InvalidArgumentError("\"model\" must be a string"));
+    }
     out.model = model->get<std::string>();
   }
 
