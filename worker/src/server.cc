@@ -94,6 +94,10 @@ struct Call {
   double ttft_ms = -1;
 };
 
+// WorkerServer on cpp-httplib. Owns its httplib::Server (and through it the HTTP threads, which
+// run only inside Serve); borrows the engine, which only the thread in Serve touches. The state
+// the HTTP threads and the engine thread share is under mu_ (the queue, stopping, the totals)
+// or each Call's own mutex; Stop is safe from any thread.
 class HttpWorkerServer final : public WorkerServer {
  public:
   HttpWorkerServer(Engine* engine, const ServerOptions& options, WorkerInfo info)
