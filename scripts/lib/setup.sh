@@ -12,7 +12,7 @@ KVSTASH_PACKAGES=(
   libspdlog-dev libfmt-dev libxxhash-dev libcli11-dev
   librocksdb-dev nlohmann-json3-dev fio util-linux
   libucx-dev ucx-utils libasio-dev libprotobuf-dev protobuf-compiler
-  prometheus-cpp-dev curl
+  prometheus-cpp-dev libcpp-httplib-dev curl
 )
 
 kvstash_log() { printf '\033[1m== %s\033[0m\n' "$*"; }

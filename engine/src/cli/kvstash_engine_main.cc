@@ -1,6 +1,6 @@
 // `kvstash-engine`: runs kvstash's inference engine on a hybrid-attention model.
 //   generate  one prompt to completion; the generated token ids on the last line
-//   serve     a worker taking requests over TCP, one JSON object per line
+//   serve     a worker serving an OpenAI-compatible HTTP API (kvstash::worker)
 //   chat      a multi-turn conversation, here or through workers; per turn how much of the
 //             prompt came from a cache
 //   bench     prefill and decode tokens/s, against the machine's own matrix-multiply rate
@@ -271,26 +271,32 @@ int main(int argc, char** argv) {
   ServeFlags serve_flags;
   CLI::App* serve = app.add_subcommand(
       "serve",
-      "A worker: takes generate requests over TCP, one JSON object per line, and answers each "
-      "with one line. Requests in flight run batched. Request: {\"prompt\": [token ids], "
-      "\"max_new_tokens\": N, \"id\": anything echoed back}; reply: {\"id\", \"output\": [token "
-      "ids], \"prompt_tokens\", \"local_hit_tokens\", \"node_tokens\", \"computed_tokens\", "
-      "\"ttft_ms\", \"latency_ms\", \"worker\": running totals (bytes loaded and stored...)} or "
-      "{\"error\": text}. {\"op\": \"info\"} gives the model, its fingerprint and the role; "
-      "{\"op\": \"stats\"} the running totals. A reply is sent once the request's blocks are on "
-      "the nodes. Prints `kvstash-engine serving MODEL (role ROLE) on HOST:PORT` when ready; "
-      "runs until SIGTERM or SIGINT.");
+      "A worker: serves the engine over an OpenAI-compatible HTTP API. POST /v1/completions "
+      "{\"prompt\": [token ids], \"max_tokens\": N, \"stream\": bool} answers OpenAI's "
+      "completion object (choices[0].token_ids, the token ids; usage with kvstash's figures "
+      "under usage.kvstash: node_tokens, local_hit_tokens, computed_tokens, ttft_ms, "
+      "latency_ms), or with \"stream\": true Server-Sent Events, one per token, then "
+      "[DONE]. GET /v1/models: the model, its fingerprint, block size and role; GET "
+      "/kvstash/stats: running totals (also as Prometheus counters at GET /metrics); GET "
+      "/health. Requests in flight run batched; an answer is sent once the request's blocks "
+      "are on the nodes. Prints `kvstash-engine serving MODEL (role ROLE) on HOST:PORT` when "
+      "ready; on SIGTERM or SIGINT finishes the requests in flight and exits 0.");
   AddModelFlags(serve, serve_model_flags);
-  serve->add_option("--listen", serve_flags.listen, "IP address to listen on")
-      ->capture_default_str();
+  serve->add_option("--listen", serve_flags.listen, "address to listen on")->capture_default_str();
   serve->add_option("--port", serve_flags.port, "port to listen on (0: any free port)")
       ->capture_default_str();
   serve
-      ->add_option("--max-line-bytes", serve_flags.max_line_bytes,
-                   "longest request line accepted; a longer one is answered with an error and "
-                   "its connection closed")
+      ->add_option("--max-body-bytes", serve_flags.max_body_bytes,
+                   "longest request body accepted; a longer one is answered 413 and its "
+                   "connection closed")
       ->capture_default_str()
       ->check(CLI::Range(size_t{64}, size_t{1} << 30));
+  serve
+      ->add_option("--http-threads", serve_flags.http_threads,
+                   "connections served at once (the requests in flight at most); more wait for "
+                   "a thread")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{4096}));
   serve
       ->add_option("--role", serve_flags.role,
                    "both: requests run to completion here; prefill: compute the prompt, push "

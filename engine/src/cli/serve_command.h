@@ -1,9 +1,10 @@
 #pragma once
 
-// `kvstash-engine serve`: a worker that takes generate requests over TCP, one JSON object per
-// line, and `kvstash-engine chat --decode-worker`: a multi-turn conversation driven through such
-// workers (a prefill worker, then a decode worker, per turn).
+// `kvstash-engine serve`: a worker serving the engine over kvstash::worker's OpenAI-compatible
+// HTTP API, and `kvstash-engine chat --decode-worker`: a multi-turn conversation driven through
+// such workers (a prefill worker, then a decode worker, per turn) with kvstash::worker's client.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -15,10 +16,11 @@ struct ServeFlags {
   std::string listen = "127.0.0.1";
   uint16_t port = 7390;  // 0: any free port
   std::string role = "both";
-  size_t max_line_bytes = 16u << 20;
+  size_t max_body_bytes = size_t{16} << 20;
+  size_t http_threads = 32;
 };
 
-// Runs until SIGTERM or SIGINT; then answers the requests it has, lands their pushes, exits 0.
+// Runs until SIGTERM or SIGINT; then finishes the requests it has, lands their pushes, exits 0.
 int RunServe(const ModelFlags& model, const ServeFlags& serve);
 
 struct RemoteChatFlags {

@@ -1,0 +1,58 @@
+#pragma once
+
+// A kvstash engine worker's network server: one engine served over an OpenAI-compatible HTTP
+// API (POST /v1/completions, GET /v1/models, /health, /metrics, /kvstash/stats; README.md has
+// the fields). Requests in flight run batched in the one engine.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvstash/common/status.h"
+#include "kvstash/engine/engine.h"
+#include "kvstash/worker/protocol.h"
+
+namespace kvstash::worker {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1";  // an address or host name to bind
+  uint16_t port = 7390;              // 0: a free port (port() says which)
+  Role role = Role::kBoth;
+  // Longest request body accepted; a longer one is answered 413 and its connection closed.
+  size_t max_body_bytes = size_t{16} << 20;
+  // Connections served at once; more wait for one of these threads (and the requests on them
+  // for a place in the engine's batch).
+  size_t http_threads = 32;
+  // How long an idle connection is kept open for its client's next request. Stop waits up to
+  // this long for idle connections to close.
+  int keep_alive_seconds = 2;
+  size_t num_nodes = 0;  // offload nodes the engine shares KV through (GET /v1/models says)
+};
+
+// Serves one engine. The engine runs on the thread that calls Serve (the only thread that
+// touches it); HTTP handler threads parse requests, hand them to that thread and wait for their
+// completion. The engine is borrowed and must outlive the server. Thread-safe: Stop may be
+// called from any thread, Serve from one.
+class WorkerServer {
+ public:
+  // Binds options.listen:options.port. Unavailable when it cannot (port in use, no such
+  // address); InvalidArgument for options out of range (no threads, a zero body limit).
+  static Result<std::unique_ptr<WorkerServer>> Create(engine::Engine* engine,
+                                                      const ServerOptions& options);
+  virtual ~WorkerServer() = default;
+
+  // The port bound (the free one picked when options.port was 0).
+  virtual uint16_t port() const = 0;
+
+  // Serves until Stop: runs the engine on this thread, batching every request in flight. After
+  // Stop it answers new requests 503, finishes the ones in flight (streams included), waits
+  // for their blocks to land on the nodes, closes the port and returns OK; Unavailable if the
+  // HTTP server failed on its own first (it stops the same way).
+  virtual Status Serve() = 0;
+
+  // Asks Serve to stop as it says. Returns at once; idempotent.
+  virtual void Stop() = 0;
+};
+
+}  // namespace kvstash::worker
