@@ -95,7 +95,7 @@ Result<TierFigures> RunTier(const BenchConfig& config, AlignedBuffer& src, Align
   options.dir = dir.string();
   options.block_bytes = config.block_bytes;
   options.capacity_bytes = config.capacity_bytes;
-  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<store::SsdTier> tier, store::SsdTier::Open(options));
+  KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<store::SsdTier> tier, store::SsdTier::Create(options));
   if (tier->capacity_blocks() < config.block_count) {
     return InternalError("SSD tier has {} slots for {} blocks", tier->capacity_blocks(),
                          config.block_count);

@@ -609,9 +609,10 @@ Result<PerftestFigures> RunPerftest(const BenchConfig& config) {
   constexpr int kPortAttempts = 3;
   for (int port_attempt = 1;; ++port_attempt) {
     KVSTASH_ASSIGN_OR_RETURN(const uint16_t port, PickFreePort());
-    KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<ChildProcess> server,
-                             ChildProcess::Start({config.perftest_path, "-p", std::to_string(port)},
-                                                 PerftestServerOptions(config)));
+    KVSTASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<ChildProcess> server,
+        ChildProcess::Create({config.perftest_path, "-p", std::to_string(port)},
+                             PerftestServerOptions(config)));
     std::vector<std::string> client_argv = {config.perftest_path, "127.0.0.1", "-p",
                                             std::to_string(port)};
     const std::string size = std::to_string(config.size);

@@ -221,8 +221,8 @@ int ReapChild(pid_t pid, std::chrono::milliseconds timeout) {
   return StatusOf(wstatus);
 }
 
-Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(const std::vector<std::string>& argv,
-                                                          const ChildOptions& options) {
+Result<std::unique_ptr<ChildProcess>> ChildProcess::Create(const std::vector<std::string>& argv,
+                                                           const ChildOptions& options) {
   std::unique_ptr<ChildProcess> child(new ChildProcess());
   int in[2];
   if (pipe2(in, O_CLOEXEC) != 0) return FromErrno(errno, "pipe");

@@ -9,9 +9,9 @@
 namespace kvstash::connector {
 
 // The scheduler side's manager over the nodes. A node keeps its own recency and evicts on its
-// own, so loads and completions need nothing here; lookups are answered from one batched lookup
-// of the request's keys (Prefetch), so the per-key scan of the scheduler side costs no round
-// trip per key.
+// own; a load's blocks are pinned on their nodes until it completes. Lookups are answered from one
+// batched lookup of the request's keys (Prefetch), so the per-key scan of the scheduler side costs
+// no round trip per key.
 //
 // Touches are what a node learns of use (docs/semantics.md §7.3, §7.6: touch after the lookup and
 // after the store decision, the first key most recent). They are gathered per step and sent
@@ -39,8 +39,18 @@ class NodeOffloadManager : public OffloadManager {
     if (auto it = known_.find(key); it != known_.end()) return it->second;
     return client_->Lookup(std::span<const BlockKey>(&key, 1))[0];
   }
-  void PrepareLoad(std::span<const BlockKey>) override {}
-  void CompleteLoad(std::span<const BlockKey>) override {}
+  // A load's keys are pinned on their nodes from the scheduler's decision until the load is
+  // done (the engine's load reads them from the pins), as vLLM's manager pins them.
+  void PrepareLoad(std::span<const BlockKey> keys) override {
+    client_->Pin(keys);
+    for (const BlockKey& key : keys) ++pinned_[key];
+  }
+  void CompleteLoad(std::span<const BlockKey> keys) override {
+    client_->Unpin(keys);
+    for (const BlockKey& key : keys) {
+      if (auto it = pinned_.find(key); it != pinned_.end() && --it->second == 0) pinned_.erase(it);
+    }
+  }
   // Nodes skip a block they already hold without moving its bytes, so every key is offered.
   std::optional<std::vector<BlockKey>> PrepareStore(std::span<const BlockKey> keys) override {
     offered_.insert(keys.begin(), keys.end());
@@ -51,7 +61,14 @@ class NodeOffloadManager : public OffloadManager {
     if (keys.empty()) return;
     (deciding_stores_ ? store_touches_ : lookup_touches_).emplace_back(keys.begin(), keys.end());
   }
-  void ResetCache() override { known_.clear(); }
+  // The scheduler forgets its jobs, whose loads will never complete: their pins go.
+  void ResetCache() override {
+    known_.clear();
+    std::vector<BlockKey> pins;
+    for (const auto& [key, count] : pinned_) pins.insert(pins.end(), count, key);
+    client_->Unpin(pins);
+    pinned_.clear();
+  }
 
   // The scheduler decides the step's stores next: touches from here on are store touches.
   void BeginStoreDecisions() { deciding_stores_ = true; }
@@ -94,7 +111,8 @@ class NodeOffloadManager : public OffloadManager {
   std::unordered_map<BlockKey, LookupResult> known_;
   bool deciding_stores_ = false;
   std::vector<std::vector<BlockKey>> lookup_touches_, store_touches_;
-  KeySet offered_;  // keys offered for store in this step
+  KeySet offered_;                                 // keys offered for store in this step
+  std::unordered_map<BlockKey, uint32_t> pinned_;  // keys of loads not completed: their pins
 };
 
 namespace {

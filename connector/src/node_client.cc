@@ -115,6 +115,7 @@ class Accounting {
 
   void CallStarted() { calls_.fetch_add(1, std::memory_order_relaxed); }
   void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
+  void Pinned(size_t keys) { pinned_keys_.fetch_add(keys, std::memory_order_relaxed); }
 
   // Records the outcome of a call to `node`: OK, or an answer (NotFound, Aborted) that is not
   // an error, marks the node up; Unavailable, DeadlineExceeded or Cancelled count it
@@ -156,6 +157,7 @@ class Accounting {
     c.unreachable = unreachable_.load(std::memory_order_relaxed);
     c.refused = refused_.load(std::memory_order_relaxed);
     c.touched_keys = touched_keys_.load(std::memory_order_relaxed);
+    c.pinned_keys = pinned_keys_.load(std::memory_order_relaxed);
     return c;
   }
 
@@ -168,7 +170,7 @@ class Accounting {
   };
   const std::vector<std::string> names_;
   std::unique_ptr<Node[]> nodes_;
-  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0};
+  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0};
 };
 
 class NodeClient::Impl {
@@ -177,7 +179,7 @@ class NodeClient::Impl {
 
   explicit Impl(NodeClientOptions options) : options_(std::move(options)) {}
 
-  // Touches in flight end by their deadline; their callbacks use this object.
+  // Asynchronous calls in flight end by their deadline; their callbacks use this object.
   ~Impl() { WaitForTouches(); }
 
   void WaitForTouches() {
@@ -333,10 +335,8 @@ class NodeClient::Impl {
     calls.reserve(chunks.size());
     for (const Chunk& c : chunks) {
       wire::LookupRequest request;
-      wire::Lookup* lookup = request.add_lookups();
-      lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
       for (size_t j = c.begin; j < c.end; ++j) {
-        *lookup->add_keys() = wire::ToWire(keys[by_node[c.node][j]]);
+        wire::ToWire(keys[by_node[c.node][j]], request.add_keys());
       }
       calls.push_back(Start(c.node, wire::METHOD_LOOKUP, request));
     }
@@ -345,11 +345,8 @@ class NodeClient::Impl {
       const size_t count = c.end - c.begin;
       wire::LookupReply reply;
       Status status = ParseReply(calls[k].get(), &reply);
-      if (status.ok() && (reply.answers_size() != 1 ||
-                          reply.answers(0).results_size() != static_cast<int>(count))) {
-        status = InternalError(
-            "{} answer(s) with {} result(s) to a lookup of {} keys", reply.answers_size(),
-            reply.answers_size() > 0 ? reply.answers(0).results_size() : 0, count);
+      if (status.ok() && reply.results_size() != static_cast<int>(count)) {
+        status = InternalError("{} result(s) to a lookup of {} keys", reply.results_size(), count);
       }
       accounting_->Record(c.node, status);
       if (!status.ok()) {
@@ -357,14 +354,13 @@ class NodeClient::Impl {
         continue;  // misses, counted and logged
       }
       for (size_t j = 0; j < count; ++j) {
-        states[by_node[c.node][c.begin + j]] =
-            wire::FromWire(reply.answers(0).results(static_cast<int>(j)));
+        states[by_node[c.node][c.begin + j]] = wire::FromWire(reply.results(static_cast<int>(j)));
       }
     }
     return states;
   }
 
-  // One PutBlock call per block (prepare and commit included), all in flight at once across
+  // One PutBlock call per block (the whole store), all in flight at once across
   // the nodes, last key first; the caller waits for the last.
   Status Put(std::span<const BlockKey> keys, std::span<const Bytes> blocks) {
     if (keys.size() != blocks.size()) {
@@ -408,8 +404,6 @@ class NodeClient::Impl {
       *put.mutable_key() = wire::ToWire(keys[i]);
       put.set_length(blocks[i].size());
       put.set_checksum(Xxh3Hash64(blocks[i]));
-      put.set_prepare(true);
-      put.set_commit(true);
       CallOptions options;
       options.send_payload = blocks[i];
       puts.emplace_back(n, i, Start(n, wire::METHOD_PUT_BLOCK, put, options));
@@ -422,7 +416,8 @@ class NodeClient::Impl {
     return first;
   }
 
-  // One GetBlock per key that pins the block for its transfer, all in flight at once. Blocks
+  // One GetBlock per key (read from this client's pin, or pinned for the transfer by the node),
+  // all in flight at once. Blocks
   // a node is promoting from SSD are asked for again until the timeout.
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const transport::MutableBytes> outs) {
@@ -455,7 +450,6 @@ class NodeClient::Impl {
       for (size_t i : pending) {
         wire::GetBlockRequest get;
         *get.mutable_key() = wire::ToWire(keys[i]);
-        get.set_pin(true);
         CallOptions options;
         options.recv_payload = outs[i];
         calls.push_back(Start(NodeOf(keys[i]), wire::METHOD_GET_BLOCK, get, options));
@@ -486,11 +480,12 @@ class NodeClient::Impl {
     }
   }
 
-  // The touch calls of `keys`: per node, split to its limits, each node's chunks last first
-  // (a node applies them in arrival order, so its first keys end most recent). `start` starts
-  // each call; nodes that cannot be reached are skipped (recorded by LimitsOf).
-  template <typename StartFn>
-  Status StartTouches(std::span<const BlockKey> keys, StartFn start) {
+  // The calls of a Request of `keys` (TouchRequest, LoadRequest, ReleaseRequest): per node,
+  // split to its limits, each node's chunks last first (a node applies them in arrival order,
+  // so a touch's first keys end most recent). `start` starts each call; nodes that cannot be
+  // reached are skipped (recorded by LimitsOf).
+  template <typename Request, typename StartFn>
+  Status StartKeyCalls(std::span<const BlockKey> keys, StartFn start) {
     std::vector<std::vector<size_t>> by_node;
     std::vector<bool> wanted;
     ByNode(keys, &by_node, &wanted);
@@ -506,38 +501,77 @@ class NodeClient::Impl {
       }
     }
     for (const Chunk& c : SplitLastFirst(by_node, per_call)) {
-      wire::TouchRequest request;
+      Request request;
       for (size_t j = c.begin; j < c.end; ++j) {
-        *request.add_keys() = wire::ToWire(keys[by_node[c.node][j]]);
+        wire::ToWire(keys[by_node[c.node][j]], request.add_keys());
       }
-      accounting_->Touched(c.end - c.begin);
       start(c.node, request);
     }
     return first;
   }
 
+  // Starts `method` with `request` on `node` without waiting: `done` gets the outcome, and the
+  // destructor (WaitForTouches) waits for it.
+  template <typename Request>
+  void StartAsync(size_t node, wire::Method method, const Request& request,
+                  std::function<void(const Outcome&)> done) {
+    {
+      MutexLock lock(&async_mu_);
+      ++async_in_flight_;
+    }
+    StartWith(node, method, request, {}, [this, done = std::move(done)](Outcome outcome) {
+      done(outcome);
+      // Under the lock: the destructor cannot go on until this callback is done with *this.
+      MutexLock lock(&async_mu_);
+      --async_in_flight_;
+      async_cv_.SignalAll();
+    });
+  }
+
+  void Pin(std::span<const BlockKey> keys) {
+    if (keys.empty()) return;
+    (void)StartKeyCalls<wire::LoadRequest>(
+        keys, [this](size_t node, const wire::LoadRequest& request) {
+          StartAsync(node, wire::METHOD_LOAD, request, [this, node](const Outcome& outcome) {
+            wire::LoadReply reply;
+            const Status status = ParseReply(outcome, &reply);
+            accounting_->Record(node, status);
+            if (status.ok()) {
+              accounting_->Pinned(static_cast<size_t>(
+                  std::count(reply.pinned().begin(), reply.pinned().end(), true)));
+            }
+          });
+        });
+  }
+
+  void Unpin(std::span<const BlockKey> keys) {
+    if (keys.empty()) return;
+    (void)StartKeyCalls<wire::ReleaseRequest>(
+        keys, [this](size_t node, const wire::ReleaseRequest& request) {
+          StartAsync(node, wire::METHOD_RELEASE, request, [this, node](const Outcome& outcome) {
+            accounting_->Record(node, ParseReply(outcome, (wire::ReleaseReply*)nullptr));
+          });
+        });
+  }
+
   void Touch(std::span<const BlockKey> keys) {
     if (keys.empty()) return;
-    (void)StartTouches(keys, [this](size_t node, const wire::TouchRequest& request) {
-      {
-        MutexLock lock(&async_mu_);
-        ++async_in_flight_;
-      }
-      StartWith(node, wire::METHOD_TOUCH, request, {}, [this, node](Outcome outcome) {
-        accounting_->Record(node, ParseReply(outcome, (wire::TouchReply*)nullptr));
-        // Under the lock: the destructor cannot go on until this callback is done with *this.
-        MutexLock lock(&async_mu_);
-        --async_in_flight_;
-        async_cv_.SignalAll();
-      });
-    });
+    (void)StartKeyCalls<wire::TouchRequest>(
+        keys, [this](size_t node, const wire::TouchRequest& request) {
+          accounting_->Touched(static_cast<size_t>(request.keys_size()));
+          StartAsync(node, wire::METHOD_TOUCH, request, [this, node](const Outcome& outcome) {
+            accounting_->Record(node, ParseReply(outcome, (wire::TouchReply*)nullptr));
+          });
+        });
   }
 
   Status TouchSync(std::span<const BlockKey> keys) {
     std::vector<std::pair<size_t, std::future<Outcome>>> calls;
-    Status first = StartTouches(keys, [&](size_t node, const wire::TouchRequest& request) {
-      calls.emplace_back(node, Start(node, wire::METHOD_TOUCH, request));
-    });
+    Status first = StartKeyCalls<wire::TouchRequest>(
+        keys, [&](size_t node, const wire::TouchRequest& request) {
+          accounting_->Touched(static_cast<size_t>(request.keys_size()));
+          calls.emplace_back(node, Start(node, wire::METHOD_TOUCH, request));
+        });
     for (auto& [n, future] : calls) {
       const Status status = ParseReply(future.get(), (wire::TouchReply*)nullptr);
       accounting_->Record(n, status);
@@ -561,7 +595,7 @@ class NodeClient::Impl {
   std::vector<std::unique_ptr<transport::Channel>> clients_;
   std::vector<uint64_t> node_hashes_;
   std::shared_ptr<Accounting> accounting_;
-  // Asynchronous touches still out.
+  // Asynchronous calls (touches, pins, releases) still out.
   Mutex async_mu_;
   CondVar async_cv_;
   size_t async_in_flight_ GUARDED_BY(async_mu_) = 0;
@@ -595,17 +629,7 @@ Result<std::vector<LookupResult>> NodeClient::LookupStrict(std::span<const Block
 
 std::optional<size_t> NodeClient::LookupPrefix(std::span<const BlockKey> keys) {
   const std::vector<LookupResult> states = Lookup(keys);
-  return MaximalPrefix(states.size(), [&](size_t i) {
-    switch (states[i]) {
-      case LookupResult::kHit:
-        return LookupResult::kHit;
-      case LookupResult::kRetry:
-        return LookupResult::kRetry;
-      case LookupResult::kMiss:
-        break;
-    }
-    return LookupResult::kMiss;
-  });
+  return MaximalPrefix(states.size(), [&](size_t i) { return states[i]; });
 }
 
 Status NodeClient::Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) {
@@ -619,6 +643,8 @@ std::vector<Result<size_t>> NodeClient::Get(std::span<const BlockKey> keys,
   return impl_->Get(keys, outs);
 }
 void NodeClient::Touch(std::span<const BlockKey> keys) { impl_->Touch(keys); }
+void NodeClient::Pin(std::span<const BlockKey> keys) { impl_->Pin(keys); }
+void NodeClient::Unpin(std::span<const BlockKey> keys) { impl_->Unpin(keys); }
 Status NodeClient::TouchSync(std::span<const BlockKey> keys) { return impl_->TouchSync(keys); }
 void NodeClient::WaitForTouches() { impl_->WaitForTouches(); }
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(size_t node) {

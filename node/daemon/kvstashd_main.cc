@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  Result<std::unique_ptr<node::NodeServer>> started = node::NodeServer::Start(*options);
+  Result<std::unique_ptr<node::NodeServer>> started = node::NodeServer::Create(*options);
   if (!started.ok()) {
     return errors.Fail(kExitFailure, fmt::format("cannot start: {}", started.status().ToString()));
   }
@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<node::MetricsEndpoint> metrics;
   if (const std::string address = *node::MetricsAddress(flags); !address.empty()) {
     Result<std::unique_ptr<node::MetricsEndpoint>> endpoint =
-        node::MetricsEndpoint::Start(address, *server);
+        node::MetricsEndpoint::Create(address, *server);
     if (!endpoint.ok()) {
       (void)server->Shutdown();
       return errors.Fail(kExitFailure,

@@ -7,23 +7,14 @@
 #include <limits>
 #include <map>
 
+#include "counters.h"
+
 namespace kvstash::node {
 namespace {
 
 using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
-
-// Samples of a family: (labels, counter name).
-using Samples = std::vector<std::pair<std::vector<ClientMetric::Label>, const char*>>;
-
-// One exported metric: a family name and a sample per (labels, counter name).
-struct Export {
-  const char* name;
-  MetricType type;
-  const char* help;
-  Samples samples;
-};
 
 // kvstash_request_seconds: one histogram per wire method, with cumulative buckets as
 // Prometheus wants them.
@@ -87,145 +78,30 @@ std::vector<MetricFamily> NamespaceFamilies(const std::vector<NamespaceStats>& n
   return {std::move(blocks), std::move(quotas), std::move(refusals)};
 }
 
-// kvstash_lookup_keys_total's samples: {kind, result} -> node.lookup_<result>s.<kind>.
-Samples LookupSamples() {
-  static const char* const kCounters[][4] = {
-      {"per_key", "node.lookup_hits.per_key", "node.lookup_misses.per_key",
-       "node.lookup_retries.per_key"},
-      {"prefix", "node.lookup_hits.prefix", "node.lookup_misses.prefix",
-       "node.lookup_retries.prefix"},
-      {"window", "node.lookup_hits.window", "node.lookup_misses.window",
-       "node.lookup_retries.window"},
-  };
-  Samples samples;
-  for (const auto& kind : kCounters) {
-    samples.push_back({{{"kind", kind[0]}, {"result", "hit"}}, kind[1]});
-    samples.push_back({{{"kind", kind[0]}, {"result", "miss"}}, kind[2]});
-    samples.push_back({{{"kind", kind[0]}, {"result", "retry"}}, kind[3]});
-  }
-  return samples;
-}
-
-const std::vector<Export>& Exports() {
-  static const std::vector<Export> exports = {
-      {"kvstash_blocks",
-       MetricType::Gauge,
-       "Blocks held, by tier",
-       {{{{"tier", "cpu"}}, "cpu.resident_blocks"}, {{{"tier", "ssd"}}, "ssd.resident_blocks"}}},
-      {"kvstash_bytes",
-       MetricType::Gauge,
-       "Bytes of the blocks held (blocks x block size), by tier",
-       {{{{"tier", "cpu"}}, "cpu.resident_bytes"}, {{{"tier", "ssd"}}, "ssd.resident_bytes"}}},
-      {"kvstash_capacity_blocks",
-       MetricType::Gauge,
-       "Block capacity, by tier",
-       {{{{"tier", "cpu"}}, "cpu.capacity_blocks"}, {{{"tier", "ssd"}}, "ssd.capacity_blocks"}}},
-      {"kvstash_block_bytes", MetricType::Gauge, "Bytes of every block", {{{}, "cpu.block_bytes"}}},
-      {"kvstash_cpu_arc_blocks",
-       MetricType::Gauge,
-       "ARC's lists in the CPU tier (0 under LRU): t1 holds blocks seen once, t2 blocks used "
-       "again since they were stored",
-       {{{{"list", "t1"}}, "cpu.arc_t1_blocks"}, {{{"list", "t2"}}, "cpu.arc_t2_blocks"}}},
-      {"kvstash_touched_keys_total",
-       MetricType::Counter,
-       "Keys clients marked used (touches, and stores of blocks the node held)",
-       {{{}, "node.touched_keys"}}},
-      {"kvstash_lookup_keys_total", MetricType::Counter,
-       "Lookup results, by lookup kind and result. per_key: each key's result. prefix and "
-       "window: a scan counts its hit_length keys as hits and its other keys as misses, or, "
-       "when it answers retry, one retry (and no keys)",
-       LookupSamples()},
-      {"kvstash_blocks_stored_total",
-       MetricType::Counter,
-       "Blocks committed",
-       {{{}, "node.blocks_stored"}}},
-      {"kvstash_blocks_aborted_total",
-       MetricType::Counter,
-       "Block stores aborted (by the client, a failed transfer or an ended session)",
-       {{{}, "node.blocks_aborted"}}},
-      {"kvstash_blocks_loaded_total",
-       MetricType::Counter,
-       "Blocks sent to clients",
-       {{{}, "node.blocks_loaded"}}},
-      {"kvstash_payload_bytes_total",
-       MetricType::Counter,
-       "Block bytes moved, by direction",
-       {{{{"direction", "in"}}, "node.bytes_in"}, {{{"direction", "out"}}, "node.bytes_out"}}},
-      {"kvstash_checksum_failures_total",
-       MetricType::Counter,
-       "Blocks whose bytes did not match the client's checksum",
-       {{{}, "node.checksum_failures"}}},
-      {"kvstash_ssd_checksum_failures_total",
-       MetricType::Counter,
-       "SSD blocks whose bytes did not match their index record (read as misses and dropped)",
-       {{{}, "ssd.checksum_failures"}}},
-      {"kvstash_evictions_total",
-       MetricType::Counter,
-       "Blocks evicted to make room, by tier (cpu: for stores and promotions; ssd: for "
-       "cascades)",
-       {{{{"tier", "cpu"}}, "store.cpu_evictions"}, {{{"tier", "ssd"}}, "ssd.evictions"}}},
-      {"kvstash_promotions_total",
-       MetricType::Counter,
-       "Blocks promoted from SSD to the CPU tier",
-       {{{}, "store.promotions_done"}}},
-      {"kvstash_cascades_total",
-       MetricType::Counter,
-       "Blocks written from the CPU tier to SSD",
-       {{{}, "store.cascades_done"}}},
-      {"kvstash_sessions_closed_total",
-       MetricType::Counter,
-       "Client sessions that ended",
-       {{{}, "node.sessions_closed"}}},
-      {"kvstash_pins_released_on_close_total",
-       MetricType::Counter,
-       "Pins an ended session still held",
-       {{{}, "node.pins_released_on_close"}}},
-      {"kvstash_leases_expired_total",
-       MetricType::Counter,
-       "Silent sessions whose pins and unfinished stores were undone",
-       {{{}, "node.leases_expired"}}},
-      {"kvstash_connections",
-       MetricType::Gauge,
-       "Open client connections",
-       {{{}, "transport.connections"}}},
-      {"kvstash_requests_total",
-       MetricType::Counter,
-       "Requests dispatched",
-       {{{}, "transport.calls"}}},
-      {"kvstash_refusals_total",
-       MetricType::Counter,
-       "Connections refused for a wrong token",
-       {{{}, "transport.refused"}}},
-      {"kvstash_malformed_frames_total",
-       MetricType::Counter,
-       "Malformed frames received",
-       {{{}, "transport.malformed_frames"}}},
-  };
-  return exports;
-}
-
 class NodeCollectable : public prometheus::Collectable {
  public:
   explicit NodeCollectable(NodeServer& node) : node_(node) {}
 
   std::vector<MetricFamily> Collect() const override {
     const std::map<std::string, uint64_t> counters = node_.Counters();
+    // The registry's exported counters, each family where its first counter is; a counter the
+    // node does not report now (ARC's lists under LRU) reads 0.
     std::vector<MetricFamily> families;
-    for (const Export& e : Exports()) {
-      MetricFamily family{e.name, e.help, e.type, {}};
-      for (const auto& [labels, counter] : e.samples) {
-        auto it = counters.find(counter);
-        const double value = it == counters.end() ? 0.0 : static_cast<double>(it->second);
-        ClientMetric metric;
-        metric.label = labels;
-        if (e.type == MetricType::Counter) {
-          metric.counter.value = value;
-        } else {
-          metric.gauge.value = value;
-        }
-        family.metric.push_back(std::move(metric));
+    std::map<const MetricFamilyDef*, size_t> index;
+    for (const CounterDef& def : CounterDefs()) {
+      if (def.family == nullptr) continue;
+      auto [it, added] = index.try_emplace(def.family, families.size());
+      if (added) families.push_back({def.family->name, def.family->help, def.family->type, {}});
+      auto value = counters.find(def.name);
+      ClientMetric metric;
+      for (const auto& [name, label] : def.labels) metric.label.push_back({name, label});
+      const double v = value == counters.end() ? 0.0 : static_cast<double>(value->second);
+      if (def.family->type == MetricType::Counter) {
+        metric.counter.value = v;
+      } else {
+        metric.gauge.value = v;
       }
-      families.push_back(std::move(family));
+      families[it->second].metric.push_back(std::move(metric));
     }
     families.push_back(RequestSeconds(node_.Latencies()));
     for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) {
@@ -257,8 +133,8 @@ class MetricsEndpoint::Impl {
   std::unique_ptr<prometheus::Exposer> exposer;
 };
 
-Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& address,
-                                                                NodeServer& node) {
+Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(const std::string& address,
+                                                                 NodeServer& node) {
   auto impl = std::make_unique<Impl>();
   impl->node = std::make_shared<NodeCollectable>(node);
   try {

@@ -287,7 +287,7 @@ Result<int> OpenSlotFile(const std::string& path, bool direct, bool* direct_used
 
 }  // namespace
 
-Result<std::unique_ptr<SsdTier>> SsdTier::Open(const SsdTierOptions& options) {
+Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options) {
   if (options.dir.empty()) return InvalidArgumentError("the SSD tier needs a directory");
   if (options.block_bytes == 0 || options.block_bytes > kMaxBlockBytes) {
     return InvalidArgumentError("SSD block size {} is outside [1, {}]", options.block_bytes,

@@ -126,7 +126,7 @@ Result<size_t> CpuMemoryBytes(const TieredStoreOptions& options) {
   return BlockSlab::RequiredBytes(slab_options);
 }
 
-Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions& options) {
+Result<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredStoreOptions& options) {
   if (options.block_bytes == 0) return InvalidArgumentError("the block size must be positive");
   if (options.io_threads == 0 && options.ssd) {
     return InvalidArgumentError("an SSD tier needs at least one I/O thread");
@@ -147,7 +147,7 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Open(const TieredStoreOptions&
   if (options.ssd) {
     SsdTierOptions ssd_options = *options.ssd;
     ssd_options.block_bytes = options.block_bytes;
-    KVSTASH_ASSIGN_OR_RETURN(ssd, SsdTier::Open(ssd_options));
+    KVSTASH_ASSIGN_OR_RETURN(ssd, SsdTier::Create(ssd_options));
   }
   return std::unique_ptr<TieredStore>(
       new TieredStore(options, std::move(cpu), std::move(slab), std::move(ssd)));

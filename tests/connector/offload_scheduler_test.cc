@@ -26,12 +26,7 @@ using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::IsEmpty;
 
-struct KeyLess {
-  bool operator()(const BlockKey& a, const BlockKey& b) const {
-    return std::tie(a.group, a.hash) < std::tie(b.group, b.hash);
-  }
-};
-using KeySet = std::set<BlockKey, KeyLess>;
+using KeySet = std::set<BlockKey>;
 
 // An offload manager that records every call. Lookups answer from `lookup` when it is set, else
 // as a real manager would: kHit once a store completed, kRetry while it is being written, kMiss
@@ -1326,14 +1321,6 @@ class FakeEngine {
     EXPECT_EQ(gpu, job.gpu_blocks.size());
   }
 
-  struct AddressLess {
-    bool operator()(const std::pair<BlockKey, uint32_t>& a,
-                    const std::pair<BlockKey, uint32_t>& b) const {
-      if (!(a.first == b.first)) return KeyLess()(a.first, b.first);
-      return a.second < b.second;
-    }
-  };
-
   EngineOptions options_;
   uint32_t lcm_ = 1;
   std::unique_ptr<OffloadScheduler> connector_;
@@ -1352,7 +1339,7 @@ class FakeEngine {
   std::map<JobId, std::pair<TransferJob, bool>> jobs_;  // is_store
   std::vector<JobId> deferred_stores_;
   std::set<JobId> submitted_;
-  std::map<std::pair<BlockKey, uint32_t>, GpuBlockRef, AddressLess> offloaded_;
+  std::map<std::pair<BlockKey, uint32_t>, GpuBlockRef> offloaded_;
 };
 
 // Request offsets in every group (of `groups`).

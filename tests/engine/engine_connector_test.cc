@@ -56,7 +56,6 @@ std::vector<uint32_t> Concat(std::vector<uint32_t> a, const std::vector<uint32_t
 using fakes::BlockIndexOf;
 using fakes::FakeNodeStore;
 using fakes::FakeStoreClient;
-using fakes::KeyLess;
 using fakes::KeySet;
 using fakes::KeysOf;
 
@@ -383,6 +382,24 @@ TEST(EngineConnectorTest, J1ALookupHitLoadsOnlyPastTheLocalPrefixHit) {
   for (const auto& call : m.prepare_stores) {
     for (const BlockKey& k : call) EXPECT_GE(BlockIndexOf(o.hashes, k), 5);
   }
+}
+
+// The connector's own manager pins a load's blocks on the node from the scheduler's decision
+// until the load is done (vLLM's prepare_load / complete_load), so the node cannot evict them
+// between the lookup and the transfer; every pin is released once the load is done.
+TEST(EngineConnectorTest, ALoadPinsItsBlocksOnTheNodeUntilItIsDone) {
+  const std::string model = "tiny-hybrid";
+  FakeNodeStore store;
+  const std::vector<uint32_t> prompt = Tokens(5 * kBlock + 3, 11);
+  Prime(model, &store, prompt);
+  std::unique_ptr<Engine> e = MakeEngine(model, &store, nullptr);  // the connector's manager
+  const Outcome o = RunRequest(*e, prompt, 4);
+  EXPECT_EQ(o.tokens, Reference(model, prompt, 4));
+  EXPECT_GT(o.external, 0u);
+  const std::vector<BlockKey> got = store.get_keys();
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(store.pinned_gets(), got.size());  // every block was read under its load's pin
+  EXPECT_THAT(store.pins(), ::testing::IsEmpty());
 }
 
 // --- J2 (test_request_preemption) -----------------------------------------------------------

@@ -21,12 +21,7 @@
 
 namespace kvstash::engine::fakes {
 
-struct KeyLess {
-  bool operator()(const BlockKey& a, const BlockKey& b) const {
-    return std::tie(a.group, a.hash) < std::tie(b.group, b.hash);
-  }
-};
-using KeySet = std::set<BlockKey, KeyLess>;
+using KeySet = std::set<BlockKey>;
 
 // The keys of blocks [from, to) of a request with these block hashes, in `groups` groups.
 inline KeySet KeysOf(const std::vector<BlockHash>& hashes, size_t groups, size_t from, size_t to) {
@@ -141,6 +136,28 @@ class FakeNodeStore {
     touches_.push_back({std::vector<BlockKey>(keys.begin(), keys.end()), blocks_.size()});
   }
 
+  // Pins held by clients: a key's count (a real node would not evict them; Erase still can, as
+  // a node restart would lose them).
+  void Pin(std::span<const BlockKey> keys) {
+    std::lock_guard lock(mu_);
+    for (const BlockKey& key : keys) ++pins_[key];
+  }
+  void Unpin(std::span<const BlockKey> keys) {
+    std::lock_guard lock(mu_);
+    for (const BlockKey& key : keys) {
+      if (auto it = pins_.find(key); it != pins_.end() && --it->second == 0) pins_.erase(it);
+    }
+  }
+  std::map<BlockKey, int> pins() const {
+    std::lock_guard lock(mu_);
+    return pins_;
+  }
+  // Keys read while a client pinned them.
+  size_t pinned_gets() const {
+    std::lock_guard lock(mu_);
+    return pinned_gets_;
+  }
+
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const std::span<std::byte>> outs) {
     std::lock_guard lock(mu_);
@@ -148,6 +165,7 @@ class FakeNodeStore {
     std::vector<Result<size_t>> out;
     for (size_t i = 0; i < keys.size(); ++i) {
       get_keys_.push_back(keys[i]);
+      if (pins_.contains(keys[i])) ++pinned_gets_;
       auto it = blocks_.find(keys[i]);
       if (fault_ == Fault::kGetFails) {
         out.push_back(UnavailableError("fake node down"));
@@ -169,10 +187,12 @@ class FakeNodeStore {
   size_t block_bytes_ = 0;
   Fault fault_ = Fault::kNone;
   std::chrono::milliseconds put_delay_{0};
-  std::map<BlockKey, std::vector<std::byte>, KeyLess> blocks_;
+  std::map<BlockKey, std::vector<std::byte>> blocks_;
   std::vector<BlockKey> put_keys_, get_keys_;
   size_t get_calls_ = 0;
+  size_t pinned_gets_ = 0;
   std::vector<TouchCall> touches_;
+  std::map<BlockKey, int> pins_;
 };
 
 // The connector's view of a FakeNodeStore: one node.
@@ -194,6 +214,8 @@ class FakeStoreClient : public connector::BlockStoreClient {
     return store_->Get(keys, outs);
   }
   void Touch(std::span<const BlockKey> keys) override { store_->Touch(keys); }
+  void Pin(std::span<const BlockKey> keys) override { store_->Pin(keys); }
+  void Unpin(std::span<const BlockKey> keys) override { store_->Unpin(keys); }
   connector::BlockStoreCounters counters() const override { return {}; }
 
  private:

@@ -91,9 +91,8 @@ TEST(KvstashdTest, MetricsMoveUnderLoadAndHealthAnswers) {
   EXPECT_THAT(busy, HasSubstr("kvstash_blocks{tier=\"cpu\"} 3"));
   EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"in\"} 196608"));
   EXPECT_THAT(busy, HasSubstr("kvstash_payload_bytes_total{direction=\"out\"} 65536"));
-  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"per_key\",result=\"miss\"} 1"));
-  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"per_key\",result=\"hit\"} 1"));
-  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{kind=\"prefix\",result=\"hit\"} 0"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{result=\"miss\"} 1"));
+  EXPECT_THAT(busy, HasSubstr("kvstash_lookup_keys_total{result=\"hit\"} 1"));
   EXPECT_THAT(busy, HasSubstr("kvstash_bytes{tier=\"cpu\"} 196608"));
   EXPECT_THAT(busy, HasSubstr("kvstash_evictions_total{tier=\"cpu\"} 0"));
   // One latency histogram per method; the puts' replies are counted before the client has them
@@ -104,7 +103,7 @@ TEST(KvstashdTest, MetricsMoveUnderLoadAndHealthAnswers) {
               HasSubstr("kvstash_request_seconds_bucket{method=\"put_block\",le=\"+Inf\"} 3"));
   EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_bucket{method=\"lookup\",le=\"1\"} 1"));
   EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_count{method=\"touch\"} 0"));
-  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_sum{method=\"commit\"} "));
+  EXPECT_THAT(busy, HasSubstr("kvstash_request_seconds_sum{method=\"release\"} "));
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }
 
@@ -135,22 +134,12 @@ TEST(KvstashdTest, RandomAndMutatedRequestsNeverStopTheDaemon) {
   std::vector<std::pair<wire::Method, std::string>> seeds;
   {
     wire::LookupRequest lookup;
-    wire::Lookup* l = lookup.add_lookups();
-    l->set_mode(wire::LOOKUP_MODE_WINDOW);
-    l->set_window_size(2);
-    for (uint64_t k : {1, 2, 3}) *l->add_keys() = ::kvstash::testing::WireKey(k);
+    for (uint64_t k : {1, 2, 3}) *lookup.add_keys() = ::kvstash::testing::WireKey(k);
     seeds.emplace_back(wire::METHOD_LOOKUP, lookup.SerializeAsString());
-    wire::PrepareStoreRequest prepare;
-    *prepare.add_keys() = ::kvstash::testing::WireKey(5);
-    seeds.emplace_back(wire::METHOD_PREPARE_STORE, prepare.SerializeAsString());
     wire::PutBlockRequest put;
     *put.mutable_key() = ::kvstash::testing::WireKey(5);
     put.set_length(kBlock);
     seeds.emplace_back(wire::METHOD_PUT_BLOCK, put.SerializeAsString());
-    wire::CommitRequest commit;
-    *commit.add_keys() = ::kvstash::testing::WireKey(5);
-    commit.set_success(true);
-    seeds.emplace_back(wire::METHOD_COMMIT, commit.SerializeAsString());
     wire::LoadRequest load;
     *load.add_keys() = ::kvstash::testing::WireKey(1);
     seeds.emplace_back(wire::METHOD_LOAD, load.SerializeAsString());
@@ -350,10 +339,20 @@ TEST(KvstashdTest, NamespaceQuotasFromATomlFile) {
   EXPECT_THAT(c.PerKey({1, 2, 3, 4, 5, 6}),
               ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_HIT,
                                      wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT));
-  wire::PrepareStoreRequest too_many;
-  for (uint64_t k : {7, 8, 9}) *too_many.add_keys() = testing::WireKey(k);
+  // Both of tenant-a's blocks pinned: a third has no room in its quota and is refused.
+  wire::LoadRequest load;
+  for (uint64_t k : {5, 6}) *load.add_keys() = testing::WireKey(k);
+  wire::LoadReply loaded;
+  ASSERT_TRUE(a.Call(wire::METHOD_LOAD, load, &loaded).ok());
+  ASSERT_THAT(loaded.pinned(), ::testing::ElementsAre(true, true));
+  wire::PutBlockRequest put;
+  *put.mutable_key() = testing::WireKey(7);
+  put.set_length(kBlock);
+  std::vector<std::byte> block(kBlock);
+  transport::CallOptions with_block;
+  with_block.send_payload = block;
   const Status refused =
-      a.Call(wire::METHOD_PREPARE_STORE, too_many, (wire::PrepareStoreReply*)nullptr);
+      a.Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(refused.message()), HasSubstr("namespace 'tenant-a'"));
   const std::string metrics = HttpGet(daemon.metrics_port(), "/metrics");
@@ -367,7 +366,7 @@ TEST(KvstashdTest, NamespaceQuotasFromATomlFile) {
               HasSubstr("kvstash_namespace_quota_blocks{namespace=\"tenant-b\",tier=\"cpu\"} 3"));
   EXPECT_THAT(metrics,
               HasSubstr("kvstash_namespace_quota_blocks{namespace=\"tenant-c\",tier=\"cpu\"} 4"));
-  EXPECT_THAT(metrics, HasSubstr("kvstash_quota_refusals_total{namespace=\"tenant-a\"} 3"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_quota_refusals_total{namespace=\"tenant-a\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvstash_quota_refusals_total{namespace=\"tenant-c\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("kvstash_blocks{tier=\"cpu\"} 6"));
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);

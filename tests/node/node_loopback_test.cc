@@ -49,7 +49,7 @@ class NodeLoopbackTest : public ::testing::Test {
     options.listen = [network = network_](const transport::ServerOptions& server) {
       return Result<std::unique_ptr<transport::Listener>>(network->Listen(server));
     };
-    auto node = NodeServer::Start(options);
+    auto node = NodeServer::Create(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
   }

@@ -1,6 +1,7 @@
-// NodeServer over real UCX in this process, once over shared memory and once over TCP: the
-// two-phase store, the lookups, pinned loads, namespaces, the error answers, and what a session
-// that ends leaves behind (nothing).
+// NodeServer over real UCX in this process, once over shared memory and once over TCP: stores,
+// lookups, pinned loads, namespaces, the error answers, and what a session that ends leaves
+// behind (nothing). The service's own rules are tested without a transport in
+// node_service_test.cc, and through the loopback and fault transports in node_loopback_test.cc.
 
 #include "kvstash/node/node_server.h"
 
@@ -49,7 +50,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     options.lease_timeout = lease;
     options.store.ssd = std::move(ssd);
     options.namespace_quota_blocks = std::move(quotas);
-    auto node = NodeServer::Start(options);
+    auto node = NodeServer::Create(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
   }
@@ -62,6 +63,19 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<NodeServer> node_;
 };
 
+// A store of block k (pattern k, with its checksum) by `client`: the call's own status.
+Status PutOne(NodeTestClient& client, uint64_t k) {
+  std::vector<std::byte> block(kBlock);
+  FillPattern(k, block);
+  wire::PutBlockRequest request;
+  *request.mutable_key() = WireKey(k);
+  request.set_length(kBlock);
+  request.set_checksum(Xxh3Hash64(block));
+  CallOptions options;
+  options.send_payload = block;
+  return client.Call(wire::METHOD_PUT_BLOCK, request, (wire::PutBlockReply*)nullptr, options);
+}
+
 TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   auto client = Client("tenant");
   ASSERT_NE(client, nullptr);
@@ -70,21 +84,6 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
 
   EXPECT_THAT(client->PerKey({1, 4, 99}),
               ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_MISS));
-  wire::LookupRequest scans;
-  wire::Lookup* prefix = scans.add_lookups();
-  prefix->set_mode(wire::LOOKUP_MODE_PREFIX);
-  for (uint64_t k : {1, 2, 3, 99, 4}) *prefix->add_keys() = WireKey(k);
-  wire::Lookup* window = scans.add_lookups();
-  window->set_mode(wire::LOOKUP_MODE_WINDOW);
-  window->set_window_size(2);
-  for (uint64_t k : {99, 98, 3, 4}) *window->add_keys() = WireKey(k);
-  wire::LookupReply scanned;
-  ASSERT_TRUE(client->Call(wire::METHOD_LOOKUP, scans, &scanned).ok());
-  ASSERT_EQ(scanned.answers_size(), 2);
-  EXPECT_EQ(scanned.answers(0).hit_length(), 3u);  // stops at the miss
-  EXPECT_EQ(scanned.answers(1).hit_length(), 4u);  // the last two form a window
-  EXPECT_FALSE(scanned.answers(0).retry());
-
   wire::LoadRequest load;
   for (uint64_t k : {2, 3, 99}) *load.add_keys() = WireKey(k);
   wire::LoadReply loaded;
@@ -121,8 +120,8 @@ TEST_P(NodeServerTest, StoreLookupAndLoadRoundTrip) {
   EXPECT_EQ(stats.counters().at("transport.mapped_payloads"), GetParam() == "shm" ? 6u : 0u);
 }
 
-// PutBlock with prepare and commit stores a block in one call; GetBlock with pin reads one
-// without a Load, and the pin ends with the transfer.
+// PutBlock stores a block in one call; GetBlock reads one without a Load, pinned for the
+// transfer only.
 TEST_P(NodeServerTest, OneCallStoreAndRead) {
   auto client = Client("tenant");
   ASSERT_NE(client, nullptr);
@@ -133,8 +132,6 @@ TEST_P(NodeServerTest, OneCallStoreAndRead) {
     *request.mutable_key() = WireKey(k);
     request.set_length(kBlock);
     request.set_checksum(Xxh3Hash64(block) ^ checksum_xor);
-    request.set_prepare(true);
-    request.set_commit(true);
     CallOptions options;
     options.send_payload = block;
     return client->Call(wire::METHOD_PUT_BLOCK, request, reply, options);
@@ -154,7 +151,6 @@ TEST_P(NodeServerTest, OneCallStoreAndRead) {
     std::fill(block.begin(), block.end(), std::byte{0});
     wire::GetBlockRequest request;
     *request.mutable_key() = WireKey(k);
-    request.set_pin(true);
     CallOptions options;
     options.recv_payload = block;
     return client->Call(wire::METHOD_GET_BLOCK, request, (wire::GetBlockReply*)nullptr, options,
@@ -165,11 +161,6 @@ TEST_P(NodeServerTest, OneCallStoreAndRead) {
   EXPECT_EQ(payload, kBlock);
   EXPECT_TRUE(MatchesPattern(7, block));
   EXPECT_EQ(get(99, &payload).code(), StatusCode::kNotFound);
-  // Without pin, GetBlock still wants a Load first.
-  wire::GetBlockRequest unpinned;
-  *unpinned.mutable_key() = WireKey(7);
-  EXPECT_EQ(client->Call(wire::METHOD_GET_BLOCK, unpinned, (wire::GetBlockReply*)nullptr).code(),
-            StatusCode::kFailedPrecondition);
 
   // The transfer's pin is gone: filling the tier with other blocks evicts block 7.
   std::vector<uint64_t> others;
@@ -197,7 +188,7 @@ TEST_P(NodeServerTest, NamespacesDoNotSeeEachOther) {
   EXPECT_FALSE(loaded.pinned(0));
   // b may store the same key; a's block is untouched.
   b->Store({7});
-  EXPECT_EQ(node_->stats().blocks_stored, 2u);
+  EXPECT_EQ(node_->Counters().at("node.blocks_stored"), 2u);
 }
 
 TEST_P(NodeServerTest, BadRequestsGetClearErrors) {
@@ -209,18 +200,10 @@ TEST_P(NodeServerTest, BadRequestsGetClearErrors) {
   put.set_length(kBlock);
   CallOptions with_block;
   with_block.send_payload = block;
-  Status s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
-  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
-  EXPECT_THAT(std::string(s.message()), HasSubstr("PrepareStore first"));
-
-  wire::PrepareStoreRequest prepare;
-  *prepare.add_keys() = WireKey(5);
-  ASSERT_TRUE(
-      client->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
   CallOptions short_block;
   short_block.send_payload = std::span(block).first(100);
   put.set_length(100);
-  s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, short_block);
+  Status s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, short_block);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(std::string(s.message()), HasSubstr("block size is 65536"));
 
@@ -228,160 +211,101 @@ TEST_P(NodeServerTest, BadRequestsGetClearErrors) {
   put.set_checksum(12345);  // wrong
   s = client->Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, with_block);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
-  EXPECT_EQ(node_->stats().checksum_failures, 1u);
-  wire::CommitRequest commit;
-  *commit.add_keys() = WireKey(5);
-  commit.set_success(true);
-  wire::CommitReply committed;
-  ASSERT_TRUE(client->Call(wire::METHOD_COMMIT, commit, &committed).ok());
-  ASSERT_EQ(committed.failed_size(), 1);
-  EXPECT_THAT(committed.failed(0).message(), HasSubstr("never sent"));
+  EXPECT_EQ(node_->Counters().at("node.checksum_failures"), 1u);
   EXPECT_THAT(client->PerKey({5}), ::testing::ElementsAre(wire::LOOKUP_MISS));
 
   wire::GetBlockRequest get;
   *get.mutable_key() = WireKey(5);
   s = client->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr);
-  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
 
   wire::LookupRequest many;
-  wire::Lookup* lookup = many.add_lookups();
-  lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
-  for (int k = 0; k < 65; ++k) *lookup->add_keys() = WireKey(k);
+  for (int k = 0; k < 65; ++k) *many.add_keys() = WireKey(k);
   s = client->Call(wire::METHOD_LOOKUP, many, (wire::LookupReply*)nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_THAT(std::string(s.message()), HasSubstr("limit is 64"));
 
   const std::string garbage = "\xff\xff\xff\xff not a protobuf";
-  s = client->rpc().CallSync(wire::METHOD_COMMIT, std::as_bytes(std::span(garbage)), {}, nullptr);
+  s = client->rpc().CallSync(wire::METHOD_LOAD, std::as_bytes(std::span(garbage)), {}, nullptr);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
 }
 
-TEST_P(NodeServerTest, EndedSessionReleasesPinsAndAbortsStores) {
+TEST_P(NodeServerTest, EndedSessionReleasesItsPins) {
   node_.reset();
   StartNode(4);  // room for four blocks
   auto keeper = Client("tenant");
-  keeper->Store({1, 2});
+  ASSERT_NE(keeper, nullptr);
+  keeper->Store({1, 2, 3, 4});
   {
     auto crashing = Client("tenant");
     ASSERT_NE(crashing, nullptr);
     wire::LoadRequest load;
-    *load.add_keys() = WireKey(1);
-    *load.add_keys() = WireKey(2);
+    for (uint64_t k : {1, 2, 3, 4}) *load.add_keys() = WireKey(k);
     ASSERT_TRUE(crashing->Call(wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
-    wire::PrepareStoreRequest prepare;
-    *prepare.add_keys() = WireKey(10);
-    *prepare.add_keys() = WireKey(11);
-    ASSERT_TRUE(
-        crashing->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr)
-            .ok());
-    // All four slots are pinned or being written: nothing can be stored now.
-    wire::PrepareStoreRequest more;
-    *more.add_keys() = WireKey(20);
-    EXPECT_FALSE(
-        keeper->Call(wire::METHOD_PREPARE_STORE, more, (wire::PrepareStoreReply*)nullptr).ok());
-  }  // the client goes away without releasing or committing
-  for (int i = 0; i < 200 && node_->stats().sessions_closed == 0; ++i) {
+    // All four slots are pinned: nothing can be stored now.
+    EXPECT_EQ(PutOne(*keeper, 20).code(), StatusCode::kResourceExhausted);
+  }  // the client goes away without releasing
+  for (int i = 0; i < 200 && node_->Counters().at("node.sessions_closed") == 0; ++i) {
     std::this_thread::sleep_for(10ms);
   }
-  const NodeStats stats = node_->stats();
-  EXPECT_EQ(stats.pins_released_on_close, 2u);
-  EXPECT_EQ(stats.stores_aborted_on_close, 2u);
-  // The capacity is back: four new blocks fit (evicting 1 and 2).
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("node.sessions_closed"), 1u);
+  EXPECT_EQ(counters.at("node.pins_released_on_close"), 4u);
+  EXPECT_EQ(counters.at("node.pinned_keys"), 4u);
+  // The capacity is back: four new blocks fit (evicting 1 to 4).
   keeper->Store({20, 21, 22, 23});
-  EXPECT_THAT(keeper->PerKey({20, 21, 22, 23, 10}),
+  EXPECT_THAT(keeper->PerKey({20, 21, 22, 23, 1}),
               ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
                                      wire::LOOKUP_HIT, wire::LOOKUP_MISS));
 }
 
-TEST_P(NodeServerTest, SilentClientLosesItsPinsAndStoresAfterTheLease) {
+TEST_P(NodeServerTest, SilentClientLosesItsPinsAfterTheLease) {
   node_.reset();
   StartNode(4, 300ms);
   auto keeper = Client("tenant");
-  keeper->Store({1, 2});
   auto silent = Client("tenant");
   ASSERT_TRUE(silent && keeper);
+  keeper->Store({1, 2, 3, 4});
   wire::LoadRequest load;
-  *load.add_keys() = WireKey(1);
-  *load.add_keys() = WireKey(2);
+  for (uint64_t k : {1, 2, 3, 4}) *load.add_keys() = WireKey(k);
   ASSERT_TRUE(silent->Call(wire::METHOD_LOAD, load, (wire::LoadReply*)nullptr).ok());
-  wire::PrepareStoreRequest prepare;
-  *prepare.add_keys() = WireKey(10);
-  *prepare.add_keys() = WireKey(11);
-  ASSERT_TRUE(
-      silent->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
+  EXPECT_EQ(PutOne(*keeper, 20).code(), StatusCode::kResourceExhausted);
   // The silent client stays connected and says nothing.
-  for (int i = 0; i < 300 && node_->stats().leases_expired == 0; ++i) {
+  for (int i = 0; i < 300 && node_->Counters().at("node.leases_expired") == 0; ++i) {
     std::this_thread::sleep_for(10ms);
   }
-  const NodeStats stats = node_->stats();
-  EXPECT_EQ(stats.leases_expired, 1u);
-  EXPECT_EQ(stats.pins_released_on_expiry, 2u);
-  EXPECT_EQ(stats.sessions_closed, 0u);  // still connected
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("node.leases_expired"), 1u);
+  EXPECT_EQ(counters.at("node.pins_released_on_expiry"), 4u);
+  EXPECT_EQ(counters.at("node.sessions_closed"), 0u);  // still connected
   keeper->Store({20, 21, 22, 23});
   EXPECT_THAT(keeper->PerKey({20, 21, 22, 23}), ::testing::Each(::testing::Eq(wire::LOOKUP_HIT)));
-  // Its pin is gone: reading now asks for a new Load.
+  // Its pins are gone with the blocks: reading one now finds nothing.
   wire::GetBlockRequest get;
   *get.mutable_key() = WireKey(1);
   EXPECT_EQ(silent->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr).code(),
-            StatusCode::kFailedPrecondition);
+            StatusCode::kNotFound);
 }
 
-// Each lookup kind counts under its own name; the totals are their sums. Scans count their
-// hit_length keys as hits (a window's may include misses before it), the rest as misses, and a
-// scan answered RETRY as one retry.
-TEST_P(NodeServerTest, LookupsAreCountedByKind) {
+// Every key looked up is counted once, by its answer.
+TEST_P(NodeServerTest, LookupsAreCountedByResult) {
   auto client = Client("tenant");
   ASSERT_NE(client, nullptr);
   client->Store({1, 2, 3});
-  wire::PrepareStoreRequest prepare;  // 50 is being written: lookups of it answer RETRY
-  *prepare.add_keys() = WireKey(50);
-  ASSERT_TRUE(
-      client->Call(wire::METHOD_PREPARE_STORE, prepare, (wire::PrepareStoreReply*)nullptr).ok());
-
-  EXPECT_THAT(client->PerKey({1, 2, 99, 50}),
-              ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_MISS,
-                                     wire::LOOKUP_RETRY));
-  wire::LookupRequest scans;
-  auto scan = [&](wire::LookupMode mode, std::vector<uint64_t> keys, uint32_t window = 0) {
-    wire::Lookup* lookup = scans.add_lookups();
-    lookup->set_mode(mode);
-    lookup->set_window_size(window);
-    for (uint64_t k : keys) *lookup->add_keys() = WireKey(k);
-  };
-  scan(wire::LOOKUP_MODE_PREFIX, {1, 2, 99, 3});          // 2 hits, 2 misses
-  scan(wire::LOOKUP_MODE_PREFIX, {1, 50, 2});             // a retry
-  scan(wire::LOOKUP_MODE_WINDOW, {99, 98, 1, 2, 97}, 2);  // 4 hits (to the end of 1, 2), 1 miss
-  scan(wire::LOOKUP_MODE_WINDOW, {50, 99}, 2);            // a retry
-  scan(wire::LOOKUP_MODE_WINDOW, {50, 99}, 2);            // another
-  wire::LookupReply scanned;
-  ASSERT_TRUE(client->Call(wire::METHOD_LOOKUP, scans, &scanned).ok());
-  ASSERT_EQ(scanned.answers_size(), 5);
-  EXPECT_EQ(scanned.answers(0).hit_length(), 2u);
-  EXPECT_TRUE(scanned.answers(1).retry());
-  EXPECT_EQ(scanned.answers(2).hit_length(), 4u);
-  EXPECT_TRUE(scanned.answers(3).retry());
-
-  const NodeStats stats = node_->stats();
-  EXPECT_EQ(stats.per_key.hits, 2u);
-  EXPECT_EQ(stats.per_key.misses, 1u);
-  EXPECT_EQ(stats.per_key.retries, 1u);
-  EXPECT_EQ(stats.prefix.hits, 2u);
-  EXPECT_EQ(stats.prefix.misses, 2u);
-  EXPECT_EQ(stats.prefix.retries, 1u);
-  EXPECT_EQ(stats.window.hits, 4u);
-  EXPECT_EQ(stats.window.misses, 1u);
-  EXPECT_EQ(stats.window.retries, 2u);
-  EXPECT_EQ(stats.lookup_hits, 8u);
-  EXPECT_EQ(stats.lookup_misses, 4u);
-  EXPECT_EQ(stats.lookup_retries, 4u);
-  EXPECT_EQ(stats.lookups, 4u + 4 + 3 + 5 + 2 + 2);
+  EXPECT_THAT(client->PerKey({1, 2, 99}),
+              ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_MISS));
+  EXPECT_THAT(client->PerKey({3, 98, 97}),
+              ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_MISS, wire::LOOKUP_MISS));
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("node.lookups"), 6u);
+  EXPECT_EQ(counters.at("node.lookup_hits"), 3u);
+  EXPECT_EQ(counters.at("node.lookup_misses"), 3u);
+  EXPECT_EQ(counters.at("node.lookup_retries"), 0u);
   // The same through the Stats method.
   wire::StatsReply reply;
   ASSERT_TRUE(client->Call(wire::METHOD_STATS, wire::StatsRequest(), &reply).ok());
-  EXPECT_EQ(reply.counters().at("node.lookup_hits.per_key"), 2u);
-  EXPECT_EQ(reply.counters().at("node.lookup_misses.prefix"), 2u);
-  EXPECT_EQ(reply.counters().at("node.lookup_retries.window"), 2u);
-  EXPECT_EQ(reply.counters().at("node.lookup_hits"), 8u);
+  EXPECT_EQ(reply.counters().at("node.lookup_hits"), 3u);
+  EXPECT_EQ(reply.counters().at("node.lookup_misses"), 3u);
 }
 
 TEST_P(NodeServerTest, CpuEvictionsAreCounted) {
@@ -431,18 +355,18 @@ TEST_P(NodeServerTest, SsdEvictionsAreCounted) {
 TEST_P(NodeServerTest, RequestLatenciesAreCountedPerMethod) {
   auto client = Client("tenant");
   ASSERT_NE(client, nullptr);
-  client->Store({1, 2});  // prepare_store, put_block x2, commit
+  client->Store({1, 2});  // put_block x2
   client->PerKey({1});
   client->PerKey({2, 3});
   client->PerKey({4});
   EXPECT_TRUE(client->ReadBack(1));  // load, get_block, release
-  wire::GetBlockRequest unpinned;    // get_block answered FailedPrecondition
-  *unpinned.mutable_key() = WireKey(2);
-  EXPECT_EQ(client->Call(wire::METHOD_GET_BLOCK, unpinned, (wire::GetBlockReply*)nullptr).code(),
-            StatusCode::kFailedPrecondition);
-  const std::string garbage = "\xff\xff not a protobuf";  // commit answered InvalidArgument
+  wire::GetBlockRequest absent;      // get_block answered NotFound
+  *absent.mutable_key() = WireKey(3);
+  EXPECT_EQ(client->Call(wire::METHOD_GET_BLOCK, absent, (wire::GetBlockReply*)nullptr).code(),
+            StatusCode::kNotFound);
+  const std::string garbage = "\xff\xff not a protobuf";  // touch answered InvalidArgument
   EXPECT_EQ(client->rpc()
-                .CallSync(wire::METHOD_COMMIT, std::as_bytes(std::span(garbage)), {}, nullptr)
+                .CallSync(wire::METHOD_TOUCH, std::as_bytes(std::span(garbage)), {}, nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
   wire::EchoRequest echo;  // a reply with a payload, timed until it is sent
@@ -453,8 +377,8 @@ TEST_P(NodeServerTest, RequestLatenciesAreCountedPerMethod) {
   ASSERT_TRUE(client->Call(wire::METHOD_ECHO, echo, (wire::EchoReply*)nullptr, receive).ok());
 
   const std::map<std::string, uint64_t> expected = {
-      {"lookup", 3},    {"prepare_store", 1}, {"put_block", 2}, {"commit", 2}, {"load", 1},
-      {"get_block", 2}, {"release", 1},       {"touch", 0},     {"stats", 0},  {"echo", 1}};
+      {"lookup", 3},  {"put_block", 2}, {"load", 1},  {"get_block", 2},
+      {"release", 1}, {"touch", 1},     {"stats", 0}, {"echo", 1}};
   auto counts = [&] {
     std::map<std::string, uint64_t> out;
     for (const MethodLatency& m : node_->Latencies()) out[m.method] = m.count;
@@ -518,21 +442,6 @@ TEST_P(NodeServerTest, RefusalLogNamesTheClientNotTheToken) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr("guess-7f3a")));
 }
 
-// A one-call store (PutBlock with prepare and commit) of block k by `client`.
-Status PutOne(NodeTestClient& client, uint64_t k) {
-  std::vector<std::byte> block(kBlock);
-  FillPattern(k, block);
-  wire::PutBlockRequest request;
-  *request.mutable_key() = WireKey(k);
-  request.set_length(kBlock);
-  request.set_checksum(Xxh3Hash64(block));
-  request.set_prepare(true);
-  request.set_commit(true);
-  CallOptions options;
-  options.send_payload = block;
-  return client.Call(wire::METHOD_PUT_BLOCK, request, (wire::PutBlockReply*)nullptr, options);
-}
-
 const NamespaceStats* FindNamespace(const std::vector<NamespaceStats>& all,
                                     const std::string& name) {
   for (const NamespaceStats& ns : all) {
@@ -549,11 +458,9 @@ TEST_P(NodeServerTest, NamespaceQuotaKeepsItsNewestBlocksAndNeverEvictsAnother) 
   auto b = Client("tenant-b");
   ASSERT_TRUE(a && b);
   b->Store({1, 2, 3, 4, 5, 6});  // the tier's least recent blocks
-  // A stores kQuota + 5 blocks, one call each and in two-phase batches: it ends with exactly
-  // its kQuota newest, by evicting its own, though the tier has room and B's blocks are older.
-  for (uint64_t k = 1; k <= 5; ++k) ASSERT_TRUE(PutOne(*a, k).ok()) << k;
-  a->Store({6, 7});
-  a->Store({8, 9});
+  // A stores kQuota + 5 blocks: it ends with exactly its kQuota newest, by evicting its own,
+  // though the tier has room and B's blocks are older.
+  for (uint64_t k = 1; k <= 9; ++k) ASSERT_TRUE(PutOne(*a, k).ok()) << k;
   EXPECT_THAT(a->PerKey({1, 2, 3, 4, 5, 6, 7, 8, 9}),
               ::testing::ElementsAre(wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_MISS,
                                      wire::LOOKUP_MISS, wire::LOOKUP_MISS, wire::LOOKUP_HIT,
@@ -562,12 +469,6 @@ TEST_P(NodeServerTest, NamespaceQuotaKeepsItsNewestBlocksAndNeverEvictsAnother) 
   for (uint64_t k = 1; k <= 6; ++k) EXPECT_TRUE(b->ReadBack(k)) << k;
   EXPECT_EQ(node_->store().cpu().resident_blocks(), 10u);
 
-  // One call of more new blocks than the quota can never fit: refused, like a full tier.
-  wire::PrepareStoreRequest too_many;
-  for (uint64_t k = 20; k < 20 + kQuota + 1; ++k) *too_many.add_keys() = WireKey(k);
-  const Status refused =
-      a->Call(wire::METHOD_PREPARE_STORE, too_many, (wire::PrepareStoreReply*)nullptr);
-  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
   // With all of A's blocks pinned, A's store is refused; B still stores (under no quota).
   wire::LoadRequest load;
   for (uint64_t k : {6, 7, 8, 9}) *load.add_keys() = WireKey(k);
@@ -584,11 +485,11 @@ TEST_P(NodeServerTest, NamespaceQuotaKeepsItsNewestBlocksAndNeverEvictsAnother) 
   ASSERT_TRUE(na && nb);
   EXPECT_EQ(na->cpu_blocks, kQuota);
   EXPECT_EQ(na->cpu_quota_blocks, std::optional<uint64_t>(kQuota));
-  EXPECT_EQ(na->quota_refusals, kQuota + 2);  // the five of the batch and the pinned one
+  EXPECT_EQ(na->quota_refusals, 1u);  // the store while all its blocks were pinned
   EXPECT_EQ(nb->cpu_blocks, 8u);
   EXPECT_EQ(nb->cpu_quota_blocks, std::nullopt);
   EXPECT_EQ(nb->quota_refusals, 0u);
-  EXPECT_EQ(node_->Counters().at("store.quota_refusals"), kQuota + 2);
+  EXPECT_EQ(node_->Counters().at("store.quota_refusals"), 1u);
 }
 
 TEST_P(NodeServerTest, QuotasAreCheckedAtStart) {
@@ -598,15 +499,15 @@ TEST_P(NodeServerTest, QuotasAreCheckedAtStart) {
   options.store.cpu_capacity_blocks = 8;
   options.store.prefault = false;
   options.namespace_quota_blocks = {{"a", 9}};
-  auto above = NodeServer::Start(options);
+  auto above = NodeServer::Create(options);
   ASSERT_FALSE(above.ok());
   EXPECT_EQ(above.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(above.status().message()), HasSubstr("'a'"));
   options.namespace_quota_blocks = {{"other", 2}};
-  EXPECT_EQ(NodeServer::Start(options).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(NodeServer::Create(options).status().code(), StatusCode::kInvalidArgument);
   options.namespace_quota_blocks = {};
   options.default_namespace_quota_blocks = 0;
-  EXPECT_EQ(NodeServer::Start(options).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(NodeServer::Create(options).status().code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, NodeServerTest, ::testing::Values("shm", "tcp"),

@@ -58,20 +58,13 @@ class NodeTestClient {
     return status;
   }
 
-  // PrepareStore, PutBlock (pattern k, with its checksum), Commit: the keys end committed.
+  // PutBlock (pattern k, with its checksum) per key: each call stores its block whole.
   void Store(const std::vector<uint64_t>& ks) {
-    wire::PrepareStoreRequest prepare;
-    for (uint64_t k : ks) *prepare.add_keys() = WireKey(k);
-    wire::PrepareStoreReply prepared;
-    const Status p = Call(wire::METHOD_PREPARE_STORE, prepare, &prepared);
-    ASSERT_TRUE(p.ok()) << p.ToString();
-    ASSERT_EQ(prepared.store_size(), static_cast<int>(ks.size()));
     std::vector<std::byte> block(block_bytes_);
-    for (size_t i = 0; i < ks.size(); ++i) {
-      if (!prepared.store(static_cast<int>(i))) continue;
-      FillPattern(ks[i], block);
+    for (uint64_t k : ks) {
+      FillPattern(k, block);
       wire::PutBlockRequest put;
-      *put.mutable_key() = WireKey(ks[i]);
+      *put.mutable_key() = WireKey(k);
       put.set_length(block_bytes_);
       put.set_checksum(Xxh3Hash64(block));
       transport::CallOptions options;
@@ -79,25 +72,15 @@ class NodeTestClient {
       const Status s = Call(wire::METHOD_PUT_BLOCK, put, (wire::PutBlockReply*)nullptr, options);
       ASSERT_TRUE(s.ok()) << s.ToString();
     }
-    wire::CommitRequest commit;
-    for (uint64_t k : ks) *commit.add_keys() = WireKey(k);
-    commit.set_success(true);
-    wire::CommitReply committed;
-    ASSERT_TRUE(Call(wire::METHOD_COMMIT, commit, &committed).ok());
-    EXPECT_EQ(committed.failed_size(), 0);
   }
 
   std::vector<wire::LookupResult> PerKey(const std::vector<uint64_t>& ks) {
     wire::LookupRequest request;
-    wire::Lookup* lookup = request.add_lookups();
-    lookup->set_mode(wire::LOOKUP_MODE_PER_KEY);
-    for (uint64_t k : ks) *lookup->add_keys() = WireKey(k);
+    for (uint64_t k : ks) *request.add_keys() = WireKey(k);
     wire::LookupReply reply;
     EXPECT_TRUE(Call(wire::METHOD_LOOKUP, request, &reply).ok());
     std::vector<wire::LookupResult> out;
-    if (reply.answers_size() == 1) {
-      for (int r : reply.answers(0).results()) out.push_back(static_cast<wire::LookupResult>(r));
-    }
+    for (int r : reply.results()) out.push_back(static_cast<wire::LookupResult>(r));
     return out;
   }
 

@@ -53,7 +53,7 @@ TEST(SsdCrashTest, KilledWriterLosesNothingCommitted) {
     // this kill): it has committed at most one block more than it reported.
     EXPECT_EQ(writer->Kill(SIGKILL), 128 + SIGKILL);
 
-    auto tier = SsdTier::Open(options);
+    auto tier = SsdTier::Create(options);
     ASSERT_TRUE(tier.ok()) << tier.status().ToString();
     // The writer may have committed one more block than it reported. With LRU in write order,
     // the newest kCapacity committed blocks are resident: every reported block among the

@@ -72,7 +72,7 @@ TEST(SsdEnospcTest, FullDiskFailsSsdStoresCleanlyAndCpuKeepsServing) {
   ssd.dir = mount_point + "/ssd";
   ssd.capacity_bytes = 64 * kBlock;
   options.ssd = ssd;
-  auto opened = TieredStore::Open(options);
+  auto opened = TieredStore::Create(options);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   TieredStore& store = **opened;
 

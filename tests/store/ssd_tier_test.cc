@@ -41,7 +41,7 @@ class SsdTierTest : public ::testing::Test {
     return o;
   }
   std::unique_ptr<SsdTier> Open(const SsdTierOptions& options) {
-    auto tier = SsdTier::Open(options);
+    auto tier = SsdTier::Create(options);
     EXPECT_TRUE(tier.ok()) << tier.status().ToString();
     return tier.ok() ? std::move(tier).value() : nullptr;
   }
@@ -75,13 +75,13 @@ class SsdTierTest : public ::testing::Test {
 TEST_F(SsdTierTest, RejectsBadOptions) {
   SsdTierOptions o = Options(4);
   o.block_bytes = 0;
-  EXPECT_EQ(SsdTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SsdTier::Create(o).status().code(), StatusCode::kInvalidArgument);
   o = Options(4);
   o.capacity_bytes = kBlock - 1;
-  EXPECT_EQ(SsdTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SsdTier::Create(o).status().code(), StatusCode::kInvalidArgument);
   o = Options(4);
   o.dir.clear();
-  EXPECT_EQ(SsdTier::Open(o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SsdTier::Create(o).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(SsdTierTest, PutGetDeleteRoundTrip) {
@@ -217,7 +217,7 @@ TEST_F(SsdTierTest, ReusedSlotServesOnlyTheNewBlockAfterReopen) {
 
 TEST_F(SsdTierTest, ReopenWithAnotherBlockSizeIsRefused) {
   { ASSERT_NE(Open(Options(4)), nullptr); }
-  auto reopened = SsdTier::Open(Options(4, kBlock * 2));
+  auto reopened = SsdTier::Create(Options(4, kBlock * 2));
   ASSERT_FALSE(reopened.ok());
   EXPECT_EQ(reopened.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(reopened.status().message(), ::testing::HasSubstr("holds blocks of 16384 bytes"));
@@ -312,7 +312,7 @@ TEST_F(SsdTierTest, DamagedIndexNeverServesWrongBytes) {
     ++damaged;
   }
   ASSERT_GT(damaged, 0u);
-  auto tier = SsdTier::Open(options);
+  auto tier = SsdTier::Create(options);
   if (!tier.ok()) {
     // Refusing to start is acceptable; serving wrong bytes is not.
     EXPECT_NE(tier.status().code(), StatusCode::kOk);

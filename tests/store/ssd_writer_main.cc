@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   options.block_bytes = std::strtoull(argv[2], nullptr, 10);
   options.capacity_bytes = std::strtoull(argv[3], nullptr, 10) * options.block_bytes;
   const uint64_t first = std::strtoull(argv[4], nullptr, 10);
-  auto tier = kvstash::store::SsdTier::Open(options);
+  auto tier = kvstash::store::SsdTier::Create(options);
   if (!tier.ok()) {
     std::fprintf(stderr, "%s\n", tier.status().ToString().c_str());
     return 1;

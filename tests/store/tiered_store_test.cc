@@ -75,7 +75,7 @@ class TieredStoreTest : public ::testing::Test {
     return o;
   }
   std::unique_ptr<TieredStore> Open(const TieredStoreOptions& options) {
-    auto store = TieredStore::Open(options);
+    auto store = TieredStore::Create(options);
     EXPECT_TRUE(store.ok()) << store.status().ToString();
     return store.ok() ? std::move(store).value() : nullptr;
   }
@@ -467,7 +467,7 @@ TEST_P(TieredStoreStressTest, ConcurrentTrafficNeverServesWrongBytes) {
   ssd.dir = dir / "ssd";
   ssd.capacity_bytes = 48 * 4096;
   options.ssd = ssd;
-  auto opened = TieredStore::Open(options);
+  auto opened = TieredStore::Create(options);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   TieredStore& store = **opened;
 

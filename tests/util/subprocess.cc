@@ -17,7 +17,7 @@ ProcessResult RunProcess(const std::vector<std::string>& argv, const std::string
 }
 
 std::unique_ptr<ChildProcess> StartChild(const std::vector<std::string>& argv) {
-  Result<std::unique_ptr<ChildProcess>> child = ChildProcess::Start(argv);
+  Result<std::unique_ptr<ChildProcess>> child = ChildProcess::Create(argv);
   if (!child.ok()) {
     ADD_FAILURE() << child.status().ToString();
     return nullptr;

@@ -65,8 +65,8 @@ struct ChildOptions {
 class ChildProcess {
  public:
   // Starts `argv` (looked up as RunProgram does). NotFound when the program does not exist.
-  static Result<std::unique_ptr<ChildProcess>> Start(const std::vector<std::string>& argv,
-                                                     const ChildOptions& options = {});
+  static Result<std::unique_ptr<ChildProcess>> Create(const std::vector<std::string>& argv,
+                                                      const ChildOptions& options = {});
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;

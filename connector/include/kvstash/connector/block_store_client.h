@@ -29,6 +29,7 @@ struct BlockStoreCounters {
   // keys read as misses for the caller to go on, but never silently.
   uint64_t refused = 0;
   uint64_t touched_keys = 0;  // keys sent in touches
+  uint64_t pinned_keys = 0;   // keys nodes pinned (Pin)
 };
 
 struct NodeAddress {
@@ -54,6 +55,14 @@ class BlockStoreClient {
   // ghost hits). Asynchronous: returns once the calls are sent, and their outcome is counted and
   // logged as any call's. Calls still in flight are waited for when the client is destroyed.
   virtual void Touch(std::span<const BlockKey> keys) = 0;
+  // Pins the keys on their nodes against eviction, from the scheduler's decision to load them
+  // until the load is done (vLLM's prepare_load; docs/semantics.md §7.5), so that a node under
+  // churn does not evict a block between the lookup that found it and its read. Asynchronous as
+  // Touch. A key its node no longer holds, or whose node cannot be reached, is not pinned: its
+  // read may then miss, and the engine recomputes it. Each Pin of a key is undone by one Unpin;
+  // a node releases the pins of a client that disconnects or stays silent past its lease.
+  virtual void Pin(std::span<const BlockKey> keys) = 0;
+  virtual void Unpin(std::span<const BlockKey> keys) = 0;
   // Stores blocks[i] under keys[i], each exactly its node's block size; keys already held are
   // skipped. The first error; the other blocks are still stored.
   virtual Status Put(std::span<const BlockKey> keys,

@@ -87,14 +87,15 @@ class NodeClient : public BlockStoreClient {
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 
   // Stores blocks[i] under keys[i] (each exactly its node's block size): one call per block
-  // that prepares, sends and commits it, all blocks in flight at once. A node that already
-  // holds a block skips it without taking the bytes, and counts the store as a use of the block
-  // (a touch). The blocks are sent last key first, so that a node inserts the first key last:
-  // among one call's new blocks the first is the most recent, as a touch would leave them.
-  // The first error, naming the node and the key; the other blocks are still stored.
+  // that reserves a slot, sends the bytes into it and commits them, all blocks in flight at once. A
+  // node that already holds a block skips it without taking the bytes, and counts the store as a
+  // use of the block (a touch). The blocks are sent last key first, so that a node inserts the
+  // first key last: among one call's new blocks the first is the most recent, as a touch would
+  // leave them. The first error, naming the node and the key; the other blocks are still stored.
   Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) override;
 
-  // Reads the block of `key` into `out` in one call (the node pins it for the transfer). A block
+  // Reads the block of `key` into `out` in one call (from this client's pin, or the node pins it
+  // for the transfer). A block
   // the node is promoting from SSD is asked for again until the timeout. NotFound when its node
   // does not hold it (or cannot be reached: then Unavailable).
   Result<size_t> Get(const BlockKey& key, transport::MutableBytes out);
@@ -104,9 +105,14 @@ class NodeClient : public BlockStoreClient {
 
   // Asynchronous touch (see BlockStoreClient::Touch), split to each node's limits.
   void Touch(std::span<const BlockKey> keys) override;
+  // Asynchronous pins and their releases (see BlockStoreClient::Pin), split likewise. A Get of
+  // a pinned key reads it from the pin.
+  void Pin(std::span<const BlockKey> keys) override;
+  void Unpin(std::span<const BlockKey> keys) override;
   // The same, waiting for the nodes' answers: the first error, naming the node.
   Status TouchSync(std::span<const BlockKey> keys);
-  // Waits for the asynchronous touches in flight to be answered (counters() then has them).
+  // Waits for the asynchronous touches, pins and releases in flight to be answered (counters()
+  // then has them).
   void WaitForTouches();
 
   // The node's counters (wire.StatsReply).

@@ -17,8 +17,8 @@ class MetricsEndpoint {
  public:
   // Serves `node`'s metrics on `address` ("HOST:PORT"; port 0 picks a free one). The node must
   // outlive the endpoint.
-  static Result<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address,
-                                                        NodeServer& node);
+  static Result<std::unique_ptr<MetricsEndpoint>> Create(const std::string& address,
+                                                         NodeServer& node);
   ~MetricsEndpoint();
   uint16_t port() const;
 

@@ -1,12 +1,12 @@
 #pragma once
 
-// NodeServer: one offload node's tiered store served over the RPC transport, with the methods
-// of proto/wire.proto (wire.Method). What each client does is tied to its connection (its
-// session): the blocks it prepared to store and the blocks it pinned to read. A session that
-// ends (the client closed, crashed or was cut off) releases its pins and aborts its
-// uncommitted stores, so a crashed engine never leaks capacity.
+// NodeServer: one offload node (NodeService, node_service.h) served over a transport, with the
+// methods of proto/wire.proto (wire.Method). It is a thin adapter: it parses each request,
+// checks it against the limits the node stated at hello, hands it to the service, moves the
+// block bytes and replies, timing every method. A client's session is its connection: the
+// transport's disconnects end it.
 //
-// Block bytes move once: PutBlock's payload lands straight in the CPU slot the preparation
+// Block bytes move once: PutBlock's payload lands straight in the CPU slot the service
 // reserved, and GetBlock's reply payload leaves from the pinned slot. The CPU tier's memory is
 // allocated through the transport, so a client on the same host copies to and from it
 // directly (see transport/rpc.h); where that memory cannot be had, the store maps its own and
@@ -24,76 +24,19 @@
 #include <vector>
 
 #include "kvstash/common/status.h"
+#include "kvstash/node/node_service.h"
 #include "kvstash/store/tiered_store.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::node {
 
-struct NodeOptions {
+// The service's options (store, lease, quotas) and how it is served.
+struct NodeOptions : NodeServiceOptions {
   transport::ServerOptions server;  // listen address, port, auth token, transport, limits
-  store::TieredStoreOptions store;  // block size, CPU capacity and policy, SSD tier, cascade
-  // A client silent for this long (no request at all) loses its pins and unfinished stores,
-  // so an engine that hangs without disconnecting does not hold capacity forever.
-  std::chrono::milliseconds lease_timeout{30000};
-  // Ceilings on the blocks a namespace (the one a client names at hello) holds in the CPU tier:
-  // by name, and for every namespace not named; none: shared capacity. A namespace at its
-  // ceiling makes room by evicting its own least recently used idle blocks, and its stores are
-  // refused (ResourceExhausted) when none can go; a ceiling reserves nothing. Each is 1 block to
-  // the CPU tier's capacity. They bound the CPU tier only: the SSD tier holds what it cascades.
-  std::map<std::string, size_t> namespace_quota_blocks;
-  std::optional<size_t> default_namespace_quota_blocks;
   // Makes the transport the node serves on; empty: UCX (an RpcServer of `server`). Tests give a
   // loopback network's listener (transport/loopback.h).
   std::function<Result<std::unique_ptr<transport::Listener>>(const transport::ServerOptions&)>
       listen;
-};
-
-// Namespaces are reported by name up to this many (those with a named quota always, then those
-// seen at hello, first come); the rest are summed under "other", so that clients choosing names
-// cannot grow the metrics without bound.
-inline constexpr size_t kMaxNamedNamespaces = 256;
-// The name they are summed under; a namespace of that name is counted there too, and no quota
-// may name it.
-inline constexpr std::string_view kOtherNamespaces = "other";
-
-// One namespace as the node's metrics show it.
-struct NamespaceStats {
-  std::string name;         // kOtherNamespaces: namespaces past kMaxNamedNamespaces
-  uint64_t cpu_blocks = 0;  // held in the CPU tier, readable or being written
-  std::optional<uint64_t> cpu_quota_blocks;
-  uint64_t quota_refusals = 0;  // blocks its clients were refused for its quota, since start
-};
-
-// Lookup results of one lookup kind (wire.LookupMode). A per-key lookup counts each key's
-// result. A prefix or window scan counts its hit_length keys as hits and the rest of its keys
-// as misses, or, when it answers RETRY (a block of it is being written or promoted), one retry
-// and no keys: a scan has no per-key answer to count.
-struct LookupCounts {
-  uint64_t hits = 0;
-  uint64_t misses = 0;
-  uint64_t retries = 0;
-};
-
-// Counters since start. Monotonic.
-struct NodeStats {
-  uint64_t lookups = 0;      // keys looked up (every mode)
-  uint64_t lookup_hits = 0;  // the sums over the three kinds below
-  uint64_t lookup_misses = 0;
-  uint64_t lookup_retries = 0;
-  LookupCounts per_key;
-  LookupCounts prefix;
-  LookupCounts window;
-  uint64_t blocks_stored = 0;  // committed
-  uint64_t blocks_aborted = 0;
-  uint64_t blocks_loaded = 0;  // GetBlock replies sent
-  uint64_t bytes_in = 0;       // block payload bytes received
-  uint64_t bytes_out = 0;      // block payload bytes sent
-  uint64_t checksum_failures = 0;
-  uint64_t sessions_closed = 0;
-  uint64_t pins_released_on_close = 0;   // pins a closed session still held
-  uint64_t stores_aborted_on_close = 0;  // preparations a closed session never committed
-  uint64_t leases_expired = 0;           // silent sessions whose pins and stores were undone
-  uint64_t pins_released_on_expiry = 0;
 };
 
 // The upper bounds of the request latency buckets (inclusive, as Prometheus' `le`); latencies
@@ -116,7 +59,7 @@ inline constexpr std::array<std::chrono::microseconds, 17> kLatencyBuckets = {
 // arrival of its payload. A call dropped without a reply (the transport answers Internal) is
 // not counted.
 struct MethodLatency {
-  std::string method;  // "lookup", "prepare_store", "put_block", ... (wire.Method in lower case)
+  std::string method;  // "lookup", "put_block", "load", ... (wire.Method in lower case)
   // Requests per bucket of kLatencyBuckets (not cumulative); the last is the overflow.
   std::array<uint64_t, kLatencyBuckets.size() + 1> buckets{};
   uint64_t count = 0;  // the sum of `buckets`
@@ -126,7 +69,7 @@ struct MethodLatency {
 class NodeServer {
  public:
   // Opens the store, binds and starts serving. The port is known after (port()).
-  static Result<std::unique_ptr<NodeServer>> Start(NodeOptions options);
+  static Result<std::unique_ptr<NodeServer>> Create(NodeOptions options);
   // Stops serving (sessions end, their pins and stores are undone) and closes the store.
   ~NodeServer();
   NodeServer(const NodeServer&) = delete;
@@ -138,17 +81,14 @@ class NodeServer {
   Status Shutdown();
 
   uint16_t port() const;
-  NodeStats stats() const;
-  // The counters of wire.StatsReply: the node's, the store's and the transport's.
+  // The counters of wire.StatsReply: the service's, the store's and the transport's (named in
+  // node/src/counters.cc). Thread-safe.
   std::map<std::string, uint64_t> Counters() const;
   // The request latencies of every wire method the node serves, in method order. Reads atomic
   // counters while requests go on: a request being recorded may show in its bucket before it
   // shows in `sum`. Thread-safe.
   std::vector<MethodLatency> Latencies() const;
-  // Every namespace with a named quota or seen at hello (up to kMaxNamedNamespaces, then
-  // "other", listed last when any namespace fell into it), by name. Only for the operator's
-  // metrics: other namespaces' names are not a client's business, so Counters (which clients
-  // read) has totals only. Thread-safe.
+  // NodeService::Namespaces. Thread-safe.
   std::vector<NamespaceStats> Namespaces() const;
   store::TieredStore& store();
   // True when the CPU tier lives in memory shared through the transport.

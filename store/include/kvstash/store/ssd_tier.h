@@ -40,7 +40,7 @@ struct SsdTierOptions {
   bool sync = false;
 };
 
-// Counters since Open. Monotonic; read without a lock.
+// Counters since Create. Monotonic; read without a lock.
 struct SsdTierStats {
   uint64_t blocks_written = 0;
   uint64_t bytes_written = 0;
@@ -50,8 +50,8 @@ struct SsdTierStats {
   uint64_t checksum_failures = 0;  // reads whose bytes did not match the record: a miss
   uint64_t read_errors = 0;        // reads that failed or came back short: a miss
   uint64_t evictions = 0;
-  uint64_t restored_blocks = 0;  // index records recovered by Open
-  uint64_t dropped_records = 0;  // index records Open found bad, duplicate or out of range
+  uint64_t restored_blocks = 0;  // index records recovered by Create
+  uint64_t dropped_records = 0;  // index records Create found bad, duplicate or out of range
 };
 
 // One block to write into a slot reserved by PrepareStore.
@@ -71,7 +71,7 @@ struct SsdWrite {
 // reads as a miss, is dropped and counted.
 //
 // Crash safety: a block's index record is written only after its bytes are in the slot file,
-// and an evicted block's record is deleted before its slot is reused; Open rebuilds the index
+// and an evicted block's record is deleted before its slot is reused; Create rebuilds the index
 // from the records, least recently written first.
 //
 // Thread-safe. I/O runs on the calling thread, outside every lock.
@@ -79,7 +79,7 @@ class SsdTier {
  public:
   // Opens or creates the tier in `options.dir` and rebuilds its index. InvalidArgument for bad
   // options or a directory created with another block size; the I/O error otherwise.
-  static Result<std::unique_ptr<SsdTier>> Open(const SsdTierOptions& options);
+  static Result<std::unique_ptr<SsdTier>> Create(const SsdTierOptions& options);
   ~SsdTier();
   SsdTier(const SsdTier&) = delete;
   SsdTier& operator=(const SsdTier&) = delete;

@@ -70,7 +70,7 @@ struct TieredStoreOptions {
   std::function<void()> before_job_for_testing;
 };
 
-// Counters since Open. Monotonic.
+// Counters since Create. Monotonic.
 struct TieredStoreStats {
   uint64_t promotions_started = 0;  // blocks
   uint64_t promotions_done = 0;
@@ -110,7 +110,7 @@ struct TieredStoreStats {
 class TieredStore {
  public:
   // InvalidArgument for bad options; the SSD tier's error when it cannot open.
-  static Result<std::unique_ptr<TieredStore>> Open(const TieredStoreOptions& options);
+  static Result<std::unique_ptr<TieredStore>> Create(const TieredStoreOptions& options);
   // Waits for background work, then stops the I/O threads. Does not Flush.
   ~TieredStore();
   TieredStore(const TieredStore&) = delete;

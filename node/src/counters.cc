@@ -1,0 +1,188 @@
+#include "counters.h"
+
+namespace kvstash::node {
+namespace {
+
+using prometheus::MetricType;
+using Snapshot = CounterSnapshot;
+using Value = std::optional<uint64_t>;
+
+Value Node(const Snapshot& s, NodeCounter counter) {
+  if (s.node == nullptr) return std::nullopt;
+  return s.node->Get(counter);
+}
+
+template <NodeCounter kCounter>
+Value NodeValue(const Snapshot& s) {
+  return Node(s, kCounter);
+}
+
+// A value of the store's side, when the snapshot has one.
+#define KVSTASH_STORE(expr) \
+  [](const Snapshot& s) -> Value { return s.store ? Value(s.store->expr) : std::nullopt; }
+// ARC's lists, reported under ARC only.
+#define KVSTASH_ARC(expr)                                                           \
+  [](const Snapshot& s) -> Value {                                                  \
+    return s.store && s.store->arc ? Value(s.store->arc_sizes.expr) : std::nullopt; \
+  }
+#define KVSTASH_TRANSPORT(expr) \
+  [](const Snapshot& s) -> Value { return s.transport ? Value(s.transport->expr) : std::nullopt; }
+
+const MetricFamilyDef kBlocks{"kvstash_blocks", MetricType::Gauge, "Blocks held, by tier"};
+const MetricFamilyDef kBytes{"kvstash_bytes", MetricType::Gauge,
+                             "Bytes of the blocks held (blocks x block size), by tier"};
+const MetricFamilyDef kCapacity{"kvstash_capacity_blocks", MetricType::Gauge,
+                                "Block capacity, by tier"};
+const MetricFamilyDef kBlockBytes{"kvstash_block_bytes", MetricType::Gauge, "Bytes of every block"};
+const MetricFamilyDef kArcBlocks{
+    "kvstash_cpu_arc_blocks", MetricType::Gauge,
+    "ARC's lists in the CPU tier (0 under LRU): t1 holds blocks seen once, t2 blocks used again "
+    "since they were stored"};
+const MetricFamilyDef kTouched{
+    "kvstash_touched_keys_total", MetricType::Counter,
+    "Keys clients marked used (touches, and stores of blocks the node held)"};
+const MetricFamilyDef kPinned{"kvstash_pinned_keys_total", MetricType::Counter,
+                              "Keys clients pinned against eviction until their load was done"};
+const MetricFamilyDef kLookups{"kvstash_lookup_keys_total", MetricType::Counter,
+                               "Keys looked up, by result"};
+const MetricFamilyDef kStored{"kvstash_blocks_stored_total", MetricType::Counter,
+                              "Blocks committed"};
+const MetricFamilyDef kAborted{
+    "kvstash_blocks_aborted_total", MetricType::Counter,
+    "Block stores aborted (a failed transfer, a checksum mismatch or an ended session)"};
+const MetricFamilyDef kLoaded{"kvstash_blocks_loaded_total", MetricType::Counter,
+                              "Blocks sent to clients"};
+const MetricFamilyDef kPayload{"kvstash_payload_bytes_total", MetricType::Counter,
+                               "Block bytes moved, by direction"};
+const MetricFamilyDef kChecksum{"kvstash_checksum_failures_total", MetricType::Counter,
+                                "Blocks whose bytes did not match the client's checksum"};
+const MetricFamilyDef kSsdChecksum{
+    "kvstash_ssd_checksum_failures_total", MetricType::Counter,
+    "SSD blocks whose bytes did not match their index record (read as misses and dropped)"};
+const MetricFamilyDef kEvictions{
+    "kvstash_evictions_total", MetricType::Counter,
+    "Blocks evicted to make room, by tier (cpu: for stores and promotions; ssd: for cascades)"};
+const MetricFamilyDef kPromotions{"kvstash_promotions_total", MetricType::Counter,
+                                  "Blocks promoted from SSD to the CPU tier"};
+const MetricFamilyDef kCascades{"kvstash_cascades_total", MetricType::Counter,
+                                "Blocks written from the CPU tier to SSD"};
+const MetricFamilyDef kSessionsClosed{"kvstash_sessions_closed_total", MetricType::Counter,
+                                      "Client sessions that ended"};
+const MetricFamilyDef kPinsOnClose{"kvstash_pins_released_on_close_total", MetricType::Counter,
+                                   "Pins an ended session still held"};
+const MetricFamilyDef kLeases{"kvstash_leases_expired_total", MetricType::Counter,
+                              "Silent sessions whose pins and unfinished stores were undone"};
+const MetricFamilyDef kConnections{"kvstash_connections", MetricType::Gauge,
+                                   "Open client connections"};
+const MetricFamilyDef kRequests{"kvstash_requests_total", MetricType::Counter,
+                                "Requests dispatched"};
+const MetricFamilyDef kRefusals{"kvstash_refusals_total", MetricType::Counter,
+                                "Connections refused for a wrong token"};
+const MetricFamilyDef kMalformed{"kvstash_malformed_frames_total", MetricType::Counter,
+                                 "Malformed frames received"};
+
+using N = NodeCounter;
+
+const std::vector<CounterDef>& Defs() {
+  static const std::vector<CounterDef> defs = {
+      // The tiers.
+      {"cpu.resident_blocks", KVSTASH_STORE(cpu_resident), &kBlocks, {{"tier", "cpu"}}},
+      {"ssd.resident_blocks", KVSTASH_STORE(ssd_resident), &kBlocks, {{"tier", "ssd"}}},
+      {"cpu.resident_bytes",
+       KVSTASH_STORE(cpu_resident * s.store->block_bytes),
+       &kBytes,
+       {{"tier", "cpu"}}},
+      {"ssd.resident_bytes",
+       KVSTASH_STORE(ssd_resident * s.store->block_bytes),
+       &kBytes,
+       {{"tier", "ssd"}}},
+      {"cpu.capacity_blocks", KVSTASH_STORE(cpu_capacity), &kCapacity, {{"tier", "cpu"}}},
+      {"ssd.capacity_blocks", KVSTASH_STORE(ssd_capacity), &kCapacity, {{"tier", "ssd"}}},
+      {"cpu.block_bytes", KVSTASH_STORE(block_bytes), &kBlockBytes, {}},
+      {"cpu.policy_arc", KVSTASH_STORE(arc ? 1u : 0u), nullptr, {}},
+      // ARC's lists: T2 grows as blocks are used again (a touch, a store of a held block).
+      {"cpu.arc_t1_blocks", KVSTASH_ARC(t1), &kArcBlocks, {{"list", "t1"}}},
+      {"cpu.arc_t2_blocks", KVSTASH_ARC(t2), &kArcBlocks, {{"list", "t2"}}},
+      {"cpu.arc_b1_ghosts", KVSTASH_ARC(b1), nullptr, {}},
+      {"cpu.arc_b2_ghosts", KVSTASH_ARC(b2), nullptr, {}},
+      {"cpu.arc_target_t1_blocks",
+       [](const Snapshot& s) -> Value {
+         if (!s.store || !s.store->arc) return std::nullopt;
+         return static_cast<uint64_t>(s.store->arc_sizes.arc_target);
+       },
+       nullptr,
+       {}},
+      // What clients asked.
+      {"node.touched_keys", NodeValue<N::kTouchedKeys>, &kTouched, {}},
+      {"node.pinned_keys", NodeValue<N::kPinnedKeys>, &kPinned, {}},
+      {"node.lookups", NodeValue<N::kLookups>, nullptr, {}},
+      {"node.lookup_hits", NodeValue<N::kLookupHits>, &kLookups, {{"result", "hit"}}},
+      {"node.lookup_misses", NodeValue<N::kLookupMisses>, &kLookups, {{"result", "miss"}}},
+      {"node.lookup_retries", NodeValue<N::kLookupRetries>, &kLookups, {{"result", "retry"}}},
+      {"node.blocks_stored", NodeValue<N::kBlocksStored>, &kStored, {}},
+      {"node.blocks_aborted", NodeValue<N::kBlocksAborted>, &kAborted, {}},
+      {"node.blocks_loaded", NodeValue<N::kBlocksLoaded>, &kLoaded, {}},
+      {"node.bytes_in", NodeValue<N::kBytesIn>, &kPayload, {{"direction", "in"}}},
+      {"node.bytes_out", NodeValue<N::kBytesOut>, &kPayload, {{"direction", "out"}}},
+      {"node.checksum_failures", NodeValue<N::kChecksumFailures>, &kChecksum, {}},
+      {"ssd.checksum_failures", KVSTASH_STORE(ssd.checksum_failures), &kSsdChecksum, {}},
+      // The store's movements.
+      {"store.cpu_evictions", KVSTASH_STORE(tiers.cpu_evictions), &kEvictions, {{"tier", "cpu"}}},
+      {"ssd.evictions", KVSTASH_STORE(ssd.evictions), &kEvictions, {{"tier", "ssd"}}},
+      {"store.promotions_done", KVSTASH_STORE(tiers.promotions_done), &kPromotions, {}},
+      {"store.promotion_failures", KVSTASH_STORE(tiers.promotion_failures), nullptr, {}},
+      {"store.promotions_deferred", KVSTASH_STORE(tiers.promotions_deferred), nullptr, {}},
+      {"store.cascades_done", KVSTASH_STORE(tiers.cascades_done), &kCascades, {}},
+      {"store.cascades_deferred", KVSTASH_STORE(tiers.cascades_deferred), nullptr, {}},
+      {"store.cascade_failures", KVSTASH_STORE(tiers.cascade_failures), nullptr, {}},
+      {"store.quota_refusals", KVSTASH_STORE(tiers.quota_refusals), nullptr, {}},
+      // Sessions.
+      {"node.sessions_closed", NodeValue<N::kSessionsClosed>, &kSessionsClosed, {}},
+      {"node.pins_released_on_close", NodeValue<N::kPinsReleasedOnClose>, &kPinsOnClose, {}},
+      {"node.stores_aborted_on_close", NodeValue<N::kStoresAbortedOnClose>, nullptr, {}},
+      {"node.leases_expired", NodeValue<N::kLeasesExpired>, &kLeases, {}},
+      {"node.pins_released_on_expiry", NodeValue<N::kPinsReleasedOnExpiry>, nullptr, {}},
+      // The transport.
+      {"transport.connections", KVSTASH_TRANSPORT(connections), &kConnections, {}},
+      {"transport.calls", KVSTASH_TRANSPORT(stats.calls), &kRequests, {}},
+      {"transport.refused", KVSTASH_TRANSPORT(stats.refused), &kRefusals, {}},
+      {"transport.malformed_frames", KVSTASH_TRANSPORT(stats.malformed_frames), &kMalformed, {}},
+      {"transport.mapped_payloads", KVSTASH_TRANSPORT(stats.mapped_payloads), nullptr, {}},
+  };
+  return defs;
+}
+
+#undef KVSTASH_STORE
+#undef KVSTASH_ARC
+#undef KVSTASH_TRANSPORT
+
+}  // namespace
+
+CounterSnapshot::Store SnapshotOf(store::TieredStore& store) {
+  CounterSnapshot::Store s;
+  s.tiers = store.stats();
+  s.has_ssd = store.ssd() != nullptr;
+  if (s.has_ssd) {
+    s.ssd = store.ssd()->stats();
+    s.ssd_capacity = store.ssd()->capacity_blocks();
+    s.ssd_resident = store.ssd()->resident_blocks();
+  }
+  s.block_bytes = store.block_bytes();
+  s.cpu_capacity = store.cpu().capacity();
+  s.cpu_resident = store.cpu().resident_blocks();
+  s.arc = store.cpu().policy() == store::EvictionPolicy::kArc;
+  if (s.arc) s.arc_sizes = store.cpu().policy_sizes();
+  return s;
+}
+
+std::map<std::string, uint64_t> ReadCounters(const CounterSnapshot& snapshot) {
+  std::map<std::string, uint64_t> out;
+  for (const CounterDef& def : Defs()) {
+    if (const Value value = def.read(snapshot)) out.emplace(def.name, *value);
+  }
+  return out;
+}
+
+std::span<const CounterDef> CounterDefs() { return Defs(); }
+
+}  // namespace kvstash::node
