@@ -50,7 +50,9 @@ TEST_P(HotPrefixTest, EveryRequestAfterTheFirstFindsTheWholeSharedPrefix) {
     const WorkerRun run =
         Generate("tiny-full", prefix + " " + Prompt(160, 100 + i), "both", Address(node));
     ASSERT_EQ(run.exit_code, 0) << run.err;
-    if (i > 0) EXPECT_EQ(run.stats.at("node_tokens"), 320u);
+    if (i > 0) {
+      EXPECT_EQ(run.stats.at("node_tokens"), 320u);
+    }
     EXPECT_EQ(run.stats.at("node_refusals"), 0u);
     EXPECT_EQ(run.stats.at("node_unreachable"), 0u);
     EXPECT_GT(run.stats.at("touched_keys"), 0u);

@@ -233,7 +233,7 @@ TEST_P(BlockManagerQuotaTest, CountingWithoutQuotasChangesNothing) {
       for (const BlockInfo& block : *list) ++held[block.key.namespace_id];
     }
     std::vector<NamespaceUsage> expected;
-    for (const auto& [ns, blocks] : held) expected.push_back(Usage(ns, blocks));
+    for (const auto& [held_ns, blocks] : held) expected.push_back(Usage(held_ns, blocks));
     ASSERT_EQ(counting->NamespaceUsages(), expected) << step;
   }
 }

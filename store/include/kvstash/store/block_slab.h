@@ -27,7 +27,7 @@ struct BlockSlabOptions {
   // memory its transport can share with clients). Owned by the caller and must outlive the
   // slab; at least RequiredBytes(options), starting on a slot_alignment boundary. Prefault
   // applies to it too; huge_pages does not.
-  std::span<std::byte> memory;
+  std::span<std::byte> memory{};
 };
 
 // Fixed-size block slots carved from one page-aligned anonymous mapping, ready to be registered
