@@ -1,0 +1,240 @@
+// RpcServer::Impl: connections (progress thread): listening, the hello on the bootstrap socket
+// and its refusals, the UCX endpoint, and the end of a connection.
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <random>
+#include <string_view>
+#include <utility>
+
+#include "bootstrap.h"
+#include "hello.h"
+#include "kvstash/common/logging.h"
+#include "kvstash/proto/wire.pb.h"
+#include "rpc_server_impl.h"
+#include "worker.h"
+
+namespace kvstash::transport {
+
+namespace {
+
+// At most 64 bytes of a string a client sent, for a log line (formatted with {:?}, escaped).
+std::string_view Printable(std::string_view s) { return s.substr(0, 64); }
+
+// "ADDRESS:PORT" of the socket's peer, for logs.
+std::string PeerOf(const asio::ip::tcp::socket& socket) {
+  asio::error_code error;
+  const asio::ip::tcp::endpoint peer = socket.remote_endpoint(error);
+  if (error) return fmt::format("an unknown address ({})", error.message());
+  if (peer.address().is_v6()) {
+    return fmt::format("[{}]:{}", peer.address().to_string(), peer.port());
+  }
+  return fmt::format("{}:{}", peer.address().to_string(), peer.port());
+}
+
+}  // namespace
+
+// ---- connections -----------------------------------------------------------------------------
+
+RpcServer::Impl::Impl(ServerOptions options, std::shared_ptr<Worker> worker)
+    : options_(std::move(options)), worker_(std::move(worker)), acceptor_(worker_->io()) {
+  std::random_device random;
+  epoch_ = (uint64_t{random()} << 32);
+}
+
+Status RpcServer::Impl::Start() {
+  asio::error_code error;
+  const auto address = asio::ip::make_address(options_.bind_address, error);
+  if (error) {
+    return InvalidArgumentError("bind address '{}' is not an IP address: {}", options_.bind_address,
+                                error.message());
+  }
+  const asio::ip::tcp::endpoint endpoint(address, options_.port);
+  acceptor_.open(endpoint.protocol(), error);
+  if (!error) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), error);
+  if (!error) acceptor_.bind(endpoint, error);
+  if (!error) acceptor_.listen(asio::socket_base::max_listen_connections, error);
+  if (error) {
+    return UnavailableError("listening on {}:{}: {}", options_.bind_address, options_.port,
+                            error.message());
+  }
+  port_ = acceptor_.local_endpoint().port();
+  if (worker_->options().mapped_payloads) {
+    // Clients on this host that can map this (and read the cookie) use mapped payloads.
+    auto probe = worker_->Allocate(4096);
+    if (probe.ok() && !probe->packed_rkey().empty()) {
+      probe_ = std::move(*probe);
+      std::random_device random;
+      cookie_ = (uint64_t{random()} << 32) | random();
+      std::memcpy(probe_.data(), &cookie_, sizeof(cookie_));
+    }
+  }
+  KVSTASH_RETURN_IF_ERROR(worker_->SetFrameHandler(
+      &Impl::OnFrame, this, UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA));
+  worker_->Start([this] { Shutdown(); });
+  worker_->Run([this] { Accept(); });
+  return Status::OK();
+}
+
+void RpcServer::Impl::Accept() {
+  acceptor_.async_accept([this](const asio::error_code& error, asio::ip::tcp::socket socket) {
+    if (error) {
+      if (error != asio::error::operation_aborted) {
+        KVSTASH_LOG_WARN("accept: {}", error.message());
+        Accept();
+      }
+      return;
+    }
+    asio::error_code ignored;
+    socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+    auto connection = std::make_shared<ServerConnection>(std::move(socket));
+    auto timer = std::make_shared<asio::steady_timer>(worker_->io());
+    timer->expires_after(options_.hello_timeout);
+    timer->async_wait([connection](const asio::error_code& e) {
+      if (!e && connection->id == 0) {
+        asio::error_code ignored2;
+        connection->socket.close(ignored2);
+      }
+    });
+    AsyncReadMessage(connection->socket, [this, connection, timer](Status s, std::string body) {
+      timer->cancel();
+      OnHello(connection, std::move(s), body);
+    });
+    Accept();
+  });
+}
+
+Status RpcServer::Impl::CheckToken(const wire::Hello& hello) const {
+  return CheckHelloToken(options_, hello.namespace_(), hello.auth_token());
+}
+
+void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
+                              const std::string& body) {
+  if (!status.ok()) {
+    KVSTASH_LOG_WARN("dropped a connection before its hello: {}", status.ToString());
+    return;
+  }
+  wire::Hello hello;
+  wire::HelloReply reply;
+  reply.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
+  reply.set_block_bytes(options_.block_bytes);
+  reply.set_max_keys_per_request(options_.max_keys_per_request);
+  reply.set_max_message_bytes(worker_->options().max_message_bytes);
+  reply.set_max_payload_bytes(worker_->options().max_payload_bytes);
+  Status refused;
+  if (!hello.ParseFromString(body)) {
+    refused = InvalidArgumentError("unparseable hello of {} bytes", body.size());
+  } else if (hello.protocol_version() != wire::PROTOCOL_VERSION_CURRENT) {
+    refused = FailedPreconditionError("protocol version {} is not the node's {}",
+                                      hello.protocol_version(),
+                                      static_cast<int>(wire::PROTOCOL_VERSION_CURRENT));
+  } else {
+    refused = CheckToken(hello);
+    if (!refused.ok()) refusals_.fetch_add(1, std::memory_order_relaxed);
+  }
+  ucp_ep_h ep = nullptr;
+  if (refused.ok()) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(hello.worker_address().data());
+    params.err_handler.cb = &Impl::OnEndpointError;
+    params.err_handler.arg = this;
+    refused = worker_->CreateEndpoint(&params, &ep, "opening a UCX endpoint to the client");
+  }
+  if (!refused.ok()) {
+    // Who was refused, so an operator can find the misconfigured engine: the name and
+    // namespace the client gave (escaped and cut short: they are the client's bytes) and
+    // where it connected from. Never the token it sent.
+    KVSTASH_LOG_WARN("refused a client: {} (client {:?}, namespace {:?}, from {})",
+                     refused.ToString(), Printable(hello.client_name()),
+                     Printable(hello.namespace_()), PeerOf(connection->socket));
+    reply.mutable_error()->set_code(internal::ToWire(refused.code()));
+    reply.mutable_error()->set_message(std::string(refused.message()));
+    AsyncWriteMessage(connection->socket, reply, [connection](Status) {
+      asio::error_code ignored;
+      connection->socket.close(ignored);
+    });
+    return;
+  }
+  connection->ep = UcpEndpoint(ep);
+  connection->id = epoch_ | ++next_connection_;
+  connection->key_namespace = hello.namespace_();
+  connection->client_name = hello.client_name();
+  connections_[connection->id] = connection;
+  endpoints_[ep] = connection->id;
+  connects_.fetch_add(1, std::memory_order_relaxed);
+  open_connections_.fetch_add(1, std::memory_order_relaxed);
+  reply.set_connection_id(connection->id);
+  reply.set_worker_address(std::string(worker_->address()));
+  if (probe_.size() != 0 && worker_->options().mapped_payloads) {
+    wire::SharedRegion* probe = reply.mutable_mapped_probe();
+    probe->set_region_id(probe_.id());
+    probe->set_address(reinterpret_cast<uintptr_t>(probe_.data()));
+    probe->set_size(probe_.size());
+    probe->set_rkey(probe_.packed_rkey());
+    probe->set_cookie(cookie_);
+    connection->rkeys_sent.insert(probe_.id());
+  }
+  AsyncWriteMessage(connection->socket, reply, [this, connection](Status s) {
+    if (!s.ok()) {
+      Close(connection, s);
+      return;
+    }
+    Watch(connection);
+  });
+}
+
+void RpcServer::Impl::Watch(const std::shared_ptr<ServerConnection>& connection) {
+  connection->socket.async_read_some(
+      asio::buffer(connection->watch_byte, 1),
+      [this, connection](const asio::error_code& error, size_t) {
+        Close(connection, UnavailableError("client {} ({}) went away: {}", connection->id,
+                                           connection->client_name,
+                                           error ? error.message() : "unexpected bytes"));
+      });
+}
+
+void RpcServer::Impl::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<Impl*>(arg);
+  auto it = self->endpoints_.find(ep);
+  if (it == self->endpoints_.end()) return;
+  auto connection = self->connections_.find(it->second);
+  if (connection == self->connections_.end()) return;
+  self->Close(connection->second, FromUcs(status, "UCX endpoint to a client failed"));
+}
+
+void RpcServer::Impl::Close(std::shared_ptr<ServerConnection> connection, const Status& why) {
+  if (!connection->open) return;
+  connection->open = false;
+  KVSTASH_LOG_INFO("closing connection {}: {}", connection->id, why.ToString());
+  open_connections_.fetch_sub(1, std::memory_order_relaxed);
+  disconnects_.fetch_add(1, std::memory_order_relaxed);
+  connections_.erase(connection->id);
+  asio::error_code ignored;
+  connection->socket.close(ignored);
+  const Status gone = UnavailableError("connection {} closed", connection->id);
+  for (auto& [id, pull] : std::exchange(connection->pulls, {})) pull.done(gone);
+  for (auto& [id, sent] : std::exchange(connection->acks, {})) sent(gone);
+  if (on_disconnect_) on_disconnect_(connection->id);
+  if (connection->ep) {
+    endpoints_.erase(connection->ep.get());
+    auto ep = std::make_shared<UcpEndpoint>(std::move(connection->ep));
+    auto close = [this, ep] { worker_->WaitRequest(ep->Close(/*force=*/true)); };
+    if (worker_->stopping()) {
+      close();
+    } else {
+      asio::post(worker_->io(), close);
+    }
+  }
+}
+
+void RpcServer::Impl::Shutdown() {
+  asio::error_code ignored;
+  acceptor_.close(ignored);
+  auto all = connections_;
+  for (auto& [id, connection] : all) Close(connection, CancelledError("server stopping"));
+}
+
+}  // namespace kvstash::transport
