@@ -194,6 +194,30 @@ TEST_F(NodeLoopbackTest, AConnectionCutMidStoreAbortsTheStoreAndTheClientReconne
   EXPECT_EQ(faults_->counts().disconnects, 1u);
 }
 
+// NodeClient::Pin (what the connector's prepare_load sends) keeps blocks through another
+// client's churn until Unpin; then the next churn evicts them.
+TEST_F(NodeLoopbackTest, PinnedBlocksOutliveChurnUntilUnpinned) {
+  auto reader = Client();
+  auto writer = Client();
+  ASSERT_TRUE(reader && writer);
+  ASSERT_TRUE(Put(*writer, 1).ok());
+  ASSERT_TRUE(Put(*writer, 2).ok());
+  const std::vector<BlockKey> pinned = {Key(1)};
+  reader->Pin(pinned);  // asynchronous
+  for (int i = 0; i < 200 && Counter("node.pinned_keys") == 0; ++i) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ(Counter("node.pinned_keys"), 1u);
+  for (uint64_t k = 100; k < 100 + 2 * kCapacity; ++k) ASSERT_TRUE(Put(*writer, k).ok()) << k;
+  EXPECT_EQ(writer->Lookup(Keys({Key(1), Key(2)})),
+            (std::vector<LookupResult>{LookupResult::kHit, LookupResult::kMiss}));
+  EXPECT_TRUE(ReadsBack(*reader, 1));
+  reader->Unpin(pinned);
+  Settle();
+  for (uint64_t k = 200; k < 200 + 2 * kCapacity; ++k) ASSERT_TRUE(Put(*writer, k).ok()) << k;
+  EXPECT_EQ(writer->Lookup(Keys({Key(1)})), (std::vector<LookupResult>{LookupResult::kMiss}));
+}
+
 TEST_F(NodeLoopbackTest, PinsOfASilentSessionExpireOnTheTransportsTimer) {
   StartNode(60ms);
   auto client = Client();
