@@ -4,11 +4,11 @@
 // checked against what was stored. A progress line on stderr each second, a summary at the end.
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <atomic>
 #include <cstring>
 #include <iostream>
-#include <mutex>
 #include <random>
 #include <thread>
 
@@ -34,7 +34,8 @@ struct BenchNodeFlags {
   int workers = 1;
   int spin_us = 200;
   int batch = 1;
-  bool json = false;
+  int rounds = 1;
+  OutputOptions output;
 };
 
 // Block content. Each client keeps --batch send buffers; buffer j holds a pattern (64-bit
@@ -219,6 +220,45 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
   return totals;
 }
 
+BenchSpec NodeSpec() {
+  BenchSpec spec;
+  spec.name = "node";
+  spec.command = "kvstash bench node";
+  spec.title =
+      "load on running offload nodes, every block read checked, against this machine's "
+      "copy rate for their block size";
+  spec.limit = "memcpy";
+  spec.figures = {
+      Higher("gbps", "GB/s", "kvstash: put_gbps + get_gbps, the bytes the nodes took and gave"),
+      Higher("put_gbps", "GB/s",
+             "bytes of the blocks stored / the round's --seconds, over all clients"),
+      Higher("get_gbps", "GB/s", "bytes of the blocks read back, the same way"),
+      Higher("ops_per_s", "blocks/s", "blocks stored and read per second, over all clients"),
+      Lower("put_p50_us", "us",
+            "median latency of a put operation (--batch blocks, all in flight)"),
+      Lower("put_p99_us", "us", "its 99th percentile"),
+      Lower("get_p50_us", "us",
+            "median latency of a read operation (--batch blocks, all in flight); null "
+            "without reads"),
+      Lower("get_p99_us", "us", "its 99th percentile"),
+      Higher("copy_limit_gbps", "GB/s",
+             "the limit: one thread of this process copying blocks of the nodes' size into a "
+             "region the size of their CPU tiers (at most 1 GiB) in a scattered order, as a "
+             "node's tier receives them (on one host the transport copies blocks straight "
+             "into the node's slots)"),
+  };
+  spec.ratios = {RatioOf("ratio", "gbps", "copy_limit_gbps",
+                         "how much of this machine's copy rate the nodes deliver to "
+                         "--clients clients")};
+  return spec;
+}
+
+// What the clients did over all rounds.
+struct Outcome {
+  uint64_t puts = 0, gets = 0, misses = 0, errors = 0, mismatches = 0;
+  double seconds = 0;
+};
+
 int RunBenchNode(const BenchNodeFlags& flags) {
   const cli::ErrorReporter reporter("kvstash bench node");
   auto fail = [&reporter](int code, std::string_view message) {
@@ -246,13 +286,22 @@ int RunBenchNode(const BenchNodeFlags& flags) {
     return fail(kExitUsage,
                 fmt::format("--keys-per-client: {} is not positive", flags.keys_per_client));
   }
+  // The nodes' block size and the CPU tiers the limit copies into.
   uint64_t block_bytes = 0;
+  uint64_t capacity_blocks = 0;
   {
     auto probe = NodeClient::Create(ClientOptions(flags, nullptr));
     if (!probe.ok()) return fail(kExitFailure, probe.status().message());
     auto bytes = (*probe)->BlockBytes(0);
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
     block_bytes = *bytes;
+    for (size_t n = 0; n < (*probe)->node_count(); ++n) {
+      auto counters = (*probe)->Stats(n);
+      if (!counters.ok()) return fail(kExitFailure, counters.status().message());
+      if (auto it = counters->find("cpu.capacity_blocks"); it != counters->end()) {
+        capacity_blocks += it->second;
+      }
+    }
   }
 
   {
@@ -285,107 +334,133 @@ int RunBenchNode(const BenchNodeFlags& flags) {
     return workers.empty() ? nullptr : workers[client % workers.size()];
   };
 
-  Shared shared;
-  std::vector<ClientTotals> totals(flags.clients);
-  std::vector<std::string> failures(flags.clients);
-  std::vector<std::thread> threads;
-  const auto start = Clock::now();
-  for (int i = 0; i < flags.clients; ++i) {
-    threads.emplace_back([&, i] {
-      totals[i] = RunClient(flags, i, block_bytes, worker_of(i), shared, &failures[i]);
-    });
-  }
-  const auto end = start + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(flags.seconds));
-  uint64_t last_puts = 0, last_gets = 0;
-  auto last = start;
-  while (Clock::now() < end) {
-    std::this_thread::sleep_until(std::min(end, last + std::chrono::seconds(1)));
-    const auto now = Clock::now();
-    const uint64_t puts = shared.puts.load(), gets = shared.gets.load();
-    const double dt = std::chrono::duration<double>(now - last).count();
-    std::cerr << fmt::format(
-        "\r[{:5.1f}s] {} clients  put {:.2f} GB/s  get {:.2f} GB/s  errors {}  mismatches {}   ",
-        std::chrono::duration<double>(now - start).count(), flags.clients,
-        dt > 0 ? (puts - last_puts) * block_bytes / dt / 1e9 : 0.0,
-        dt > 0 ? (gets - last_gets) * block_bytes / dt / 1e9 : 0.0, shared.errors.load(),
-        shared.mismatches.load());
-    last_puts = puts;
-    last_gets = gets;
-    last = now;
-  }
-  shared.stop = true;
-  for (std::thread& t : threads) t.join();
-  const auto elapsed = Clock::now() - start;
-  std::cerr << "\n";
-  for (const std::string& f : failures) {
-    if (!f.empty()) return fail(kExitFailure, f);
+  Result<std::unique_ptr<Report>> created = Report::Create(NodeSpec());
+  if (!created.ok()) return fail(kExitFailure, created.status().ToString());
+  Report& report = **created;
+  Progress progress = Progress::ToStderr(flags.output.progress);
+  Outcome outcome;
+  RoundSides sides;
+  // --seconds of load from --clients clients.
+  sides.measure = [&](Round& round) -> Status {
+    Shared shared;
+    std::vector<ClientTotals> totals(flags.clients);
+    std::vector<std::string> failures(flags.clients);
+    std::vector<std::thread> threads;
+    const auto start = Clock::now();
+    for (int i = 0; i < flags.clients; ++i) {
+      threads.emplace_back([&, i] {
+        totals[i] = RunClient(flags, i, block_bytes, worker_of(i), shared, &failures[i]);
+      });
+    }
+    const auto end = start + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(flags.seconds));
+    uint64_t last_puts = 0, last_gets = 0;
+    auto last = start;
+    while (Clock::now() < end) {
+      std::this_thread::sleep_until(std::min(end, Clock::now() + std::chrono::milliseconds(100)));
+      const auto now = Clock::now();
+      const uint64_t puts = shared.puts.load(), gets = shared.gets.load();
+      const bool shown = progress.Update(
+          fmt::format("{} clients  put {:.2f} GB/s  get {:.2f} GB/s  errors {}  mismatches {}",
+                      flags.clients, Gbps((puts - last_puts) * block_bytes, now - last),
+                      Gbps((gets - last_gets) * block_bytes, now - last), shared.errors.load(),
+                      shared.mismatches.load()));
+      if (shown) {
+        last_puts = puts;
+        last_gets = gets;
+        last = now;
+      }
+    }
+    shared.stop = true;
+    for (std::thread& t : threads) t.join();
+    const auto elapsed = Clock::now() - start;
+    for (const std::string& f : failures) {
+      if (!f.empty()) return UnavailableError("{}", f);
+    }
+    ClientTotals sum;
+    for (ClientTotals& t : totals) {
+      sum.puts += t.puts;
+      sum.gets += t.gets;
+      sum.misses += t.misses;
+      sum.errors += t.errors;
+      sum.mismatches += t.mismatches;
+      sum.put_us.insert(sum.put_us.end(), t.put_us.begin(), t.put_us.end());
+      sum.get_us.insert(sum.get_us.end(), t.get_us.begin(), t.get_us.end());
+    }
+    const double put_gbps = Gbps(sum.puts * block_bytes, elapsed);
+    const double get_gbps = Gbps(sum.gets * block_bytes, elapsed);
+    const double secs = std::chrono::duration<double>(elapsed).count();
+    round.Set("gbps", put_gbps + get_gbps);
+    round.Set("put_gbps", put_gbps);
+    round.Set("get_gbps", get_gbps);
+    round.Set("ops_per_s", secs > 0 ? static_cast<double>(sum.puts + sum.gets) / secs : 0.0);
+    round.Set("put_p50_us", Percentile(sum.put_us, 50));
+    round.Set("put_p99_us", Percentile(sum.put_us, 99));
+    round.Set("get_p50_us", Percentile(sum.get_us, 50));
+    round.Set("get_p99_us", Percentile(sum.get_us, 99));
+    outcome.puts += sum.puts;
+    outcome.gets += sum.gets;
+    outcome.misses += sum.misses;
+    outcome.errors += sum.errors;
+    outcome.mismatches += sum.mismatches;
+    outcome.seconds += secs;
+    return Status::OK();
+  };
+  sides.limit = [&](Round& round) -> Status {
+    round.Set("copy_limit_gbps",
+              CopyLimitGbps(block_bytes, std::max<uint64_t>(capacity_blocks, 1) * block_bytes));
+    return Status::OK();
+  };
+  if (Status s = RunRounds(report, flags.rounds, sides, progress); !s.ok()) {
+    return fail(kExitFailure, s.ToString());
   }
 
-  ClientTotals sum;
-  for (ClientTotals& t : totals) {
-    sum.puts += t.puts;
-    sum.gets += t.gets;
-    sum.misses += t.misses;
-    sum.errors += t.errors;
-    sum.mismatches += t.mismatches;
-    sum.put_us.insert(sum.put_us.end(), t.put_us.begin(), t.put_us.end());
-    sum.get_us.insert(sum.get_us.end(), t.get_us.begin(), t.get_us.end());
-  }
-  const double put_gbps = Gbps(sum.puts * block_bytes, elapsed);
-  const double get_gbps = Gbps(sum.gets * block_bytes, elapsed);
-  const double secs = std::chrono::duration<double>(elapsed).count();
-  if (flags.json) {
-    const nlohmann::json doc = {
-        {"clients", flags.clients},
-        {"seconds", secs},
-        {"block_bytes", block_bytes},
-        {"puts", sum.puts},
-        {"gets", sum.gets},
-        {"get_misses", sum.misses},
-        {"errors", sum.errors},
-        {"mismatches", sum.mismatches},
-        {"put_gbps", put_gbps},
-        {"get_gbps", get_gbps},
-        {"gbps", put_gbps + get_gbps},
-        {"ops_per_s", (sum.puts + sum.gets) / secs},
-        {"put_p50_us", Percentile(sum.put_us, 50)},
-        {"put_p99_us", Percentile(sum.put_us, 99)},
-        {"get_p50_us", Percentile(sum.get_us, 50)},
-        {"get_p99_us", Percentile(sum.get_us, 99)},
-    };
-    std::cout << doc.dump() << "\n";
-  } else {
-    std::cout << fmt::format(
-        "{} clients, {:.1f} s, blocks of {}\n"
-        "put  {:>8} blocks  {:.2f} GB/s  p50 {:.0f} us  p99 {:.0f} us\n"
-        "get  {:>8} blocks  {:.2f} GB/s  p50 {:.0f} us  p99 {:.0f} us  ({} evicted: misses)\n"
-        "all  {:.2f} GB/s, {:.0f} ops/s; errors {}, content mismatches {}\n",
-        flags.clients, secs, FormatBytes(block_bytes), sum.puts, put_gbps,
-        Percentile(sum.put_us, 50), Percentile(sum.put_us, 99), sum.gets, get_gbps,
-        Percentile(sum.get_us, 50), Percentile(sum.get_us, 99), sum.misses, put_gbps + get_gbps,
-        (sum.puts + sum.gets) / secs, sum.errors, sum.mismatches);
-  }
-  return sum.mismatches == 0 && sum.errors == 0 ? kExitOk : kExitFailure;
+  report.Set("clients", flags.clients);
+  report.Set("seconds", outcome.seconds);
+  report.Set("block_bytes", block_bytes);
+  report.Set("batch", flags.batch);
+  report.Set("read_share", flags.read_share);
+  report.Set("workers", flags.workers);
+  report.Set("puts", outcome.puts);
+  report.Set("gets", outcome.gets);
+  report.Set("get_misses", outcome.misses);
+  report.Set("errors", outcome.errors);
+  report.Set("mismatches", outcome.mismatches);
+  report.Heading(
+      "nodes", fmt::format("{}, blocks of {}, CPU tiers of {} blocks in all",
+                           fmt::join(flags.nodes, " "), FormatBytes(block_bytes), capacity_blocks));
+  report.Heading("clients",
+                 fmt::format("{} on {} UCX worker(s), {} block(s) per operation, {:.0f}% reads",
+                             flags.clients, flags.workers == 0 ? flags.clients : flags.workers,
+                             flags.batch, 100 * flags.read_share));
+  report.Heading("seconds", fmt::format("{} per round", flags.seconds));
+  report.Footing("blocks", fmt::format("{} stored, {} read, {} evicted before their read (misses)",
+                                       outcome.puts, outcome.gets, outcome.misses));
+  report.Footing("errors",
+                 fmt::format("{}, content mismatches {}", outcome.errors, outcome.mismatches));
+  Print(report, flags.output, std::cout);
+  return outcome.mismatches == 0 && outcome.errors == 0 ? kExitOk : kExitFailure;
 }
 
 }  // namespace
 
 void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
   auto flags = std::make_shared<BenchNodeFlags>();
+  const BenchSpec spec = NodeSpec();
   CLI::App* cmd = bench.add_subcommand(
       "node",
-      "Load running offload nodes: --clients clients (threads, each with its own connections, "
-      "sharing --workers UCX progress threads) "
-      "store and read blocks of the nodes' block size for --seconds; every block read back is "
+      "Load running offload nodes against this machine's copy rate: --clients clients "
+      "(threads, each with its own connections, sharing --workers UCX progress threads) store "
+      "and read blocks of the nodes' block size for --seconds; every block read back is "
       "checked against what was stored. A progress line on stderr each second; the summary "
-      "gives GB/s, operations/s, p50/p99 latency per operation, errors and content mismatches "
+      "gives GB/s, blocks/s, p50/p99 latency per operation, errors and content mismatches "
       "(exit 1 if any). Reads of blocks the nodes evicted count as misses, not errors.");
   cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
       ->required();
   cmd->add_option("--clients", flags->clients, "Concurrent clients (1..1024)")
       ->capture_default_str();
-  cmd->add_option("--seconds", flags->seconds, "How long to run")->capture_default_str();
+  cmd->add_option("--seconds", flags->seconds, "How long each round loads the nodes")
+      ->capture_default_str();
   cmd->add_option("--read-share", flags->read_share,
                   "Share of operations that read a block the client stored (0..1)")
       ->capture_default_str();
@@ -411,7 +486,14 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--namespace", flags->key_namespace, "Key namespace")->capture_default_str();
   cmd->add_option("--token", flags->token, "The nodes' auth token");
   cmd->add_option("--tls", flags->tls, "UCX transports (as UCX_TLS)");
-  cmd->add_flag("--json", flags->json, "One JSON object on stdout");
+  AddRoundsFlag(*cmd, &flags->rounds, spec);
+  AddOutputFlags(*cmd, &flags->output);
+  cmd->footer(FiguresHelp(spec) +
+              "GB/s is 1e9 bytes/s. --json also carries clients, seconds (of load, all rounds), "
+              "block_bytes, batch, read_share, workers, and over all rounds puts and gets "
+              "(blocks), get_misses (reads of blocks evicted since), errors and mismatches.\n"
+              "Exits 0 on success, 1 on any error or content mismatch or when the nodes cannot "
+              "be reached, 2 for bad arguments.");
   cmd->callback([flags, exit_code] { *exit_code = RunBenchNode(*flags); });
 }
 

@@ -19,7 +19,6 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
-#include <mutex>
 #include <thread>
 #include <unordered_set>
 
@@ -47,7 +46,7 @@ struct BenchReplayFlags {
   int64_t limit = 0;  // 0: every request
   int block_tokens = 512;
   int timeout_ms = 5000;
-  bool json = false;
+  OutputOptions output;
 };
 
 // One request of the trace.
@@ -375,6 +374,44 @@ connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const 
   return options;
 }
 
+BenchSpec ReplaySpec() {
+  BenchSpec spec;
+  spec.name = "replay";
+  spec.command = "kvstash bench replay";
+  spec.title =
+      "a request trace replayed against running offload nodes, as a cache against the "
+      "nodes' own policy in-process and for speed against this machine's copy rate";
+  spec.limit = "memcpy";
+  spec.figures = {
+      Higher("block_hit_ratio", "",
+             "blocks hit / block references: per request the run of leading hits"),
+      Higher("token_hit_ratio", "",
+             "prompt tokens hit / prompt tokens: a hit of k blocks covers min(k x "
+             "--block-tokens, input_length) tokens"),
+      Higher("model_block_hit_ratio", "",
+             "what block_hit_ratio should be: the trace replayed sequentially through a block "
+             "manager per node (the policy and CPU capacity each node reports, keys placed as "
+             "the client places them); at --concurrency 1 on fresh nodes without an SSD tier "
+             "block_hit_ratio matches it, nodes with an SSD tier hit more"),
+      Higher("infinite_cache_hit_ratio", "",
+             "the hit ratio of a cache that never evicts: the trace's own reuse"),
+      Higher("requests_per_s", "requests/s", "requests replayed per second"),
+      Higher("gbps", "GB/s", "block bytes read and stored / the replay's wall time"),
+      Lower("lookup_p50_us", "us",
+            "median latency of a request's lookup (asked again while it answers RETRY)"),
+      Lower("lookup_p99_us", "us", "its 99th percentile"),
+      Lower("read_p50_us", "us", "median latency of reading a request's hit blocks"),
+      Lower("read_p99_us", "us", "its 99th percentile"),
+      Lower("store_p50_us", "us", "median latency of storing the blocks after a request's hit"),
+      Lower("store_p99_us", "us", "its 99th percentile"),
+      Higher("copy_limit_gbps", "GB/s",
+             "the limit: this machine copying blocks of the nodes' size into a region the "
+             "size of their CPU tiers (at most 1 GiB) in a scattered order, one thread"),
+  };
+  spec.ratios = {RatioOf("ratio", "gbps", "copy_limit_gbps")};
+  return spec;
+}
+
 int RunBenchReplay(const BenchReplayFlags& flags) {
   const cli::ErrorReporter reporter("kvstash bench replay");
   auto fail = [&reporter](int code, std::string_view message) {
@@ -452,139 +489,142 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   if (!model.ok()) return fail(kExitFailure, model.status().message());
   const double infinite = InfiniteCacheHitRatio(*trace);
 
-  // The machine's own limit, measured in this run: copying blocks into a region the size of
-  // the nodes' CPU tiers.
-  const double copy_limit = CopyLimitGbps(block_bytes, capacity * block_bytes);
-
+  Result<std::unique_ptr<Report>> created = Report::Create(ReplaySpec());
+  if (!created.ok()) return fail(kExitFailure, created.status().ToString());
+  Report& report = **created;
+  Progress progress = Progress::ToStderr(flags.output.progress);
   Totals totals;
-  Replayer replayer(flags, *trace, block_bytes, &totals);
-  const connector::BlockStoreCounters before = client.counters();
-  std::atomic<size_t> next{0};
-  std::vector<Latencies> latencies(flags.concurrency);
-  std::vector<std::unique_ptr<NodeClient>> clients;
-  clients.push_back(std::move(*probe));
-  for (int i = 1; i < flags.concurrency; ++i) {
-    auto c = NodeClient::Create(ClientOptions(flags, *token, *worker));
-    if (!c.ok()) return fail(kExitFailure, c.status().message());
-    clients.push_back(std::move(*c));
-  }
-  const auto start = Clock::now();
-  std::vector<std::thread> threads;
-  std::atomic<int> running{flags.concurrency};
-  for (int i = 0; i < flags.concurrency; ++i) {
-    threads.emplace_back([&, i] {
-      latencies[i] = replayer.Run(*clients[i], &next, start);
-      running.fetch_sub(1);
-    });
-  }
-  // A progress line each second.
-  auto errors_now = [&] {
-    uint64_t errors = 0;
-    for (const auto& c : clients) {
-      const connector::BlockStoreCounters now = c->counters();
-      errors += now.unreachable + now.refused;
+  uint64_t errors = 0;
+  double seconds = 0;
+  RoundSides sides;
+  // The replay, once: a second would find the first's blocks.
+  sides.measure = [&](Round& round) -> Status {
+    Replayer replayer(flags, *trace, block_bytes, &totals);
+    const connector::BlockStoreCounters before = client.counters();
+    std::atomic<size_t> next{0};
+    std::vector<Latencies> latencies(flags.concurrency);
+    std::vector<std::unique_ptr<NodeClient>> clients;
+    clients.push_back(std::move(*probe));
+    for (int i = 1; i < flags.concurrency; ++i) {
+      KVSTASH_ASSIGN_OR_RETURN(auto c, NodeClient::Create(ClientOptions(flags, *token, *worker)));
+      clients.push_back(std::move(c));
     }
-    return errors - (before.unreachable + before.refused);
-  };
-  auto last = start;
-  uint64_t last_bytes = 0;
-  while (running.load() > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const auto now = Clock::now();
-    if (now - last < std::chrono::seconds(1)) continue;
-    const uint64_t bytes = (totals.blocks_read + totals.blocks_stored) * block_bytes;
-    const uint64_t refs = totals.block_refs.load();
-    std::cerr << fmt::format(
-        "\r[{:6.1f}s] {}/{} requests  block hits {:.1f}%  {:.2f} GB/s  errors {}  mismatches {}  ",
-        std::chrono::duration<double>(now - start).count(), totals.requests.load(), trace->size(),
-        refs == 0 ? 0.0 : 100.0 * totals.blocks_hit.load() / refs,
-        Gbps(bytes - last_bytes, now - last), errors_now(), totals.mismatches.load());
-    last = now;
-    last_bytes = bytes;
-  }
-  for (std::thread& t : threads) t.join();
-  const auto elapsed = Clock::now() - start;
-  if (last != start) std::cerr << "\n";
-  // Touches still in flight land before the counters are read.
-  for (const auto& c : clients) c->WaitForTouches();
-  const uint64_t errors = errors_now();
+    const auto start = Clock::now();
+    std::vector<std::thread> threads;
+    std::atomic<int> running{flags.concurrency};
+    for (int i = 0; i < flags.concurrency; ++i) {
+      threads.emplace_back([&, i] {
+        latencies[i] = replayer.Run(*clients[i], &next, start);
+        running.fetch_sub(1);
+      });
+    }
+    auto errors_now = [&] {
+      uint64_t n = 0;
+      for (const auto& c : clients) {
+        const connector::BlockStoreCounters now = c->counters();
+        n += now.unreachable + now.refused;
+      }
+      return n - (before.unreachable + before.refused);
+    };
+    auto last = start;
+    uint64_t last_bytes = 0;
+    while (running.load() > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      const auto now = Clock::now();
+      const uint64_t bytes = (totals.blocks_read + totals.blocks_stored) * block_bytes;
+      const uint64_t refs = totals.block_refs.load();
+      const bool shown = progress.Update(fmt::format(
+          "{}/{} requests  block hits {:.1f}%  {:.2f} GB/s  errors {}  mismatches {}",
+          totals.requests.load(), trace->size(),
+          refs == 0 ? 0.0 : 100.0 * static_cast<double>(totals.blocks_hit.load()) / refs,
+          Gbps(bytes - last_bytes, now - last), errors_now(), totals.mismatches.load()));
+      if (shown) {
+        last = now;
+        last_bytes = bytes;
+      }
+    }
+    for (std::thread& t : threads) t.join();
+    const auto elapsed = Clock::now() - start;
+    // Touches still in flight land before the counters are read.
+    for (const auto& c : clients) c->WaitForTouches();
+    errors = errors_now();
 
-  Latencies all;
-  for (Latencies& l : latencies) {
-    all.lookup_us.insert(all.lookup_us.end(), l.lookup_us.begin(), l.lookup_us.end());
-    all.read_us.insert(all.read_us.end(), l.read_us.begin(), l.read_us.end());
-    all.store_us.insert(all.store_us.end(), l.store_us.begin(), l.store_us.end());
-  }
-  auto pct = [](const std::vector<double>& v, double p) -> std::optional<double> {
-    if (v.empty()) return std::nullopt;
-    return Percentile(v, p);
-  };
-  const double seconds = std::chrono::duration<double>(elapsed).count();
-  const uint64_t refs = totals.block_refs.load();
-  const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
-  const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
-  const double block_hit_ratio =
-      refs == 0 ? 0.0 : static_cast<double>(totals.blocks_hit.load()) / static_cast<double>(refs);
-  const double token_hit_ratio = totals.tokens.load() == 0
+    Latencies all;
+    for (Latencies& l : latencies) {
+      all.lookup_us.insert(all.lookup_us.end(), l.lookup_us.begin(), l.lookup_us.end());
+      all.read_us.insert(all.read_us.end(), l.read_us.begin(), l.read_us.end());
+      all.store_us.insert(all.store_us.end(), l.store_us.begin(), l.store_us.end());
+    }
+    seconds = std::chrono::duration<double>(elapsed).count();
+    const uint64_t refs = totals.block_refs.load();
+    const uint64_t bytes = (totals.blocks_read.load() + totals.blocks_stored.load()) * block_bytes;
+    round.Set("block_hit_ratio", refs == 0 ? 0.0
+                                           : static_cast<double>(totals.blocks_hit.load()) /
+                                                 static_cast<double>(refs));
+    round.Set("token_hit_ratio", totals.tokens.load() == 0
                                      ? 0.0
                                      : static_cast<double>(totals.tokens_hit.load()) /
-                                           static_cast<double>(totals.tokens.load());
-  const std::string policy = shapes.front().policy == store::EvictionPolicy::kArc ? "arc" : "lru";
-  Json doc = {
-      {"trace", flags.trace},
-      {"nodes", flags.nodes.size()},
-      {"policy", policy},
-      {"capacity_blocks", capacity},
-      {"block_bytes", block_bytes},
-      {"concurrency", flags.concurrency},
-      {"speed", flags.speed},
-      {"requests", totals.requests.load()},
-      {"block_refs", refs},
-      {"blocks_hit", totals.blocks_hit.load()},
-      {"block_hit_ratio", block_hit_ratio},
-      {"token_hit_ratio", token_hit_ratio},
-      {"model_block_hit_ratio", *model},
-      {"model_covers", any_ssd ? "cpu tier only" : "every tier"},
-      {"infinite_cache_hit_ratio", infinite},
-      {"bytes_stored", bytes_stored},
-      {"bytes_read", bytes_read},
-      {"seconds", seconds},
-      {"requests_per_s", seconds > 0 ? totals.requests.load() / seconds : 0.0},
-      {"gbps", Gbps(bytes_read + bytes_stored, elapsed)},
-      {"copy_limit_gbps", copy_limit},
-      {"ratio", OrNull(Ratio(Gbps(bytes_read + bytes_stored, elapsed), copy_limit))},
-      {"lookup_p50_us", OrNull(pct(all.lookup_us, 50))},
-      {"lookup_p99_us", OrNull(pct(all.lookup_us, 99))},
-      {"read_p50_us", OrNull(pct(all.read_us, 50))},
-      {"read_p99_us", OrNull(pct(all.read_us, 99))},
-      {"store_p50_us", OrNull(pct(all.store_us, 50))},
-      {"store_p99_us", OrNull(pct(all.store_us, 99))},
-      {"read_misses", totals.read_misses.load()},
-      {"lookup_retries", totals.retries.load()},
-      {"errors", errors},
-      {"mismatches", totals.mismatches.load()},
+                                           static_cast<double>(totals.tokens.load()));
+    round.Set("model_block_hit_ratio", *model);
+    round.Set("infinite_cache_hit_ratio", infinite);
+    round.Set("requests_per_s",
+              seconds > 0 ? static_cast<double>(totals.requests.load()) / seconds : 0.0);
+    round.Set("gbps", Gbps(bytes, elapsed));
+    round.Set("lookup_p50_us", Percentile(all.lookup_us, 50));
+    round.Set("lookup_p99_us", Percentile(all.lookup_us, 99));
+    round.Set("read_p50_us", Percentile(all.read_us, 50));
+    round.Set("read_p99_us", Percentile(all.read_us, 99));
+    round.Set("store_p50_us", Percentile(all.store_us, 50));
+    round.Set("store_p99_us", Percentile(all.store_us, 99));
+    return Status::OK();
   };
-  if (flags.json) {
-    std::cout << doc.dump() << "\n";
-  } else {
-    std::cout << fmt::format(
-        "{} requests, {} block references, {} node(s) of {} blocks of {} in all ({}), "
-        "concurrency {}\n"
-        "block hits   {:.4f}   (model of the node's policy {:.4f}{}, infinite cache {:.4f})\n"
-        "token hits   {:.4f}\n"
-        "throughput   {:.1f} requests/s, {:.3f} GB/s ({} read, {} stored) in {:.2f} s; "
-        "this machine copies blocks at {:.2f} GB/s (ratio {})\n"
-        "latency p50/p99 us: lookup {}/{}  read {}/{}  store {}/{}\n"
-        "errors {}, content mismatches {}, reads evicted since their lookup {}\n",
-        totals.requests.load(), refs, flags.nodes.size(), capacity, FormatBytes(block_bytes),
-        policy, flags.concurrency, block_hit_ratio, *model, any_ssd ? ", CPU tier only" : "",
-        infinite, token_hit_ratio, doc["requests_per_s"].get<double>(), doc["gbps"].get<double>(),
-        FormatBytes(bytes_read), FormatBytes(bytes_stored), seconds, copy_limit,
-        Fixed(Ratio(doc["gbps"].get<double>(), copy_limit)), Fixed(pct(all.lookup_us, 50)),
-        Fixed(pct(all.lookup_us, 99)), Fixed(pct(all.read_us, 50)), Fixed(pct(all.read_us, 99)),
-        Fixed(pct(all.store_us, 50)), Fixed(pct(all.store_us, 99)), errors,
-        totals.mismatches.load(), totals.read_misses.load());
+  // The machine's own limit: copying blocks into a region the size of the nodes' CPU tiers.
+  sides.limit = [&](Round& round) -> Status {
+    round.Set("copy_limit_gbps", CopyLimitGbps(block_bytes, capacity * block_bytes));
+    return Status::OK();
+  };
+  if (Status s = RunRounds(report, 1, sides, progress); !s.ok()) {
+    return fail(kExitFailure, s.message());
   }
+
+  const std::string policy = shapes.front().policy == store::EvictionPolicy::kArc ? "arc" : "lru";
+  const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
+  const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
+  report.Set("trace", flags.trace);
+  report.Set("nodes", flags.nodes.size());
+  report.Set("policy", policy);
+  report.Set("capacity_blocks", capacity);
+  report.Set("block_bytes", block_bytes);
+  report.Set("concurrency", flags.concurrency);
+  report.Set("speed", flags.speed);
+  report.Set("model_covers", any_ssd ? "cpu tier only" : "every tier");
+  report.Set("requests", totals.requests.load());
+  report.Set("block_refs", totals.block_refs.load());
+  report.Set("blocks_hit", totals.blocks_hit.load());
+  report.Set("bytes_stored", bytes_stored);
+  report.Set("bytes_read", bytes_read);
+  report.Set("seconds", seconds);
+  report.Set("read_misses", totals.read_misses.load());
+  report.Set("lookup_retries", totals.retries.load());
+  report.Set("errors", errors);
+  report.Set("mismatches", totals.mismatches.load());
+  report.Heading("trace", fmt::format("{}: {} requests, {} block references", flags.trace,
+                                      totals.requests.load(), totals.block_refs.load()));
+  report.Heading("nodes",
+                 fmt::format("{} of {} blocks of {} in all ({}{})", flags.nodes.size(), capacity,
+                             FormatBytes(block_bytes), policy,
+                             any_ssd ? ", with SSD: the model covers the CPU tier only" : ""));
+  report.Heading("replay",
+                 fmt::format("concurrency {}, {}", flags.concurrency,
+                             flags.speed > 0 ? fmt::format("{}x the trace's clock", flags.speed)
+                                             : std::string("as fast as possible")));
+  report.Footing("moved", fmt::format("{} read, {} stored in {:.2f} s", FormatBytes(bytes_read),
+                                      FormatBytes(bytes_stored), seconds));
+  report.Footing("errors", fmt::format("{}, content mismatches {}, reads evicted since their "
+                                       "lookup {}, lookups retried {}",
+                                       errors, totals.mismatches.load(), totals.read_misses.load(),
+                                       totals.retries.load()));
+  Print(report, flags.output, std::cout);
   return errors == 0 && totals.mismatches.load() == 0 ? kExitOk : kExitFailure;
 }
 
@@ -599,12 +639,12 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
       "is the run of leading hits), a touch of every key, a read of the hit blocks (each "
       "checked against the content its id defines), a store of the rest, a touch of the hit "
       "blocks. Prints a progress line on stderr each second and a summary: block and token hit "
-      "ratios, the hit ratio the node's own policy reaches in-process on the same trace at the "
-      "nodes' capacity (model_block_hit_ratio) and that of an unbounded cache, GB/s, p50/p99 "
-      "latencies of lookups, reads and stores, errors and content mismatches, and this "
-      "machine's own copy rate for the block size over a working set the size of the nodes' "
-      "CPU tiers (copy_limit_gbps; ratio = gbps / copy_limit_gbps), measured in the same run. "
-      "Exits 1 on any error or mismatch, 2 on bad arguments or a malformed trace.");
+      "ratios next to the hit ratio the node's own policy reaches in-process on the same trace "
+      "at the nodes' capacity (model_block_hit_ratio) and that of an unbounded cache; GB/s next "
+      "to this machine's own copy rate for the block size over a working set the size of the "
+      "nodes' CPU tiers, measured in the same run (copy_limit_gbps; ratio = gbps / "
+      "copy_limit_gbps); p50/p99 latencies of lookups, reads and stores; errors and content "
+      "mismatches.");
   cmd->add_option("--trace", flags->trace,
                   "JSONL, one request per line: timestamp (ms), input_length, output_length, "
                   "hash_ids (block ids; equal leading ids are a shared prefix)")
@@ -633,13 +673,16 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--timeout-ms", flags->timeout_ms, "Deadline of each call to a node")
       ->capture_default_str();
   cmd->add_option("--tls", flags->tls, "UCX transports (as UCX_TLS)");
-  cmd->add_flag("--json", flags->json,
-                "Print the summary as one JSON object on the last line of stdout");
-  cmd->footer(
-      "The model replays the trace sequentially through a block manager per node (the policy "
-      "and CPU capacity each node reports, keys placed as the client places them), so at "
-      "--concurrency 1 on fresh nodes without an SSD tier block_hit_ratio matches it; nodes "
-      "with an SSD tier hit more than the model, which covers their CPU tier only.");
+  AddOutputFlags(*cmd, &flags->output);
+  cmd->footer(FiguresHelp(ReplaySpec()) +
+              "One round: the replay, then the limit (a second replay would find the first's "
+              "blocks). --json also carries trace, nodes, policy, capacity_blocks, block_bytes, "
+              "concurrency, speed, model_covers (\"every tier\", or \"cpu tier only\" with SSD "
+              "tiers), requests, block_refs, blocks_hit, bytes_stored, bytes_read, seconds, "
+              "read_misses (reads of blocks evicted since their lookup), lookup_retries, errors "
+              "and mismatches.\n"
+              "Exits 0 on success, 1 on any error or content mismatch, 2 on bad arguments or a "
+              "malformed trace.");
   cmd->callback([flags, exit_code] { *exit_code = RunBenchReplay(*flags); });
 }
 

@@ -20,6 +20,7 @@
 #include "kvstash/common/block_key.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/status.h"
+#include "kvstash/common/subprocess.h"
 #include "kvstash/store/block_slab.h"
 #include "kvstash/store/ssd_tier.h"
 #include "nlohmann/json.hpp"
@@ -70,7 +71,6 @@ struct BenchConfig {
   uint64_t block_count = 0;
   uint64_t total_bytes = 0;  // block_count * block_bytes: what both sides move
   uint64_t capacity_bytes = 0;
-  int rounds = 3;
   uint64_t batch = 8;  // blocks per PrepareStore/WriteAndCommit
   bool fio = true;
 };
@@ -198,105 +198,33 @@ Result<FioFigures> RunFio(const BenchConfig& config) {
   return figures;
 }
 
-struct RoundFigures {
-  bool fio_first = false;
-  TierFigures tier;
-  std::optional<FioFigures> fio;
-};
-
-struct Summary {
-  double write_gbps = 0;
-  double read_gbps = 0;
-  std::optional<double> fio_write_gbps;
-  std::optional<double> fio_read_gbps;
-  std::optional<double> write_ratio;
-  std::optional<double> read_ratio;
-  bool direct_io = true;
-};
-
-Summary Summarize(const std::vector<RoundFigures>& rounds) {
-  std::vector<double> write, read, fio_write, fio_read;
-  Summary s;
-  for (const RoundFigures& r : rounds) {
-    write.push_back(r.tier.write_gbps);
-    read.push_back(r.tier.read_gbps);
-    s.direct_io = s.direct_io && r.tier.direct_io;
-    if (r.fio.has_value()) {
-      fio_write.push_back(r.fio->write_gbps);
-      fio_read.push_back(r.fio->read_gbps);
-    }
-  }
-  s.write_gbps = Median(write);
-  s.read_gbps = Median(read);
-  if (!fio_write.empty()) {
-    s.fio_write_gbps = Median(fio_write);
-    s.fio_read_gbps = Median(fio_read);
-  }
-  s.write_ratio = Ratio(s.write_gbps, s.fio_write_gbps);
-  s.read_ratio = Ratio(s.read_gbps, s.fio_read_gbps);
-  return s;
-}
-
-void PrintJson(const BenchConfig& config, const std::vector<RoundFigures>& rounds,
-               const Summary& s) {
-  Json per_round = {{"order", Json::array()},
-                    {"write_gbps", Json::array()},
-                    {"read_gbps", Json::array()},
-                    {"fio_write_gbps", Json::array()},
-                    {"fio_read_gbps", Json::array()}};
-  for (const RoundFigures& r : rounds) {
-    per_round["order"].push_back(r.fio_first ? "fio,kvstash" : "kvstash,fio");
-    per_round["write_gbps"].push_back(r.tier.write_gbps);
-    per_round["read_gbps"].push_back(r.tier.read_gbps);
-    per_round["fio_write_gbps"].push_back(
-        OrNull(r.fio.has_value() ? std::optional(r.fio->write_gbps) : std::nullopt));
-    per_round["fio_read_gbps"].push_back(
-        OrNull(r.fio.has_value() ? std::optional(r.fio->read_gbps) : std::nullopt));
-  }
-  const Json doc = {
-      {"block_bytes", config.block_bytes},
-      {"total_bytes", config.total_bytes},
-      {"block_count", config.block_count},
-      {"capacity_bytes", config.capacity_bytes},
-      {"rounds", config.rounds},
-      {"batch", config.batch},
-      {"direct_io", s.direct_io},
-      {"write_gbps", s.write_gbps},
-      {"read_gbps", s.read_gbps},
-      {"fio_write_gbps", OrNull(s.fio_write_gbps)},
-      {"fio_read_gbps", OrNull(s.fio_read_gbps)},
-      {"write_ratio", OrNull(s.write_ratio)},
-      {"read_ratio", OrNull(s.read_ratio)},
-      {"per_round", per_round},
+BenchSpec SsdSpec() {
+  BenchSpec spec;
+  spec.name = "ssd";
+  spec.command = "kvstash bench ssd";
+  spec.title = "the SSD tier's write and read throughput against fio's on the same directory";
+  spec.limit = "fio";
+  spec.figures = {
+      Higher("write_gbps", "GB/s",
+             "kvstash: --total bytes written through the SSD tier, PrepareStore and "
+             "WriteAndCommit per --batch blocks (the slots' direct writes and one index "
+             "commit), over their wall time"),
+      Higher("read_gbps", "GB/s",
+             "kvstash: the same blocks read back, PrepareLoad, Read and CompleteLoad per "
+             "block (the slot's read and its checksum check)"),
+      Higher("fio_write_gbps", "GB/s",
+             "the limit: fio's bw_bytes writing the same bytes to a file in --dir "
+             "(sequential, direct I/O, psync, one block per call: the tier's pattern without "
+             "its index and checksums); null with --no-fio"),
+      Higher("fio_read_gbps", "GB/s",
+             "the limit: fio reading them back the same way; null with --no-fio"),
   };
-  std::cout << doc.dump() << "\n";
-}
-
-void PrintTable(const BenchConfig& config, const std::vector<RoundFigures>& rounds,
-                const Summary& s) {
-  std::cout << fmt::format("block size  {} ({} bytes)\n", FormatBytes(config.block_bytes),
-                           config.block_bytes);
-  std::cout << fmt::format("total       {} ({} blocks)\n", FormatBytes(config.total_bytes),
-                           config.block_count);
-  std::cout << fmt::format("rounds      {} (median shown)\n", config.rounds);
-  std::cout << fmt::format("batch       {} blocks per store call\n", config.batch);
-  std::cout << fmt::format("direct I/O  {}\n", s.direct_io ? "yes" : "no");
-  std::cout << fmt::format("write  kvstash {:.2f} GB/s  fio {} GB/s  ratio {}\n", s.write_gbps,
-                           Fixed(s.fio_write_gbps), Fixed(s.write_ratio));
-  std::cout << fmt::format("read   kvstash {:.2f} GB/s  fio {} GB/s  ratio {}\n", s.read_gbps,
-                           Fixed(s.fio_read_gbps), Fixed(s.read_ratio));
-  for (size_t i = 0; i < rounds.size(); ++i) {
-    const RoundFigures& r = rounds[i];
-    std::optional<double> fw, fr;
-    if (r.fio.has_value()) {
-      fw = r.fio->write_gbps;
-      fr = r.fio->read_gbps;
-    }
-    std::cout << fmt::format(
-        "round {} ({:<13})  write kvstash {:.2f} fio {}  read kvstash {:.2f} fio {}  GB/s\n", i + 1,
-        r.fio_first ? "fio first" : "kvstash first", r.tier.write_gbps, Fixed(fw), r.tier.read_gbps,
-        Fixed(fr));
-  }
+  spec.ratios = {
+      RatioOf("write_ratio", "write_gbps", "fio_write_gbps",
+              "the share of the drive's raw write throughput the tier delivers"),
+      RatioOf("read_ratio", "read_gbps", "fio_read_gbps", "the same for reads"),
+  };
+  return spec;
 }
 
 struct BenchSsdFlags {
@@ -306,8 +234,8 @@ struct BenchSsdFlags {
   std::string capacity;
   int rounds = 3;
   int batch = 8;
-  bool json = false;
   bool no_fio = false;
+  OutputOptions output;
 };
 
 int Fail(int code, std::string_view message) {
@@ -334,9 +262,6 @@ int RunBenchSsd(const BenchSsdFlags& flags) {
     return Fail(kExitUsage,
                 fmt::format("--total: {} bytes is less than one block of {}", *total, *block));
   }
-  if (flags.rounds < 1) {
-    return Fail(kExitUsage, fmt::format("--rounds: {} is not a positive count", flags.rounds));
-  }
   if (flags.batch < 1 || flags.batch > 1024) {
     return Fail(kExitUsage, fmt::format("--batch: {} is outside 1..1024", flags.batch));
   }
@@ -349,7 +274,6 @@ int RunBenchSsd(const BenchSsdFlags& flags) {
   config.block_bytes = *block;
   config.block_count = *total / *block;
   config.total_bytes = config.block_count * config.block_bytes;
-  config.rounds = flags.rounds;
   config.batch = static_cast<uint64_t>(flags.batch);
   config.fio = !flags.no_fio;
   if (config.total_bytes != *total) {
@@ -385,42 +309,57 @@ int RunBenchSsd(const BenchSsdFlags& flags) {
     std::memcpy((*src)->Slot(0).data() + i, &x, sizeof(x));
   }
 
-  std::vector<RoundFigures> rounds;
-  for (int i = 0; i < config.rounds; ++i) {
-    RoundFigures round;
-    // Alternating the order spreads the drive's drift (thermal, SLC cache, background GC)
-    // over both sides instead of charging it to whichever runs second.
-    round.fio_first = i % 2 == 1;
-    for (int step = 0; step < 2; ++step) {
-      const bool fio_now = (step == 0) == round.fio_first;
-      if (fio_now) {
-        if (!config.fio) continue;
-        Result<FioFigures> fio = RunFio(config);
-        if (!fio.ok()) {
-          return Fail(kExitFailure, fmt::format("fio: {} (pass --no-fio to measure only kvstash)",
-                                                fio.status().message()));
-        }
-        round.fio = *fio;
-      } else {
-        Result<TierFigures> tier = RunTier(config, *src, *dst, config.block_bytes);
-        if (!tier.ok()) return Fail(kExitFailure, tier.status().ToString());
-        round.tier = *tier;
+  Result<std::unique_ptr<Report>> created = Report::Create(SsdSpec());
+  if (!created.ok()) return Fail(kExitFailure, created.status().ToString());
+  Report& report = **created;
+  bool direct_io = true;
+  RoundSides sides;
+  sides.measure = [&](Round& round) -> Status {
+    KVSTASH_ASSIGN_OR_RETURN(TierFigures tier, RunTier(config, *src, *dst, config.block_bytes));
+    round.Set("write_gbps", tier.write_gbps);
+    round.Set("read_gbps", tier.read_gbps);
+    direct_io = direct_io && tier.direct_io;
+    return Status::OK();
+  };
+  if (config.fio) {
+    sides.limit = [&](Round& round) -> Status {
+      Result<FioFigures> fio = RunFio(config);
+      if (!fio.ok()) {
+        return Status(
+            fio.status().code(),
+            fmt::format("fio: {} (pass --no-fio to measure only kvstash)", fio.status().message()));
       }
-    }
-    rounds.push_back(round);
+      round.Set("fio_write_gbps", fio->write_gbps);
+      round.Set("fio_read_gbps", fio->read_gbps);
+      return Status::OK();
+    };
   }
-
-  const Summary summary = Summarize(rounds);
-  if (!summary.direct_io) {
+  Progress progress = Progress::ToStderr(flags.output.progress);
+  if (Status s = RunRounds(report, flags.rounds, sides, progress); !s.ok()) {
+    return Fail(kExitFailure, s.ToString());
+  }
+  if (!direct_io) {
     std::cerr << "kvstash bench ssd: warning: the file system refused direct I/O; the kvstash "
                  "figures include the page cache\n";
   }
-  if (flags.json) {
-    PrintJson(config, rounds, summary);
-  } else {
-    PrintTable(config, rounds, summary);
-  }
-  std::cout.flush();
+
+  report.Set("block_bytes", config.block_bytes);
+  report.Set("total_bytes", config.total_bytes);
+  report.Set("block_count", config.block_count);
+  report.Set("capacity_bytes", config.capacity_bytes);
+  report.Set("batch", config.batch);
+  report.Set("direct_io", direct_io);
+  report.Heading("block size",
+                 fmt::format("{} ({} bytes)", FormatBytes(config.block_bytes), config.block_bytes));
+  report.Heading(
+      "total", fmt::format("{} ({} blocks)", FormatBytes(config.total_bytes), config.block_count));
+  report.Heading("batch", fmt::format("{} blocks per store call", config.batch));
+  report.Heading("direct I/O", direct_io ? "yes" : "no (the file system refused it)");
+  report.Heading("fio", config.fio ? fmt::format("--rw=write, --rw=read --bs={} --direct=1 "
+                                                 "--ioengine=psync",
+                                                 config.block_bytes)
+                                   : std::string("skipped (--no-fio)"));
+  Print(report, flags.output, std::cout);
   return kExitOk;
 }
 
@@ -428,11 +367,13 @@ int RunBenchSsd(const BenchSsdFlags& flags) {
 
 void AddBenchSsdCommand(CLI::App& bench, int* exit_code) {
   auto flags = std::make_shared<BenchSsdFlags>();
+  const BenchSpec spec = SsdSpec();
   CLI::App* ssd = bench.add_subcommand(
       "ssd",
-      "Write and read back --total bytes through the SSD tier (--batch blocks per store call, "
-      "as a cascade job writes them; one block per read), and the same bytes with fio "
-      "(sequential, direct I/O, psync, one block per call) on the same directory.");
+      "Measure the SSD tier's write and read throughput against fio's on the same directory: "
+      "write and read back --total bytes through the tier (--batch blocks per store call, as a "
+      "cascade job writes them; one block per read), and the same bytes with fio (sequential, "
+      "direct I/O, psync, one block per call), in paired rounds.");
   ssd->add_option("--dir", flags->dir,
                   "Existing directory on the drive to measure. The tier uses the subdirectory "
                   "kvstash-bench-ssd and fio the file kvstash-bench-fio.dat; both are removed "
@@ -449,27 +390,21 @@ void AddBenchSsdCommand(CLI::App& bench, int* exit_code) {
   ssd->add_option("--capacity", flags->capacity,
                   "Tier capacity in bytes (default and minimum: --total, so nothing is evicted "
                   "while timing). Same suffixes as --block-size");
-  ssd->add_option("--rounds", flags->rounds,
-                  "Rounds to run; every figure is the median over rounds. Rounds alternate "
-                  "which side runs first")
-      ->capture_default_str();
+  AddRoundsFlag(*ssd, &flags->rounds, spec);
   ssd->add_option("--batch", flags->batch,
                   "Blocks per store call (1..1024). The tier writes each block with its own "
                   "direct write, one after another, and commits the batch's index records in "
                   "one RocksDB write; 1 commits every block alone")
       ->capture_default_str();
-  ssd->add_flag("--json", flags->json,
-                "Print one JSON object on stdout instead of the table (logs stay on stderr)");
+  AddOutputFlags(*ssd, &flags->output);
   ssd->add_flag("--no-fio", flags->no_fio,
                 "Skip fio (e.g. where it is not installed); fio figures and ratios are null");
-  ssd->footer(
-      "Figures: write and read throughput in GB/s (1e9 bytes/s). kvstash: SsdTier "
-      "PrepareStore/WriteAndCommit per batch (slot writes plus one index commit), then "
-      "PrepareLoad/Read/CompleteLoad per block "
-      "(slot read plus checksum check). fio: its bw_bytes for the same pattern. ratio = "
-      "kvstash / fio: the share of the drive's raw throughput the tier delivers. Per-round "
-      "figures follow the medians, to show the noise. Exits 0 on success, 1 if the tier or fio "
-      "fails (fio missing included, unless --no-fio), 2 for bad arguments.");
+  ssd->footer(FiguresHelp(spec) +
+              "GB/s is 1e9 bytes/s. --json also carries block_bytes, total_bytes, block_count, "
+              "capacity_bytes, batch and direct_io (false: the file system refused direct I/O "
+              "and the kvstash figures include the page cache).\n"
+              "Exits 0 on success, 1 if the tier or fio fails (fio missing included, unless "
+              "--no-fio), 2 for bad arguments.");
   ssd->callback([flags, exit_code] { *exit_code = RunBenchSsd(*flags); });
 }
 

@@ -40,6 +40,7 @@
 #include "kvstash/bench/harness.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/status.h"
+#include "kvstash/common/subprocess.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::bench {
@@ -98,7 +99,6 @@ struct BenchConfig {
   int slots = 1;
   uint64_t iters = 0;
   uint64_t warmup = 0;
-  int rounds = 3;
   bool sync = false;  // rpc: CallSync from the main thread instead of the progress thread
   bool perftest = true;
   std::string perftest_path;  // ucx_perftest as found on PATH
@@ -106,11 +106,6 @@ struct BenchConfig {
   // the transport runs, which sets UCX variables of its own in the process environment.
   std::vector<std::string> perftest_env;
 };
-
-// "0.71", "1.23", "0.000391": three significant digits, so a tiny ratio still reads.
-std::string FormatRatio(std::optional<double> ratio) {
-  return ratio.has_value() ? fmt::format("{:.3g}", *ratio) : std::string("-");
-}
 
 std::string PerftestTest(const BenchConfig& config) {
   return config.op == Op::kRpc ? "ucp_am_lat" : "ucp_am_bw";
@@ -436,10 +431,10 @@ class CallLoop : public std::enable_shared_from_this<CallLoop> {
 };
 
 struct KvstashFigures {
-  double gbps = 0;  // 0 for rpc
+  std::optional<double> gbps;  // put and get
   double calls_per_s = 0;
-  double p50_us = 0;
-  double p99_us = 0;
+  std::optional<double> p50_us;
+  std::optional<double> p99_us;
 };
 
 // Adds the op and phase to a failed call's status.
@@ -474,30 +469,21 @@ Result<CallFigures> RunSyncCalls(const BenchConfig& config, ClientSide& side, ui
   return figures;
 }
 
+// `count` calls as the config says: CallSync from this thread (rpc --sync), or a CallLoop.
+Result<CallFigures> RunCalls(const BenchConfig& config, ClientSide& side, uint64_t count,
+                             bool record) {
+  if (config.sync) return RunSyncCalls(config, side, count, record);
+  if (count == 0) return CallFigures{};
+  return std::make_shared<CallLoop>(config, side, count, record)->Run();
+}
+
 Result<KvstashFigures> RunKvstash(const BenchConfig& config, ClientSide& side) {
-  if (config.sync) {
-    Result<CallFigures> w = RunSyncCalls(config, side, config.warmup, /*record=*/false);
-    if (!w.ok()) return CallFailed(config, "warmup", w.status());
-    Result<CallFigures> calls = RunSyncCalls(config, side, config.iters, /*record=*/true);
-    if (!calls.ok()) return CallFailed(config, "timed", calls.status());
-    KvstashFigures figures;
-    const double seconds = std::chrono::duration<double>(calls->elapsed).count();
-    figures.calls_per_s = seconds > 0 ? static_cast<double>(config.iters) / seconds : 0.0;
-    figures.p50_us = Percentile(calls->latencies_us, 50);
-    figures.p99_us = Percentile(calls->latencies_us, 99);
-    return figures;
-  }
-  if (config.warmup > 0) {
-    auto warmup = std::make_shared<CallLoop>(config, side, config.warmup, /*record=*/false);
-    Result<CallFigures> w = warmup->Run();
-    if (!w.ok()) return CallFailed(config, "warmup", w.status());
-  }
-  auto timed = std::make_shared<CallLoop>(config, side, config.iters, /*record=*/true);
-  Result<CallFigures> calls = timed->Run();
+  Result<CallFigures> warmup = RunCalls(config, side, config.warmup, /*record=*/false);
+  if (!warmup.ok()) return CallFailed(config, "warmup", warmup.status());
+  Result<CallFigures> calls = RunCalls(config, side, config.iters, /*record=*/true);
   if (!calls.ok()) return CallFailed(config, "timed", calls.status());
   KvstashFigures figures;
-  const uint64_t payload = config.op == Op::kRpc ? 0 : config.iters * config.size;
-  figures.gbps = Gbps(payload, calls->elapsed);
+  if (config.op != Op::kRpc) figures.gbps = Gbps(config.iters * config.size, calls->elapsed);
   const double seconds = std::chrono::duration<double>(calls->elapsed).count();
   figures.calls_per_s = seconds > 0 ? static_cast<double>(config.iters) / seconds : 0.0;
   figures.p50_us = Percentile(calls->latencies_us, 50);
@@ -645,151 +631,49 @@ Result<PerftestFigures> RunPerftest(const BenchConfig& config) {
   }
 }
 
-// ---- figures and output ---------------------------------------------------------------------
+// ---- figures -------------------------------------------------------------------------------
 
-struct RoundFigures {
-  bool perftest_first = false;
-  KvstashFigures kvstash;
-  std::optional<PerftestFigures> perftest;
-};
-
-struct Summary {
-  double gbps = 0;
-  double calls_per_s = 0;
-  double p50_us = 0;
-  double p99_us = 0;
-  std::optional<double> perftest_gbps;
-  std::optional<double> perftest_round_trip_us;
-  std::optional<double> ratio;
-};
-
-Summary Summarize(const BenchConfig& config, const std::vector<RoundFigures>& rounds) {
-  std::vector<double> gbps, calls, p50, p99, perftest, ratios;
-  for (const RoundFigures& r : rounds) {
-    gbps.push_back(r.kvstash.gbps);
-    calls.push_back(r.kvstash.calls_per_s);
-    p50.push_back(r.kvstash.p50_us);
-    p99.push_back(r.kvstash.p99_us);
-    if (r.perftest.has_value()) {
-      perftest.push_back(config.op == Op::kRpc ? r.perftest->round_trip_us : r.perftest->gbps);
-      const std::optional<double> ratio = config.op == Op::kRpc
-                                              ? Ratio(r.perftest->round_trip_us, r.kvstash.p50_us)
-                                              : Ratio(r.kvstash.gbps, r.perftest->gbps);
-      if (ratio.has_value()) ratios.push_back(*ratio);
-    }
-  }
-  Summary s;
-  s.gbps = Median(gbps);
-  s.calls_per_s = Median(calls);
-  s.p50_us = Median(p50);
-  s.p99_us = Median(p99);
-  if (!perftest.empty()) {
-    if (config.op == Op::kRpc) {
-      s.perftest_round_trip_us = Median(perftest);
-    } else {
-      s.perftest_gbps = Median(perftest);
-    }
-    // The median of each round's ratio: both sides of a round run back to back, so a slow
-    // spell of the machine weighs on both (latency: perftest's time over ours).
-    if (!ratios.empty()) s.ratio = Median(ratios);
-  }
-  return s;
-}
-
-std::optional<double> RoundPerftestGbps(const BenchConfig& config, const RoundFigures& r) {
-  if (!r.perftest.has_value() || config.op == Op::kRpc) return std::nullopt;
-  return r.perftest->gbps;
-}
-
-std::optional<double> RoundPerftestRoundTrip(const BenchConfig& config, const RoundFigures& r) {
-  if (!r.perftest.has_value() || config.op != Op::kRpc) return std::nullopt;
-  return r.perftest->round_trip_us;
-}
-
-void PrintJson(std::ostream& out, const BenchConfig& config,
-               const std::vector<RoundFigures>& rounds, const Summary& s) {
-  Json order = Json::array(), gbps = Json::array(), perftest_gbps = Json::array(),
-       p50 = Json::array(), p99 = Json::array(), calls = Json::array(),
-       perftest_rtt = Json::array();
-  for (const RoundFigures& r : rounds) {
-    order.push_back(r.perftest_first ? "perftest,kvstash" : "kvstash,perftest");
-    gbps.push_back(r.kvstash.gbps);
-    perftest_gbps.push_back(OrNull(RoundPerftestGbps(config, r)));
-    p50.push_back(r.kvstash.p50_us);
-    p99.push_back(r.kvstash.p99_us);
-    calls.push_back(r.kvstash.calls_per_s);
-    perftest_rtt.push_back(OrNull(RoundPerftestRoundTrip(config, r)));
-  }
-  const Json doc = {
-      {"op", config.op_name},
-      {"size", config.size},
-      {"tls", config.tls},
-      {"window", config.op == Op::kRpc ? 1 : config.window},
-      {"distinct_buffers", config.slots > 1},
-      {"iters", config.iters},
-      {"warmup", config.warmup},
-      {"rounds", config.rounds},
-      {"perftest_test", config.perftest ? Json(PerftestTest(config)) : Json(nullptr)},
-      {"gbps", s.gbps},
-      {"perftest_gbps", OrNull(s.perftest_gbps)},
-      {"ratio", OrNull(s.ratio)},
-      {"p50_us", s.p50_us},
-      {"p99_us", s.p99_us},
-      {"calls_per_s", s.calls_per_s},
-      {"perftest_round_trip_us", OrNull(s.perftest_round_trip_us)},
-      {"rounds_order", order},
-      {"rounds_gbps", gbps},
-      {"rounds_perftest_gbps", perftest_gbps},
-      {"rounds_p50_us", p50},
-      {"rounds_p99_us", p99},
-      {"rounds_calls_per_s", calls},
-      {"rounds_perftest_round_trip_us", perftest_rtt},
-      {"sync", config.sync},
+// The figures; the ratio compares the op's own: throughput for put and get, the round trip for
+// rpc.
+BenchSpec TransportSpec(Op op) {
+  BenchSpec spec;
+  spec.name = "transport";
+  spec.command = "kvstash bench transport";
+  spec.title =
+      "the RPC transport between two processes against ucx_perftest over the same UCX "
+      "transports";
+  spec.limit = "perftest";
+  // Its readers use "rounds_<figure>" (see harness.h).
+  spec.flat_round_keys = true;
+  spec.figures = {
+      Higher("gbps", "GB/s",
+             "kvstash, put and get: payload bytes of the timed calls / their wall time, with "
+             "--window calls in flight; null for rpc"),
+      Higher("perftest_gbps", "GB/s",
+             "the limit for put and get: `ucx_perftest -t ucp_am_bw -s SIZE -n ITERS -w "
+             "WARMUP`'s overall bandwidth (MB/s of 2^20 bytes) in GB/s, its server and client "
+             "fresh processes each round; null for rpc and with --no-perftest"),
+      Lower("p50_us", "us",
+            "kvstash: median latency of the timed calls, issue to completion callback (with a "
+            "window, including the wait behind the calls ahead)"),
+      Lower("p99_us", "us", "the same, 99th percentile"),
+      Higher("calls_per_s", "calls/s", "kvstash: timed calls / their wall time"),
+      Lower("perftest_round_trip_us", "us",
+            "the limit for rpc: twice the 50th percentile `ucx_perftest -t ucp_am_lat -s "
+            "SIZE` reports (it reports half the round trip); null for put and get"),
   };
-  out << doc.dump() << "\n";
-}
-
-void PrintTable(std::ostream& out, const BenchConfig& config,
-                const std::vector<RoundFigures>& rounds, const Summary& s) {
-  const bool rpc = config.op == Op::kRpc;
-  out << fmt::format("op          {}\n", config.op_name);
-  out << fmt::format("size        {} ({} bytes{})\n", FormatBytes(config.size), config.size,
-                     rpc ? ", echo message" : "");
-  out << fmt::format("transport   UCX_TLS={}\n", config.tls);
-  out << fmt::format("window      {} call(s) in flight, {} payload buffer(s) per side\n",
-                     rpc ? 1 : config.window, config.slots);
-  out << fmt::format("iters       {} per round after {} warmup\n", config.iters, config.warmup);
-  out << fmt::format("rounds      {} (median shown)\n", config.rounds);
-  out << fmt::format("perftest    {}\n",
-                     config.perftest ? fmt::format("{} -s {}", PerftestTest(config), config.size)
-                                     : std::string("skipped"));
-  if (rpc) {
-    out << fmt::format(
-        "kvstash   {:.0f} calls/s  p50 {:.1f} us  p99 {:.1f} us  perftest round trip {} us  "
-        "ratio {}\n",
-        s.calls_per_s, s.p50_us, s.p99_us, Fixed(s.perftest_round_trip_us), FormatRatio(s.ratio));
+  if (op == Op::kRpc) {
+    spec.ratios = {RatioOf("ratio", "p50_us", "perftest_round_trip_us")};
   } else {
-    out << fmt::format(
-        "kvstash   {:.2f} GB/s  perftest {} GB/s  ratio {}  p50 {:.1f} us  p99 {:.1f} us\n", s.gbps,
-        Fixed(s.perftest_gbps), FormatRatio(s.ratio), s.p50_us, s.p99_us);
+    spec.ratios = {RatioOf("ratio", "gbps", "perftest_gbps")};
   }
-  for (size_t i = 0; i < rounds.size(); ++i) {
-    const RoundFigures& r = rounds[i];
-    const std::string order = r.perftest_first ? "(perftest first)" : "(kvstash first)";
-    if (rpc) {
-      out << fmt::format(
-          "round {} {:<16}  kvstash {:.0f} calls/s p50 {:.1f} us p99 {:.1f} us  perftest round "
-          "trip {} us\n",
-          i + 1, order, r.kvstash.calls_per_s, r.kvstash.p50_us, r.kvstash.p99_us,
-          Fixed(RoundPerftestRoundTrip(config, r)));
-    } else {
-      out << fmt::format(
-          "round {} {:<16}  kvstash {:.2f} GB/s  perftest {} GB/s  p50 {:.1f} us  p99 {:.1f} "
-          "us\n",
-          i + 1, order, r.kvstash.gbps, Fixed(RoundPerftestGbps(config, r)), r.kvstash.p50_us,
-          r.kvstash.p99_us);
-    }
-  }
+  spec.ratios[0].help =
+      "for put and get, gbps / perftest_gbps: the share of raw UCX active-message bandwidth the "
+      "transport delivers with its framing, protocol and completion handling (get is compared "
+      "with the same one-way ucp_am_bw, as perftest has no request-reply bandwidth test, so its "
+      "ratio also carries the request each get sends first); for rpc, perftest_round_trip_us / "
+      "p50_us (1 = as fast as raw UCX)";
+  return spec;
 }
 
 // ---- the command ----------------------------------------------------------------------------
@@ -802,7 +686,7 @@ struct BenchTransportFlags {
   int64_t warmup = 0;  // when given; else iters / 10
   int window = 8;
   int rounds = 3;
-  bool json = false;
+  OutputOptions output;
   bool no_perftest = false;
   bool sync = false;
   bool distinct_buffers = false;
@@ -893,10 +777,6 @@ int RunBenchTransport(const BenchTransportFlags& flags) {
                             config.window, config.size, FormatBytes(config.size * config.window),
                             FormatBytes(kMaxWindowBytes)));
   }
-  if (flags.rounds < 1) {
-    return Fail(kExitUsage, fmt::format("--rounds: {} is not a positive count", flags.rounds));
-  }
-  config.rounds = flags.rounds;
   if (flags.iters_given && (flags.iters < 1 || flags.iters > kMaxIters)) {
     return Fail(kExitUsage, fmt::format("--iters: {} is outside 1..{}", flags.iters, kMaxIters));
   }
@@ -943,46 +823,63 @@ int RunBenchTransport(const BenchTransportFlags& flags) {
                                           (*server)->port(), client.status().ToString()));
   }
 
-  std::vector<RoundFigures> rounds;
-  for (int i = 0; i < config.rounds; ++i) {
-    RoundFigures round;
-    // Alternating the order spreads the machine's drift (frequency, other load) over both
-    // sides instead of charging it to whichever runs second.
-    round.perftest_first = i % 2 == 1;
-    for (int step = 0; step < 2; ++step) {
-      const bool perftest_now = (step == 0) == round.perftest_first;
-      if (perftest_now) {
-        if (!config.perftest) continue;
-        Result<PerftestFigures> perftest = RunPerftest(config);
-        if (!perftest.ok()) {
-          return Fail(kExitFailure,
-                      fmt::format("round {}: {} (pass --no-perftest to measure only kvstash)",
-                                  i + 1, perftest.status().ToString()));
-        }
-        round.perftest = *perftest;
-      } else {
-        Result<KvstashFigures> kvstash = RunKvstash(config, **client);
-        if (!kvstash.ok()) {
-          return Fail(kExitFailure,
-                      fmt::format("round {}: {}", i + 1, kvstash.status().ToString()));
-        }
-        round.kvstash = *kvstash;
+  Result<std::unique_ptr<Report>> created = Report::Create(TransportSpec(config.op));
+  if (!created.ok()) return Fail(kExitFailure, created.status().ToString());
+  Report& report = **created;
+  RoundSides sides;
+  sides.measure = [&](Round& round) -> Status {
+    KVSTASH_ASSIGN_OR_RETURN(KvstashFigures kvstash, RunKvstash(config, **client));
+    round.Set("gbps", kvstash.gbps);
+    round.Set("p50_us", kvstash.p50_us);
+    round.Set("p99_us", kvstash.p99_us);
+    round.Set("calls_per_s", kvstash.calls_per_s);
+    return Status::OK();
+  };
+  if (config.perftest) {
+    sides.limit = [&](Round& round) -> Status {
+      Result<PerftestFigures> perftest = RunPerftest(config);
+      if (!perftest.ok()) {
+        return Status(perftest.status().code(),
+                      fmt::format("{} (pass --no-perftest to measure only kvstash)",
+                                  perftest.status().message()));
       }
-    }
-    rounds.push_back(round);
+      if (config.op == Op::kRpc) {
+        round.Set("perftest_round_trip_us", perftest->round_trip_us);
+      } else {
+        round.Set("perftest_gbps", perftest->gbps);
+      }
+      return Status::OK();
+    };
   }
+  Progress progress = Progress::ToStderr(flags.output.progress);
+  const Status run = RunRounds(report, flags.rounds, sides, progress);
   // The client goes first: the server then sees an orderly disconnect, not a lost peer.
   client->reset();
   const Status stopped = (*server)->Stop();
+  if (!run.ok()) return Fail(kExitFailure, run.ToString());
   if (!stopped.ok()) std::cerr << "kvstash bench transport: warning: " << stopped.message() << "\n";
 
-  const Summary summary = Summarize(config, rounds);
+  report.Set("op", config.op_name);
+  report.Set("size", config.size);
+  report.Set("tls", config.tls);
+  report.Set("window", config.window);
+  report.Set("distinct_buffers", config.slots > 1);
+  report.Set("iters", config.iters);
+  report.Set("warmup", config.warmup);
+  report.Set("perftest_test", config.perftest ? Json(PerftestTest(config)) : Json(nullptr));
+  report.Set("sync", config.sync);
+  report.Heading("op", config.op_name + (config.sync ? " (CallSync from the main thread)" : ""));
+  report.Heading("size", fmt::format("{} ({} bytes{})", FormatBytes(config.size), config.size,
+                                     rpc ? ", echo message" : ""));
+  report.Heading("transport", fmt::format("UCX_TLS={}", config.tls));
+  report.Heading("window", fmt::format("{} call(s) in flight, {} payload buffer(s) per side",
+                                       config.window, config.slots));
+  report.Heading("iters", fmt::format("{} per round after {} warmup", config.iters, config.warmup));
+  report.Heading("perftest", config.perftest
+                                 ? fmt::format("{} -s {}", PerftestTest(config), config.size)
+                                 : std::string("skipped (--no-perftest)"));
   std::ostringstream text;
-  if (flags.json) {
-    PrintJson(text, config, rounds, summary);
-  } else {
-    PrintTable(text, config, rounds, summary);
-  }
+  Print(report, flags.output, text);
   results.Write(text.str());
   return kExitOk;
 }
@@ -1028,12 +925,9 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
              "its callback on the client's progress thread (1..1024; with --distinct-buffers, "
              "window x size at most 2 GiB). rpc always runs one call at a time")
           ->capture_default_str();
-  cmd->add_option("--rounds", flags->rounds,
-                  "Rounds to run; every figure is the median over rounds. Rounds alternate "
-                  "which side runs first")
-      ->capture_default_str();
-  cmd->add_flag("--json", flags->json,
-                "Print one JSON object on stdout instead of the table (logs stay on stderr)");
+  const BenchSpec spec = TransportSpec(Op::kPut);
+  AddRoundsFlag(*cmd, &flags->rounds, spec);
+  AddOutputFlags(*cmd, &flags->output);
   cmd->add_flag("--distinct-buffers", flags->distinct_buffers,
                 "put/get: give each call in the window its own payload buffer (window x size per "
                 "side, so large windows leave the CPU caches) instead of one buffer per side as "
@@ -1046,25 +940,15 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code) {
                 "Skip ucx_perftest (e.g. where it is not installed); perftest figures and the "
                 "ratio are null");
   cmd->footer(
-      "Figures: kvstash throughput in GB/s (1e9 bytes/s) = payload bytes of the timed calls / "
-      "their wall time, with --window calls in flight; p50 and p99 latency of the timed calls "
-      "(issue to completion callback, us; with a window, including the wait behind the calls "
-      "ahead); calls/s. ucx_perftest, in fresh processes each round: the server `ucx_perftest "
-      "-p PORT` and the client `ucx_perftest 127.0.0.1 -p PORT -t ucp_am_bw -s SIZE -n ITERS "
-      "-w WARMUP -f`, its overall bandwidth (MB/s of 2^20 bytes) converted to GB/s. Both send "
-      "from and receive into one buffer per side (kvstash cycles through --window buffers "
-      "with --distinct-buffers). ratio = kvstash / perftest: the share of raw UCX active-message "
-      "bandwidth the "
-      "transport delivers with its framing, protocol and completion handling. get is compared "
-      "with the same one-way ucp_am_bw as put (perftest has no request-reply bandwidth test), "
-      "so its ratio also carries the request each get sends first. rpc is compared with `-t "
-      "ucp_am_lat -s SIZE`: perftest reports half the round trip, so its 50th percentile is "
-      "doubled, and ratio = perftest round trip / kvstash p50 (1 = as fast as raw UCX; gbps is "
-      "0 and perftest_gbps null for rpc). The ratio shown is the median of the rounds' ratios "
-      "(each round runs both sides back to back), not the ratio of the medians. Per-round "
-      "figures follow the medians, to show the noise. Exits 0 on success, 1 if a call, the server "
-      "or ucx_perftest fails (ucx_perftest "
-      "missing included, unless --no-perftest), 2 for bad arguments.");
+      FiguresHelp(spec) +
+      "GB/s is 1e9 bytes/s. Both sides send from and receive into one buffer per side (kvstash "
+      "cycles through --window buffers with --distinct-buffers). ucx_perftest runs as a server "
+      "`ucx_perftest -p PORT` and a client `ucx_perftest 127.0.0.1 -p PORT -t TEST -s SIZE -n "
+      "ITERS -w WARMUP -f`, both with UCX_TLS=--tls. --json also carries op, size, tls, window, "
+      "distinct_buffers, iters, warmup, perftest_test (null with --no-perftest), sync, and every "
+      "figure per round as rounds_<figure> and rounds_order as well as in per_round.\n"
+      "Exits 0 on success, 1 if a call, the server or ucx_perftest fails (ucx_perftest missing "
+      "included, unless --no-perftest), 2 for bad arguments.");
   cmd->callback([flags, iters, warmup, window, exit_code] {
     flags->iters_given = iters->count() > 0;
     flags->warmup_given = warmup->count() > 0;

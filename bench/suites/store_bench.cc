@@ -5,13 +5,15 @@
 //    pin and release blocks just before they reach the old end. Flat across sizes = O(1).
 //    meta_B_per_block: the manager's own bytes per resident block (goal <= 64 B).
 //  - SlabCopy: copying a block into a slot vs plain memcpy of the same size, interleaved in the
-//    same run; `ratio` = slab GB/s / memcpy GB/s (goal >= 0.9).
+//    same iterations; counters slab_GBps, memcpy_GBps and `ratio` = slab / memcpy (goal >= 0.9).
 //  - MemoryRandomRead: this machine's cost of a cache line read at random from DRAM, dependent
 //    (latency) and independent (throughput). Beyond the caches, StoreEvict pays about this
 //    much per cold line a block touches (LRU ~3-4 lines, ARC ~12 with its ghost directory), so
 //    its time rises from 10^3 to 10^6 blocks by that, while its work per block stays constant.
 //
-// `store_bench --smoke` runs every benchmark at tiny sizes (ctest does, so they cannot rot).
+// Every figure goes through the benchmark harness (suite.h): medians over --rounds repetitions,
+// the table or --json. `store_bench --smoke` runs every benchmark at tiny sizes (ctest does, so
+// they cannot rot).
 #include <benchmark/benchmark.h>
 #include <sys/mman.h>
 
@@ -27,6 +29,7 @@
 
 #include "kvstash/store/block_manager.h"
 #include "kvstash/store/block_slab.h"
+#include "suite.h"
 
 namespace kvstash::store {
 namespace {
@@ -150,13 +153,22 @@ void BM_StoreEvict(benchmark::State& state) {
       static_cast<double>(m->MetadataBytes()) / static_cast<double>(m->resident_blocks());
 }
 
+// SlabCopy's figure, its limit and their ratio: counters of the case and the suite's ratio.
+bench::RatioSpec SlabRatio() {
+  return bench::RatioOf("ratio", "slab_GBps", "memcpy_GBps",
+                        "SlabCopy: the slab's copy against plain memcpy", 0.9);
+}
+
 // Args: block bytes. Copies into every slot of a slab in turn, and memcpy into a same-sized,
 // equally pre-faulted buffer, in alternating rounds.
 void BM_SlabCopy(benchmark::State& state) {
   const size_t block = static_cast<size_t>(state.range(0));
   const size_t total = g_smoke ? (size_t{8} << 20) : (size_t{512} << 20);
   const size_t count = std::max<size_t>(4, total / block);
-  auto slab = std::move(BlockSlab::Create({.slot_bytes = block, .slot_count = count})).value();
+  BlockSlabOptions options;
+  options.slot_bytes = block;
+  options.slot_count = count;
+  auto slab = std::move(BlockSlab::Create(options)).value();
   const size_t stride = slab->slot_stride();
   auto* baseline = static_cast<std::byte*>(std::aligned_alloc(4096, count * stride));
   std::memset(baseline, 1, count * stride);  // fault it in, like the slab
@@ -184,10 +196,8 @@ void BM_SlabCopy(benchmark::State& state) {
   }
   std::free(baseline);
   const double bytes = static_cast<double>(copies) * static_cast<double>(block);
-  state.SetBytesProcessed(static_cast<int64_t>(bytes));
-  state.counters["slab_GBps"] = bytes / slab_seconds / 1e9;
-  state.counters["memcpy_GBps"] = bytes / memcpy_seconds / 1e9;
-  state.counters["ratio"] = memcpy_seconds / slab_seconds;
+  bench::SetRatioCounters(state, SlabRatio(), bytes / slab_seconds / 1e9,
+                          bytes / memcpy_seconds / 1e9);
 }
 
 // The machine's own limits for the numbers above, in the same run: a cache line read at random
@@ -292,26 +302,84 @@ int EvictLoop(const std::string& spec) {
   return 0;
 }
 
+bench::SuiteSpec StoreSuite() {
+  using bench::Better;
+  bench::SuiteSpec spec;
+  spec.name = "store_bench";
+  spec.title = "the block manager and the CPU slab, against this machine's memcpy and DRAM";
+  spec.usage =
+      "Cases: PrefixLookup/<policy>/<resident> (maximal-prefix lookups over 1,000-key chains), "
+      "StoreEvict/<policy>[/pinned|/churn]/<resident> (16 new blocks into a full cache per "
+      "iteration; pinned keeps a quarter pinned at the old end, churn pins blocks just before "
+      "they reach it; flat across sizes = O(1)), MemoryRandomRead/{dependent,independent} "
+      "(this machine's cost of a random cache-line read from DRAM: the unit in which eviction "
+      "time grows once the index outgrows the caches), SlabCopy/<block bytes> (a block into a "
+      "slab slot vs plain memcpy of the same size, interleaved). store_bench --evict-loop "
+      "RESIDENT,CALLS,lru|arc makes CALLS store+evict calls with no timing, for counting "
+      "instructions under callgrind.";
+  spec.counters = {
+      {.counter = "ns_per_key",
+       .figure = "",
+       .unit = "ns",
+       .better = Better::kLower,
+       .scale = 1e9,
+       .help = "PrefixLookup: time per key looked up (goal <= 50 ns, 20 M keys/s)"},
+      {.counter = "ns_per_block",
+       .figure = "",
+       .unit = "ns",
+       .better = Better::kLower,
+       .scale = 1e9,
+       .help = "StoreEvict: time per block stored into the full cache (and one evicted)"},
+      {.counter = "meta_B_per_block",
+       .figure = "",
+       .unit = "B",
+       .better = Better::kLower,
+       .scale = 1,
+       .help = "StoreEvict: the manager's own bytes per resident block at steady state (goal "
+               "<= 64)"},
+      {.counter = "items_per_second",
+       .figure = "items_per_s",
+       .unit = "items/s",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "keys looked up (PrefixLookup) or blocks stored (StoreEvict) per second"},
+      {.counter = "ns_per_line",
+       .figure = "",
+       .unit = "ns",
+       .better = Better::kLower,
+       .scale = 1e9,
+       .help = "MemoryRandomRead: one cache line read at random from DRAM, each read depending "
+               "on the last (latency) or not (throughput); a block operation touching k cold "
+               "lines costs about k x the independent figure"},
+      {.counter = "slab_GBps",
+       .figure = "",
+       .unit = "GB/s",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "SlabCopy: blocks copied into slab slots (BlockSlab::Write)"},
+      {.counter = "memcpy_GBps",
+       .figure = "",
+       .unit = "GB/s",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "SlabCopy, the limit: plain memcpy of the same blocks into a same-sized, equally "
+               "prefaulted buffer, interleaved with the slab's copies in every iteration"},
+  };
+  spec.ratios = {SlabRatio()};
+  return spec;
+}
+
 }  // namespace
 }  // namespace kvstash::store
 
 int main(int argc, char** argv) {
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--evict-loop" && i + 1 < argc) {
-      return kvstash::store::EvictLoop(argv[i + 1]);
-    }
-    if (std::string(argv[i]) == "--smoke") {
-      kvstash::store::g_smoke = true;
-    } else {
-      args.push_back(argv[i]);
-    }
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == "--evict-loop") return kvstash::store::EvictLoop(argv[i + 1]);
   }
-  int n = static_cast<int>(args.size());
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  const kvstash::bench::SuiteSpec spec = kvstash::store::StoreSuite();
+  kvstash::bench::SuiteOptions options;
+  if (auto code = kvstash::bench::InitSuite(argc, argv, spec, &options)) return *code;
+  kvstash::store::g_smoke = options.smoke;
   kvstash::store::Register();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return kvstash::bench::RunSuite(spec, options);
 }

@@ -8,11 +8,12 @@
 //    our own (one batched copy where the runtime has them).
 //  - Each iteration times (cudaEvents, so GPU time) enough jobs back to back to move about
 //    64 MiB, then as many plain copies, the two halves alternating which goes first and each
-//    starting on an idle stream. bytes_per_second is the transfer's; `plain_GBps` the plain
-//    copy's; `ratio` = transfer GB/s / plain GB/s (goal >= 0.8).
+//    starting on an idle stream. Counters: `transfer_GBps`, `plain_GBps` and `ratio` =
+//    transfer / plain (goal >= 0.8); the report gives each one's median over the repetitions
+//    (the ratio's: the median of each repetition's own).
 // Before timing, each case checks that one job moved the first and last byte of every block to
-// the right place, so the numbers cannot come from a transfer that moved nothing. After the
-// benchmarks a summary table prints every case's GB/s, the plain copy's and the ratio.
+// the right place, so the numbers cannot come from a transfer that moved nothing. The report is
+// the benchmark harness's (suite.h): every case's figures as a table or --json.
 //
 // `transfer_bench --smoke` runs tiny jobs (ctest does, so it cannot rot). Exits 1 when a case
 // failed (a transfer refused, or the check above), never for a timing. Without a CUDA device it
@@ -26,7 +27,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -36,6 +36,7 @@
 
 #include "kvstash/kernels/cuda_transfer.h"
 #include "kvstash/kernels/transfer_plan.h"
+#include "suite.h"
 
 namespace kvstash::kernels {
 namespace {
@@ -52,16 +53,7 @@ struct Case {
   size_t pool_blocks = 0;
 };
 
-// What the summary prints for one case: the last run Google Benchmark reported.
-struct Measured {
-  double transfer_gbps = 0;
-  double plain_gbps = 0;
-  size_t job_bytes = 0;
-  std::string error;  // empty unless the case was skipped
-};
-
-std::vector<Case> g_cases;                  // in registration order
-std::map<std::string, Measured> g_results;  // by case name
+std::vector<Case> g_cases;  // in registration order
 
 // The memory and CUDA handles every case shares, sized for the largest case and allocated once:
 // pinning hundreds of MiB takes long, and Google Benchmark calls each benchmark function several
@@ -183,12 +175,15 @@ std::string CheckOneJob(const TransferPlan& plan, std::span<std::byte* const> de
   return {};
 }
 
+// A case's figure, its limit and their ratio: counters of the case and the suite's ratio.
+bench::RatioSpec TransferRatio() {
+  return bench::RatioOf("ratio", "transfer_GBps", "plain_GBps",
+                        "scattered blocks against one contiguous copy", 0.8);
+}
+
 void BM_Transfer(benchmark::State& state, const Case& c) {
   Buffers& b = *g_buffers;
-  auto fail = [&](const std::string& why) {
-    g_results[c.name].error = why;
-    state.SkipWithError(why.c_str());
-  };
+  auto fail = [&](const std::string& why) { state.SkipWithError(why.c_str()); };
   auto plan = MakePlan(c);
   if (!plan.ok()) return fail(plan.status().ToString());
   const size_t job_bytes = plan->transfer_bytes;
@@ -246,16 +241,11 @@ void BM_Transfer(benchmark::State& state, const Case& c) {
   if (state.error_occurred() || transfer_ms <= 0 || plain_ms <= 0) return;
   const double bytes = static_cast<double>(state.iterations()) * static_cast<double>(jobs) *
                        static_cast<double>(job_bytes);
-  state.SetBytesProcessed(static_cast<int64_t>(bytes));
-  Measured m;
-  m.transfer_gbps = bytes / (transfer_ms / 1e3) / 1e9;
-  m.plain_gbps = bytes / (plain_ms / 1e3) / 1e9;
-  m.job_bytes = job_bytes;
-  state.counters["plain_GBps"] = m.plain_gbps;
-  state.counters["ratio"] = m.transfer_gbps / m.plain_gbps;
+  bench::SetRatioCounters(state, TransferRatio(), bytes / (transfer_ms / 1e3) / 1e9,
+                          bytes / (plain_ms / 1e3) / 1e9);
+  state.counters["job_MiB"] = static_cast<double>(job_bytes) / (1 << 20);
   state.counters["copies_per_job"] = static_cast<double>(plan->ops.size());
   state.counters["jobs_per_iter"] = static_cast<double>(jobs);
-  g_results[c.name] = m;
 }
 
 std::string SizeName(size_t bytes) {
@@ -297,34 +287,59 @@ void Register() {
   }
 }
 
-// Prints the table; returns whether any case failed (a transfer refused or moving wrong bytes).
-bool PrintSummary() {
-  bool failed = false;
-  std::printf(
-      "\ntransfer_bench: IssueTransfer vs one plain cudaMemcpyAsync of the same bytes "
-      "(goal: ratio >= 0.80; GB = 10^9 B, where bytes_per_second above counts G = 2^30 B)\n");
-  std::printf("%-20s %9s %14s %11s %7s\n", "case", "job MiB", "transfer GB/s", "plain GB/s",
-              "ratio");
-  for (const Case& c : g_cases) {
-    auto it = g_results.find(c.name);
-    if (it == g_results.end()) continue;  // filtered out
-    const Measured& m = it->second;
-    if (!m.error.empty()) {
-      std::printf("%-20s  error: %s\n", c.name.c_str(), m.error.c_str());
-      failed = true;
-      continue;
-    }
-    const double ratio = m.transfer_gbps / m.plain_gbps;
-    std::printf("%-20s %9.1f %14.2f %11.2f %7.2f%s\n", c.name.c_str(),
-                static_cast<double>(m.job_bytes) / (1 << 20), m.transfer_gbps, m.plain_gbps, ratio,
-                ratio < 0.8 ? "  below goal" : "");
-  }
-  return failed;
+bench::SuiteSpec TransferSuite() {
+  using bench::Better;
+  bench::SuiteSpec spec;
+  spec.name = "transfer_bench";
+  spec.title =
+      "block gather/scatter between a paged device cache and pinned host memory against "
+      "one plain cudaMemcpyAsync of the same bytes";
+  spec.usage =
+      "Cases: Gather/<page>/f<factor> (device to host) and Scatter/<page>/f<factor> (host to "
+      "device): jobs of 256 pages taken at random from a device pool of 1024, to or from pinned "
+      "host blocks of factor pages, issued as one plan with kernels::cuda::IssueTransfer and "
+      "timed with CUDA events, interleaved with plain copies of the same bytes. Without a CUDA "
+      "device it says so and exits 0.";
+  spec.counters = {
+      {.counter = "transfer_GBps",
+       .figure = "",
+       .unit = "GB/s",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "the transfer: job bytes / GPU time of the jobs"},
+      {.counter = "plain_GBps",
+       .figure = "",
+       .unit = "GB/s",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "the limit: one cudaMemcpyAsync of the same bytes between a contiguous device "
+               "buffer and the same pinned buffer, same direction, same stream"},
+      {.counter = "job_MiB",
+       .figure = "",
+       .unit = "MiB",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "bytes one job moves"},
+      {.counter = "copies_per_job",
+       .figure = "",
+       .unit = "copies",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "copies in a job's plan"},
+      {.counter = "jobs_per_iter",
+       .figure = "",
+       .unit = "jobs",
+       .better = Better::kHigher,
+       .scale = 1,
+       .help = "jobs timed per iteration"},
+  };
+  spec.ratios = {TransferRatio()};
+  return spec;
 }
 
 // Runs the registered cases over freshly allocated buffers. 1 when they cannot be allocated or a
 // case failed; timings never do.
-int RunAll() {
+int RunAll(const bench::SuiteSpec& spec, const bench::SuiteOptions& options) {
   size_t pool_bytes = 0, job_bytes = 0;
   for (const Case& c : g_cases) {
     pool_bytes = std::max(pool_bytes, c.pool_blocks * c.page_bytes);
@@ -338,34 +353,22 @@ int RunAll() {
   }
   g_buffers = buffers.get();
   Register();
-  benchmark::RunSpecifiedBenchmarks();
-  const bool failed = PrintSummary();
+  const int rc = bench::RunSuite(spec, options);
   g_buffers = nullptr;
-  return failed ? 1 : 0;
+  return rc;
 }
 
 }  // namespace
 }  // namespace kvstash::kernels
 
 int main(int argc, char** argv) {
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--smoke") {
-      kvstash::kernels::g_smoke = true;
-    } else {
-      args.push_back(argv[i]);
-    }
-  }
-  int n = static_cast<int>(args.size());
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  const kvstash::bench::SuiteSpec spec = kvstash::kernels::TransferSuite();
+  kvstash::bench::SuiteOptions options;
+  if (auto code = kvstash::bench::InitSuite(argc, argv, spec, &options)) return *code;
+  kvstash::kernels::g_smoke = options.smoke;
   if (kvstash::kernels::cuda::DeviceCount() == 0) {
-    std::printf("transfer_bench: no CUDA device; nothing measured\n");
-    benchmark::Shutdown();
-    return 0;
+    return kvstash::bench::ReportNothing(spec, options, "no CUDA device; nothing measured");
   }
   kvstash::kernels::MakeCases();
-  const int rc = kvstash::kernels::RunAll();
-  benchmark::Shutdown();
-  return rc;
+  return kvstash::kernels::RunAll(spec, options);
 }

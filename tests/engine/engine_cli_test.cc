@@ -3,11 +3,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvstash/engine/engine.h"
+#include "nlohmann/json.hpp"
 #include "subprocess.h"
 
 namespace kvstash::engine {
@@ -60,7 +62,7 @@ TEST(EngineCliTest, ChatHitsEarlierTurnsAndPackingHitsMore) {
     ASSERT_EQ(lines.size(), 6u) << r.out;
     EXPECT_NE(lines[1].find("turn=1 prompt_tokens=11 cached_tokens=0"), std::string::npos);
     size_t cached = 0;
-    ASSERT_EQ(std::sscanf(lines[5].c_str(), "total prompt_tokens=%*zu cached_tokens=%zu", &cached),
+    ASSERT_EQ(std::sscanf(lines[5].c_str(), "total prompt_tokens=%*u cached_tokens=%zu", &cached),
               1)
         << lines[5];
     totals[pack == 4] = cached;
@@ -128,6 +130,39 @@ TEST(EngineCliTest, BenchPrintsRatesAndTheModelSize) {
   EXPECT_NE(r.out.find("prefill: 2 x 40 tokens"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode:  2 streams x 4 tokens"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("MatMul"), std::string::npos);
+}
+
+// --json: one object of the harness's shape, paired rounds against the MatMul limit, every ratio
+// the median of the rounds' own (with one figure per round, checked against them).
+TEST(EngineCliTest, BenchJsonCarriesEveryFigureAndRoundAndNoProgressOnStdout) {
+  const auto r =
+      RunProcess({KVSTASH_ENGINE_PATH, "bench", "--model", "builtin:tiny-hybrid", "--batch", "2",
+                  "--prompt-len", "40", "--decode-tokens", "4", "--rounds", "3", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_EQ(Lines(r.out).size(), 1u) << r.out;
+  const nlohmann::json doc = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(doc.is_object()) << r.out;
+  EXPECT_EQ(doc.at("bench"), "engine");
+  EXPECT_EQ(doc.at("model"), "tiny-hybrid");
+  EXPECT_EQ(doc.at("batch"), 2);
+  EXPECT_EQ(doc.at("prompt_len"), 40);
+  EXPECT_EQ(doc.at("decode_tokens"), 4);
+  EXPECT_EQ(doc.at("rounds"), 3);
+  EXPECT_EQ(doc.at("per_round").at("order"),
+            nlohmann::json::array({"engine,MatMul", "MatMul,engine", "engine,MatMul"}));
+  for (const char* name : {"prefill_tokens_per_s", "decode_tokens_per_s", "prefill_gflops",
+                           "decode_gflops", "matmul_gflops", "prefill_ratio", "decode_ratio"}) {
+    ASSERT_TRUE(doc.at(name).is_number()) << name << ": " << doc.dump();
+    EXPECT_GT(doc[name].get<double>(), 0.0) << name;
+    ASSERT_EQ(doc.at("per_round").at(name).size(), 3u) << name;
+  }
+  for (const char* ratio : {"prefill_ratio", "decode_ratio"}) {
+    std::vector<double> rounds;
+    for (const auto& v : doc["per_round"][ratio]) rounds.push_back(v.get<double>());
+    std::sort(rounds.begin(), rounds.end());
+    EXPECT_DOUBLE_EQ(doc[ratio].get<double>(), rounds[1]) << ratio;
+  }
+  EXPECT_EQ(doc.at("figures").at("prefill_ratio").at("to"), "matmul_gflops");
 }
 
 // --swa-ring: the same tokens as the library's pool layout, chat still hits earlier turns as

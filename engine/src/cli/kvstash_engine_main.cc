@@ -14,11 +14,11 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench_command.h"
 #include "cli_common.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
 #include "kvstash/engine/node_offload.h"
-#include "kvstash/kernels/cpu_ops.h"
 #include "serve_command.h"
 
 namespace {
@@ -27,10 +27,6 @@ using namespace kvstash;
 using namespace kvstash::engine;
 using namespace kvstash::engine::cli;
 using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_new, bool stats,
                 const std::string& role, bool show_ttft) {
@@ -107,81 +103,6 @@ int RunChat(const ModelFlags& f, size_t turns, size_t user_tokens, size_t max_ne
   }
   std::printf("total prompt_tokens=%zu cached_tokens=%zu (%.1f%%)\n", total_prompt, total_cached,
               total_prompt ? 100.0 * static_cast<double>(total_cached) / total_prompt : 0.0);
-  return kExitOk;
-}
-
-// Floating-point operations of one token through the model's projections (2 per weight;
-// attention scores and the state are small next to them at these lengths).
-double FlopsPerToken(const ModelConfig& c) {
-  const double embed = static_cast<double>(c.vocab_size) * c.hidden;
-  return 2.0 * (static_cast<double>(c.NumParameters()) - embed);
-}
-
-// The machine's own rate for the kernel the engine spends its time in: one thread, a
-// cache-friendly 64 x 256 x 768 MatMul, best of several runs.
-double MatMulGflops() {
-  const size_t n = 64, in = 256, out = 768;
-  std::vector<float> x(n * in, 0.5f), w(in * out, 0.25f), y(n * out);
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    for (int i = 0; i < 20; ++i) kvstash::kernels::MatMul(x.data(), w.data(), y.data(), n, in, out);
-    const double s = Seconds(t0, Clock::now());
-    best = std::max(best, 20 * 2.0 * n * in * out / s / 1e9);
-  }
-  return best;
-}
-
-int RunBench(const ModelFlags& f, size_t batch, size_t prompt_len, size_t decode_tokens) {
-  auto engine = MakeEngine(f);
-  if (!engine.ok()) return kErrors.Fail(engine.status());
-  Engine& e = **engine;
-  const ModelConfig& c = e.config();
-  const double params = static_cast<double>(c.NumParameters());
-  std::printf(
-      "model=%s layers=%zu hidden=%u params=%.3fM (%.1f MiB float32) block_size=%u "
-      "attn_pack=%u\n",
-      c.name.c_str(), c.layers.size(), c.hidden, params / 1e6, params * 4 / 1048576.0,
-      e.layout().block_size, e.layout().attn_pack);
-  // Prefill: distinct prompts (no prefix hits), one generated token each.
-  std::vector<std::vector<uint32_t>> prompts;
-  for (size_t i = 0; i < batch; ++i) {
-    prompts.push_back(RandomTokens(prompt_len, c.vocab_size, i + 7));
-  }
-  auto t0 = Clock::now();
-  auto pre = e.Generate(prompts, 1);
-  const double prefill_s = Seconds(t0, Clock::now());
-  if (!pre.ok()) return kErrors.Fail(pre.status());
-  const double prefill_tps = static_cast<double>(batch * prompt_len) / prefill_s;
-  // Decode: short prompts, then time only the steps that run no prompt tokens.
-  for (size_t i = 0; i < batch; ++i) {
-    auto id = e.AddRequest(RandomTokens(16, c.vocab_size, 1000 + i), decode_tokens + 1);
-    if (!id.ok()) return kErrors.Fail(id.status());
-  }
-  double decode_s = 0;
-  uint64_t decode_tokens_run = 0;
-  while (e.HasUnfinished()) {
-    const uint64_t prefill_before = e.counters().prefill_tokens;
-    const uint64_t decode_before = e.counters().decode_tokens;
-    const auto s0 = Clock::now();
-    for (RequestId id : e.Step()) e.TakeResult(id);
-    if (e.counters().prefill_tokens == prefill_before) {
-      decode_s += Seconds(s0, Clock::now());
-      decode_tokens_run += e.counters().decode_tokens - decode_before;
-    }
-  }
-  const double decode_tps = decode_s > 0 ? static_cast<double>(decode_tokens_run) / decode_s : 0;
-  const double peak = MatMulGflops();
-  const double fpt = FlopsPerToken(c);
-  std::printf("prefill: %zu x %zu tokens in %.3f s = %.0f tokens/s (%.2f GFLOP/s in projections)\n",
-              batch, prompt_len, prefill_s, prefill_tps, prefill_tps * fpt / 1e9);
-  std::printf(
-      "decode:  %zu streams x %zu tokens in %.3f s = %.0f tokens/s (%.2f GFLOP/s in projections)\n",
-      batch, decode_tokens, decode_s, decode_tps, decode_tps * fpt / 1e9);
-  std::printf(
-      "machine: MatMul 64x256x768 one thread %.2f GFLOP/s; prefill at %.2fx, decode at "
-      "%.2fx of it\n",
-      peak, prefill_tps * fpt / 1e9 / peak, decode_tps * fpt / 1e9 / peak);
   return kExitOk;
 }
 
@@ -305,21 +226,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"both", "prefill", "decode"}));
 
-  ModelFlags bench_flags;
-  size_t batch = 8, prompt_len = 512, decode_tokens = 64;
-  CLI::App* bench = app.add_subcommand(
-      "bench",
-      "Prefill and decode tokens/s (one thread), with the machine's own MatMul rate for scale.");
-  AddModelFlags(bench, bench_flags);
-  bench->add_option("--batch", batch, "concurrent requests")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  bench->add_option("--prompt-len", prompt_len, "prompt tokens per request (prefill phase)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 20));
-  bench->add_option("--decode-tokens", decode_tokens, "tokens each request decodes")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 20));
+  BenchFlags bench_flags;
+  AddBenchCommand(app, &bench_flags);
 
   try {
     app.parse(argc, argv);
@@ -332,5 +240,5 @@ int main(int argc, char** argv) {
     return RunRemoteChat(chat_flags, remote, turns, user_tokens, chat_new, chat_seed);
   }
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);
-  return RunBench(bench_flags, batch, prompt_len, decode_tokens);
+  return RunBench(bench_flags);
 }
