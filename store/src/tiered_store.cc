@@ -194,9 +194,12 @@ LookupResult TieredStore::LookupLocked(const BlockKey& key, Deferred* deferred) 
   // often it is looked up) and pin the SSD copy.
   const BlockKey keys[] = {key};
   StorePlan plan;
-  if (!cpu_->PrepareStore(keys, &plan).ok()) {  // no CPU room
+  if (!cpu_->PrepareStore(keys, &plan).ok()) {
+    // No CPU room now (every slot pinned, being written or promoted, or the namespace's quota
+    // all pinned): the block is held, so it is asked for again rather than reported missing.
     counters_->quota_refusals += plan.quota_refused;
-    return LookupResult::kMiss;
+    counters_->promotions_deferred += 1;
+    return LookupResult::kRetry;
   }
   counters_->cpu_evictions += plan.evicted.size();  // gone even if the promotion fails below
   std::vector<SlotId> ssd_slots;

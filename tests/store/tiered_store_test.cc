@@ -324,7 +324,8 @@ TEST_F(TieredStoreTest, TouchKeepsABlockOnSsdOverNewerUntouchedOnes) {
 }
 
 // A CPU quota bounds a namespace's stores and promotions alike: a promotion into a namespace at
-// its quota evicts that namespace's own CPU block (still on SSD), and one that cannot is a miss.
+// its quota evicts that namespace's own CPU block (still on SSD), and one that cannot is asked
+// for again (RETRY: the block is held, docs/semantics.md §5).
 TEST_F(TieredStoreTest, CpuQuotaBoundsStoresAndPromotions) {
   constexpr NamespaceId kA = 1, kB = 2;
   TieredStoreOptions options = Options(8, 32);
@@ -348,13 +349,36 @@ TEST_F(TieredStoreTest, CpuQuotaBoundsStoresAndPromotions) {
   // With both of A's CPU blocks pinned, neither a promotion nor a store of A finds room.
   std::vector<std::span<const std::byte>> blocks;
   ASSERT_TRUE(store->PrepareLoad(NsKeys(kA, {1, 3}), &blocks).ok());
-  EXPECT_EQ(store->Lookup(NsKey(kA, 2)), LookupResult::kMiss);
+  const uint64_t deferred = store->stats().promotions_deferred;
+  EXPECT_EQ(store->Lookup(NsKey(kA, 2)), LookupResult::kRetry);
+  EXPECT_EQ(store->stats().promotions_deferred, deferred + 1);
+  EXPECT_EQ(store->stats().promotions_started, 1u);  // the first promotion only
   StorePlan plan;
   EXPECT_EQ(store->PrepareStore(NsKeys(kA, {4}), &plan).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(store->stats().quota_refusals, 2u);
   ASSERT_TRUE(store->CompleteLoad(NsKeys(kA, {1, 3})).ok());
   EXPECT_EQ(store->Lookup(NsKey(kA, 2)), LookupResult::kRetry);
   store->WaitIdle();
+}
+
+// A block held only on SSD while every CPU slot is pinned is asked for again, never a miss;
+// once a pin goes it is promoted.
+TEST_F(TieredStoreTest, ABlockOnSsdWithTheCpuTierPinnedFullIsARetryNotAMiss) {
+  auto store = Open(Options(2, 16));
+  Store(*store, Keys({1, 2}));
+  store->WaitIdle();
+  Store(*store, Keys({3, 4}));  // 1 and 2 now only on SSD
+  store->WaitIdle();
+  std::vector<std::span<const std::byte>> blocks;
+  ASSERT_TRUE(store->PrepareLoad(Keys({3, 4}), &blocks).ok());  // the whole CPU tier pinned
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);
+  EXPECT_EQ(store->stats().promotions_started, 0u);
+  ASSERT_TRUE(store->CompleteLoad(Keys({3})).ok());
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kRetry);  // promoted now, over block 3
+  store->WaitIdle();
+  EXPECT_EQ(store->Lookup(Key(1)), LookupResult::kHit);
+  ExpectCpuBlock(*store, 1);
+  ASSERT_TRUE(store->CompleteLoad(Keys({4})).ok());
 }
 
 TEST_F(TieredStoreTest, PromotedBlockIsPinnedOnSsdAgainstEviction) {

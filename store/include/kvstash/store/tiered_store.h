@@ -75,8 +75,8 @@ struct TieredStoreStats {
   uint64_t promotions_started = 0;  // blocks
   uint64_t promotions_done = 0;
   uint64_t promotion_failures = 0;  // unreadable on SSD: dropped, a miss
-  // Lookups of SSD-only blocks answered RETRY without a promotion, max_promotions_in_flight
-  // being reached.
+  // Lookups of SSD-only blocks answered RETRY without a promotion: max_promotions_in_flight
+  // was reached, or the CPU tier had no slot to promote into.
   uint64_t promotions_deferred = 0;
   // Write-through: committed blocks whose cascade waited for their eviction, the disk being
   // behind by max_cascades_in_flight blocks.
@@ -89,7 +89,7 @@ struct TieredStoreStats {
   // go to SSD; the SSD tier counts its own evictions in SsdTierStats).
   uint64_t cpu_evictions = 0;
   // New blocks refused because their namespace was at its CPU quota with too few of its own
-  // blocks idle to evict (stores, and promotions, which then answer MISS).
+  // blocks idle to evict (stores, and promotions, which then answer RETRY).
   uint64_t quota_refusals = 0;
 };
 
@@ -99,8 +99,9 @@ struct TieredStoreStats {
 //     max_cascades_in_flight blocks behind) or when evicted (write-back);
 //   - a lookup that finds a block only on SSD answers RETRY and starts promoting it to the
 //     CPU tier in the background, one job per lookup call; once the promotion is done,
-//     lookups answer HIT (at most max_promotions_in_flight at once: past it a lookup answers
-//     RETRY and a later one starts the promotion);
+//     lookups answer HIT (at most max_promotions_in_flight at once, and only into a CPU slot
+//     free to take: past the cap, or with no slot, a lookup answers RETRY and a later one
+//     starts the promotion; a block held is never answered MISS for want of room);
 //   - a block read by a promotion (its SSD copy) or a cascade (its CPU copy) is pinned, and a
 //     promotion's CPU slot is being written, so neither can be evicted under the I/O.
 // Loads (PrepareLoad .. CompleteLoad) read CPU-resident blocks only.
