@@ -217,7 +217,9 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   EXPECT_DOUBLE_EQ(s["infinite_cache_hit_ratio"].get<double>(), InfiniteHitRatio(trace));
   const double lru = LruHitRatio(trace, blocks);
   std::cout << "independent LRU model: " << lru << "\n";
-  if (GetParam() == "lru") EXPECT_NEAR(measured, lru, 0.01);
+  if (GetParam() == "lru") {
+    EXPECT_NEAR(measured, lru, 0.01);
+  }
   // The cache was small enough to matter and large enough to work.
   EXPECT_GT(measured, 0.05);
   if (std::getenv("KVSTASH_REPLAY_TRACE") == nullptr) {
