@@ -1,0 +1,409 @@
+// kvstash._kvstash: the C++ side of the Python package. A thin binding of connector::NodeClient
+// (python/kvstash/__init__.py wraps it in the documented API): keys arrive as bytes, block
+// buffers as buffer-protocol objects whose memory is handed to the client as is (no copy in
+// Python or here), and the GIL is released while a call waits on the nodes. Errors become the
+// Python exceptions kvstash/__init__.py defines (one per status code), with the C++ message.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvstash/common/block_key.h"
+#include "kvstash/common/hash.h"
+#include "kvstash/common/status.h"
+#include "kvstash/common/token_file.h"
+#include "kvstash/connector/node_client.h"
+
+namespace py = pybind11;
+
+namespace kvstash::python {
+namespace {
+
+// Makes the exception for a status: kvstash._error_for(code_name, message), set at import.
+py::object& ErrorFactory() {
+  static py::object* factory = new py::object();  // never destroyed: outlives the interpreter
+  return *factory;
+}
+
+[[noreturn]] void Raise(const Status& status) {
+  const std::string name(StatusCodeName(status.code()));
+  const std::string message(status.message());
+  if (!ErrorFactory()) throw std::runtime_error(name + ": " + message);
+  py::object error = ErrorFactory()(name, message);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  throw py::error_already_set();
+}
+
+// vLLM's OffloadKey packing: block hash bytes, then the group index as 4 big-endian bytes. The
+// hash bytes (any length) become the key's 128-bit hash by xxh3-128; the group is kept as is.
+BlockKey KeyOf(const py::handle& object) {
+  if (!PyBytes_Check(object.ptr())) {
+    Raise(InvalidArgumentError("a key is bytes (hash bytes + 4-byte big-endian group), not {}",
+                               std::string(py::str(py::type::of(object).attr("__name__")))));
+  }
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  PyBytes_AsStringAndSize(object.ptr(), &data, &size);
+  if (size <= 4) {
+    Raise(InvalidArgumentError(
+        "a key of {} bytes: a key is at least 1 hash byte followed by a 4-byte group", size));
+  }
+  const auto* bytes = reinterpret_cast<const std::byte*>(data);
+  const size_t hash_bytes = static_cast<size_t>(size) - 4;
+  const auto* group = reinterpret_cast<const uint8_t*>(data + hash_bytes);
+  BlockKey key;
+  key.hash = Xxh3Hash128(std::span(bytes, hash_bytes));
+  key.group = (uint32_t{group[0]} << 24) | (uint32_t{group[1]} << 16) | (uint32_t{group[2]} << 8) |
+              uint32_t{group[3]};
+  return key;
+}
+
+std::vector<BlockKey> KeysOf(const py::sequence& keys) {
+  std::vector<BlockKey> out;
+  out.reserve(keys.size());
+  for (const py::handle& k : keys) out.push_back(KeyOf(k));
+  return out;
+}
+
+// A buffer-protocol object's memory, held (and the object kept alive) until released with the
+// GIL held.
+class HeldBuffer {
+ public:
+  HeldBuffer(const py::handle& object, bool writable) {
+    const int flags = writable ? PyBUF_CONTIG : PyBUF_CONTIG_RO;
+    if (PyObject_GetBuffer(object.ptr(), &view_, flags) != 0) {
+      PyErr_Clear();
+      Raise(InvalidArgumentError(
+          "a block buffer must be a C-contiguous{} buffer (bytes, bytearray, memoryview, a "
+          "numpy array; a torch tensor through .numpy()), not {}",
+          writable ? ", writable" : "",
+          std::string(py::str(py::type::of(object).attr("__name__")))));
+    }
+    held_ = true;
+  }
+  HeldBuffer(HeldBuffer&& other) noexcept : view_(other.view_), held_(other.held_) {
+    other.held_ = false;
+  }
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(HeldBuffer&&) = delete;
+  ~HeldBuffer() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+
+  std::span<std::byte> bytes() const {
+    return {static_cast<std::byte*>(view_.buf), static_cast<size_t>(view_.len)};
+  }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+std::vector<HeldBuffer> BuffersOf(const py::sequence& buffers, size_t expected, bool writable) {
+  if (buffers.size() != expected) {
+    Raise(InvalidArgumentError("{} keys but {} buffers", expected, buffers.size()));
+  }
+  std::vector<HeldBuffer> out;
+  out.reserve(buffers.size());
+  for (const py::handle& b : buffers) out.emplace_back(b, writable);
+  return out;
+}
+
+// The outcome of a put or a get: the first error, or the bytes read per key.
+struct Outcome {
+  Status status;
+  std::vector<size_t> lengths;
+};
+
+Outcome RunPut(connector::NodeClient* client, const std::vector<BlockKey>& keys,
+               const std::vector<HeldBuffer>& buffers) {
+  std::vector<transport::Bytes> blocks;
+  blocks.reserve(buffers.size());
+  for (const HeldBuffer& b : buffers) blocks.push_back(b.bytes());
+  return {client->Put(keys, blocks), {}};
+}
+
+Outcome RunGet(connector::NodeClient* client, const std::vector<BlockKey>& keys,
+               const std::vector<HeldBuffer>& buffers) {
+  std::vector<transport::MutableBytes> outs;
+  outs.reserve(buffers.size());
+  for (const HeldBuffer& b : buffers) outs.push_back(b.bytes());
+  Outcome outcome;
+  std::vector<Result<size_t>> got = client->Get(keys, outs);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!got[i].ok()) {
+      if (outcome.status.ok()) {
+        outcome.status =
+            Status(got[i].status().code(),
+                   fmt::format("key {} of {}: {}", i, got.size(), got[i].status().message()));
+      }
+      outcome.lengths.push_back(0);
+    } else {
+      outcome.lengths.push_back(*got[i]);
+    }
+  }
+  return outcome;
+}
+
+py::object Finish(const Outcome& outcome, bool is_get) {
+  if (!outcome.status.ok()) Raise(outcome.status);
+  if (!is_get) return py::none();
+  return py::cast(outcome.lengths);
+}
+
+// A put or get running on a thread of its own; the buffers stay held until it is done and the
+// handle goes. The client stays alive as long as the handle.
+class Handle {
+ public:
+  Handle(std::shared_ptr<connector::NodeClient> client, std::vector<BlockKey> keys,
+         std::vector<HeldBuffer> buffers, bool is_get)
+      : client_(std::move(client)),
+        keys_(std::move(keys)),
+        buffers_(std::move(buffers)),
+        is_get_(is_get) {
+    future_ = std::async(std::launch::async, [this] {
+      return is_get_ ? RunGet(client_.get(), keys_, buffers_)
+                     : RunPut(client_.get(), keys_, buffers_);
+    });
+  }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() {
+    if (future_.valid()) {
+      py::gil_scoped_release release;
+      future_.wait();
+    }
+  }
+
+  bool done() const {
+    return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+  // True once done; false when `timeout` (seconds) passed first. None: no limit.
+  bool wait(std::optional<double> timeout) const {
+    py::gil_scoped_release release;
+    if (!timeout) {
+      future_.wait();
+      return true;
+    }
+    const auto limit = std::chrono::duration<double>(std::max(0.0, *timeout));
+    return future_.wait_for(limit) == std::future_status::ready;
+  }
+  // Waits, then raises the call's error or returns its result (get: the bytes per key).
+  py::object result() {
+    {
+      py::gil_scoped_release release;
+      future_.wait();
+    }
+    if (!outcome_) outcome_ = future_.get();
+    return Finish(*outcome_, is_get_);
+  }
+
+ private:
+  std::shared_ptr<connector::NodeClient> client_;
+  const std::vector<BlockKey> keys_;
+  const std::vector<HeldBuffer> buffers_;
+  const bool is_get_;
+  std::future<Outcome> future_;
+  std::optional<Outcome> outcome_;
+};
+
+class Client {
+ public:
+  Client(const std::vector<std::string>& nodes, const std::string& key_namespace,
+         const std::optional<std::string>& token, const std::optional<std::string>& token_file,
+         int64_t timeout_ms, const std::optional<std::string>& tls) {
+    connector::NodeClientOptions options;
+    if (nodes.empty()) Raise(InvalidArgumentError("nodes: at least one HOST:PORT"));
+    for (const std::string& node : nodes) {
+      Result<connector::NodeAddress> address = connector::ParseNodeAddress(node);
+      if (!address.ok()) Raise(address.status());
+      options.nodes.push_back(*address);
+    }
+    if (key_namespace.empty()) Raise(InvalidArgumentError("namespace: empty"));
+    options.key_namespace = key_namespace;
+    Result<std::string> resolved =
+        ResolveToken(token.value_or(""), "token", token_file.value_or(""), "token_file");
+    if (!resolved.ok()) Raise(resolved.status());
+    options.auth_token = *resolved;
+    if (timeout_ms <= 0) Raise(InvalidArgumentError("timeout_ms: {} is not positive", timeout_ms));
+    options.timeout = std::chrono::milliseconds(timeout_ms);
+    options.connect_timeout = std::min(options.connect_timeout, options.timeout);
+    options.transport.tls = tls.value_or("");
+    Result<std::unique_ptr<connector::NodeClient>> client = InternalError("not created");
+    {
+      py::gil_scoped_release release;
+      client = connector::NodeClient::Create(std::move(options));
+    }
+    if (!client.ok()) Raise(client.status());
+    client_ = std::shared_ptr<connector::NodeClient>(std::move(*client));
+  }
+
+  std::vector<int> Lookup(const py::sequence& keys) {
+    const std::vector<BlockKey> k = KeysOf(keys);
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    std::vector<LookupResult> results;
+    {
+      py::gil_scoped_release release;
+      results = client->Lookup(k);
+    }
+    std::vector<int> out;
+    out.reserve(results.size());
+    for (LookupResult r : results) out.push_back(static_cast<int>(r));
+    return out;
+  }
+
+  void Put(const py::sequence& keys, const py::sequence& buffers) {
+    const std::vector<BlockKey> k = KeysOf(keys);
+    const std::vector<HeldBuffer> held = BuffersOf(buffers, k.size(), /*writable=*/false);
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    Outcome outcome;
+    {
+      py::gil_scoped_release release;
+      outcome = RunPut(client.get(), k, held);
+    }
+    Finish(outcome, false);
+  }
+
+  py::object GetBlocks(const py::sequence& keys, const py::sequence& buffers) {
+    const std::vector<BlockKey> k = KeysOf(keys);
+    const std::vector<HeldBuffer> held = BuffersOf(buffers, k.size(), /*writable=*/true);
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    Outcome outcome;
+    {
+      py::gil_scoped_release release;
+      outcome = RunGet(client.get(), k, held);
+    }
+    return Finish(outcome, true);
+  }
+
+  std::unique_ptr<Handle> Async(const py::sequence& keys, const py::sequence& buffers,
+                                bool is_get) {
+    std::vector<BlockKey> k = KeysOf(keys);
+    std::vector<HeldBuffer> held = BuffersOf(buffers, k.size(), is_get);
+    return std::make_unique<Handle>(Get(), std::move(k), std::move(held), is_get);
+  }
+
+  void Touch(const py::sequence& keys) {
+    const std::vector<BlockKey> k = KeysOf(keys);
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = client->TouchSync(k);
+    }
+    if (!status.ok()) Raise(status);
+  }
+
+  uint64_t BlockBytes() {
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    Result<uint64_t> bytes = InternalError("not asked");
+    {
+      py::gil_scoped_release release;
+      bytes = client->BlockBytes(0);
+    }
+    if (!bytes.ok()) Raise(bytes.status());
+    return *bytes;
+  }
+
+  py::dict Stats() {
+    const std::shared_ptr<connector::NodeClient> client = Get();
+    const connector::BlockStoreCounters c = client->counters();
+    py::dict own;
+    own["calls"] = c.calls;
+    own["unreachable"] = c.unreachable;
+    own["refused"] = c.refused;
+    own["touched_keys"] = c.touched_keys;
+    own["pinned_keys"] = c.pinned_keys;
+    py::dict nodes;
+    for (size_t i = 0; i < client->node_count(); ++i) {
+      Result<std::map<std::string, uint64_t>> stats = InternalError("not asked");
+      {
+        py::gil_scoped_release release;
+        stats = client->Stats(i);
+      }
+      const std::string name = client->node(i).ToString();
+      if (stats.ok()) {
+        nodes[py::str(name)] = py::cast(*stats);
+      } else {
+        py::dict error;
+        error["error"] = stats.status().ToString();
+        nodes[py::str(name)] = error;
+      }
+    }
+    py::dict out;
+    out["client"] = own;
+    out["nodes"] = nodes;
+    return out;
+  }
+
+  // Waits for the asynchronous touches in flight, then disconnects. Idempotent; handles still
+  // running keep the connections until they are done.
+  void Close() {
+    if (!client_) return;
+    std::shared_ptr<connector::NodeClient> client = std::move(client_);
+    py::gil_scoped_release release;
+    client->WaitForTouches();
+    client.reset();
+  }
+
+  bool closed() const { return client_ == nullptr; }
+
+ private:
+  // The client, kept alive for the call even if another thread closes this one meanwhile.
+  std::shared_ptr<connector::NodeClient> Get() const {
+    if (!client_) Raise(FailedPreconditionError("the client is closed"));
+    return client_;
+  }
+
+  std::shared_ptr<connector::NodeClient> client_;
+};
+
+}  // namespace
+}  // namespace kvstash::python
+
+PYBIND11_MODULE(_kvstash, m) {
+  using namespace kvstash::python;
+  m.doc() = "kvstash's C++ client (use the kvstash package, not this module)";
+  m.def(
+      "_set_error_factory", [](py::object factory) { ErrorFactory() = std::move(factory); },
+      "Sets the callable (code_name, message) -> exception that errors are raised with.");
+  m.def(
+      "key_hash",
+      [](const py::bytes& key) {
+        const kvstash::BlockKey k = KeyOf(key);
+        return py::make_tuple(k.hash.lo, k.hash.hi, k.group);
+      },
+      "The (hash_lo, hash_hi, group) a key maps to.");
+
+  py::class_<Handle>(m, "Handle")
+      .def("done", &Handle::done)
+      .def("wait", &Handle::wait, py::arg("timeout") = py::none())
+      .def("result", &Handle::result);
+
+  py::class_<Client>(m, "Client")
+      .def(py::init<const std::vector<std::string>&, const std::string&,
+                    const std::optional<std::string>&, const std::optional<std::string>&, int64_t,
+                    const std::optional<std::string>&>(),
+           py::arg("nodes"), py::arg("namespace"), py::arg("token"), py::arg("token_file"),
+           py::arg("timeout_ms"), py::arg("tls"))
+      .def("lookup", &Client::Lookup)
+      .def("put", &Client::Put)
+      .def("get", &Client::GetBlocks)
+      .def("put_async", [](Client& c, const py::sequence& keys,
+                           const py::sequence& buffers) { return c.Async(keys, buffers, false); })
+      .def("get_async", [](Client& c, const py::sequence& keys,
+                           const py::sequence& buffers) { return c.Async(keys, buffers, true); })
+      .def("touch", &Client::Touch)
+      .def("block_bytes", &Client::BlockBytes)
+      .def("stats", &Client::Stats)
+      .def("close", &Client::Close)
+      .def_property_readonly("closed", &Client::closed);
+}
