@@ -184,10 +184,11 @@ class Handle {
   }
 
   bool done() const {
-    return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    return outcome_ || future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
   // True once done; false when `timeout` (seconds) passed first. None: no limit.
   bool wait(std::optional<double> timeout) const {
+    if (outcome_) return true;
     py::gil_scoped_release release;
     if (!timeout) {
       future_.wait();
@@ -196,13 +197,16 @@ class Handle {
     const auto limit = std::chrono::duration<double>(std::max(0.0, *timeout));
     return future_.wait_for(limit) == std::future_status::ready;
   }
-  // Waits, then raises the call's error or returns its result (get: the bytes per key).
+  // Waits, then raises the call's error or returns its result (get: the bytes per key), the
+  // same every time.
   py::object result() {
-    {
-      py::gil_scoped_release release;
-      future_.wait();
+    if (!outcome_) {
+      {
+        py::gil_scoped_release release;
+        future_.wait();
+      }
+      outcome_ = future_.get();
     }
-    if (!outcome_) outcome_ = future_.get();
     return Finish(*outcome_, is_get_);
   }
 

@@ -1,0 +1,259 @@
+"""kvstash.Client against real kvstashd processes: round trips with bytes, numpy and torch
+buffers, every error class, a killed node, asynchronous handles, the GIL released while a call
+waits. Needs KVSTASHD (the daemon's path; ctest sets it) and the built package on PYTHONPATH."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvstash
+
+KVSTASHD = os.environ.get("KVSTASHD")
+pytestmark = pytest.mark.skipif(not KVSTASHD, reason="KVSTASHD (the kvstashd binary) not set")
+BLOCK = 4096
+
+
+class Node:
+    """A kvstashd on a free loopback port, stopped at the end of the test."""
+
+    def __init__(self, *args):
+        self.process = subprocess.Popen(
+            [KVSTASHD, "--listen", "127.0.0.1", "--port", "0", "--metrics-address", "off",
+             "--block-bytes", "4KiB", "--cpu-bytes", "1MiB", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 20
+        self.address = None
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            found = re.search(r"listening on (\S+:\d+)", line)
+            if found:
+                self.address = found.group(1).rstrip(":")
+                break
+        assert self.address, "kvstashd did not start"
+        # Keep reading its output so that it never blocks on a full pipe.
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=20)
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.stop()
+
+
+def keys_of(n, group=0, prefix=b"block"):
+    return [kvstash.key(prefix + b"-%d" % i, group) for i in range(n)]
+
+
+def pattern(i):
+    return (np.arange(BLOCK, dtype=np.uint32)[: BLOCK // 4] * 2654435761 + i).astype(np.uint32)
+
+
+def test_keys_follow_vllm_offload_key_layout():
+    assert kvstash.key(b"\x01\x02", 7) == b"\x01\x02\x00\x00\x00\x07"
+    with pytest.raises(kvstash.InvalidArgument):
+        kvstash.key(b"", 0)
+    with pytest.raises(kvstash.InvalidArgument):
+        kvstash.key(b"x", 2**32)
+
+
+def test_round_trips_with_bytes_numpy_and_torch(node):
+    torch = pytest.importorskip("torch")
+    with kvstash.Client(node.address, namespace="py") as client:
+        assert client.block_bytes() == BLOCK
+        keys = keys_of(6)
+        blocks = [pattern(i) for i in range(6)]
+        sources = [blocks[0].tobytes(), bytearray(blocks[1].tobytes()),
+                   memoryview(blocks[2].tobytes()), blocks[3], blocks[4].view(np.uint8),
+                   torch.from_numpy(blocks[5].view(np.int32).copy()).numpy()]
+        client.put(keys, sources)
+        assert client.lookup(keys) == [kvstash.KeyState.HIT] * 6
+        outs = [bytearray(BLOCK), np.zeros(BLOCK, np.uint8), np.zeros(BLOCK // 4, np.uint32),
+                torch.zeros(BLOCK, dtype=torch.uint8).numpy(), memoryview(bytearray(BLOCK)),
+                np.zeros(BLOCK, np.uint8)]
+        assert client.get(keys, outs) == [BLOCK] * 6
+        for i, out in enumerate(outs):
+            assert bytes(memoryview(out).cast("B")) == blocks[i].tobytes(), i
+
+
+def test_lookups_prefix_and_window(node):
+    with kvstash.Client([node.address], namespace="py") as client:
+        keys = keys_of(6)
+        client.put([keys[0], keys[1], keys[4], keys[5]], [pattern(i) for i in (0, 1, 4, 5)])
+        S = kvstash.KeyState
+        assert client.lookup(keys) == [S.HIT, S.HIT, S.MISS, S.MISS, S.HIT, S.HIT]
+        assert client.prefix_lookup(keys) == 2
+        assert client.window_lookup(keys, 2) == 6
+        assert client.window_lookup(keys, 3) == 2  # no window of 3: the prefix
+        assert client.lookup([]) == []
+
+
+def test_groups_are_distinct_keys(node):
+    with kvstash.Client(node.address) as client:
+        client.put([kvstash.key(b"same", 0)], [pattern(0)])
+        assert client.lookup([kvstash.key(b"same", 0), kvstash.key(b"same", 1)]) == [
+            kvstash.KeyState.HIT, kvstash.KeyState.MISS]
+
+
+def test_namespaces_do_not_see_each_other(node):
+    with kvstash.Client(node.address, namespace="a") as a, \
+            kvstash.Client(node.address, namespace="b") as b:
+        a.put(keys_of(1), [pattern(0)])
+        assert a.lookup(keys_of(1)) == [kvstash.KeyState.HIT]
+        assert b.lookup(keys_of(1)) == [kvstash.KeyState.MISS]
+
+
+def test_every_status_code_has_its_error_class():
+    names = ["CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+             "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+             "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+             "UNAUTHENTICATED"]
+    classes = set()
+    for name in names:
+        error = kvstash._error_for(name, "the message")
+        assert isinstance(error, kvstash.Error)
+        assert error.code == name
+        assert str(error) == f"{name}: the message"
+        classes.add(type(error))
+    assert len(classes) == len(names)
+    for cls in (kvstash.Unavailable, kvstash.Unauthenticated, kvstash.PermissionDenied,
+                kvstash.InvalidArgument, kvstash.ResourceExhausted, kvstash.DeadlineExceeded):
+        assert issubclass(cls, kvstash.Error)
+
+
+def test_errors_from_the_nodes_carry_their_code_and_message(node, tmp_path):
+    with kvstash.Client(node.address) as client:
+        with pytest.raises(kvstash.InvalidArgument, match="block size is 4096"):
+            client.put(keys_of(1), [b"short"])
+        with pytest.raises(kvstash.NotFound, match="does not hold"):
+            client.get(keys_of(1, prefix=b"absent"), [bytearray(BLOCK)])
+        with pytest.raises(kvstash.InvalidArgument, match="C-contiguous"):
+            client.put(keys_of(1), [np.zeros((64, 128), np.uint8)[:, ::2]])
+        with pytest.raises(kvstash.InvalidArgument, match="writable"):
+            client.get(keys_of(1), [b"\0" * BLOCK])
+        with pytest.raises(kvstash.InvalidArgument, match="2 keys but 1 buffers"):
+            client.put(keys_of(2), [pattern(0)])
+        with pytest.raises(kvstash.InvalidArgument, match="a key is bytes"):
+            client.lookup(["not bytes"])
+        with pytest.raises(kvstash.InvalidArgument, match="at least 1 hash byte"):
+            client.lookup([b"abc"])
+    with pytest.raises(kvstash.FailedPrecondition, match="closed"):
+        client.lookup(keys_of(1))
+    with pytest.raises(kvstash.InvalidArgument, match="HOST:PORT"):
+        kvstash.Client("no-port")
+    with pytest.raises(kvstash.InvalidArgument):
+        kvstash.Client(node.address, token="a", token_file=str(tmp_path / "t"))
+    with pytest.raises(kvstash.NotFound, match="token_file"):
+        kvstash.Client(node.address, token_file=str(tmp_path / "missing"))
+
+
+def test_wrong_token_is_unauthenticated_and_a_namespace_token_is_checked(tmp_path):
+    tokens = tmp_path / "namespaces"
+    tokens.write_text("tenant secret-1\n")
+    secured = Node("--auth-token-file", str(_write(tmp_path / "token", "node-token\n")),
+                   "--namespace-token-file", str(tokens))
+    try:
+        with pytest.raises(kvstash.Unauthenticated):
+            kvstash.Client(secured.address, token="wrong").block_bytes()
+        with kvstash.Client(secured.address, token_file=str(tmp_path / "token")) as client:
+            assert client.block_bytes() == BLOCK
+        with pytest.raises((kvstash.PermissionDenied, kvstash.Unauthenticated)):
+            kvstash.Client(secured.address, namespace="tenant", token="node-token").block_bytes()
+        with kvstash.Client(secured.address, namespace="tenant", token="secret-1") as client:
+            assert client.block_bytes() == BLOCK
+    finally:
+        secured.stop()
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_a_killed_node_reads_as_misses_and_its_reads_are_unavailable():
+    victim = Node()
+    client = kvstash.Client(victim.address, timeout_ms=1000)
+    client.put(keys_of(2), [pattern(0), pattern(1)])
+    assert client.lookup(keys_of(2)) == [kvstash.KeyState.HIT] * 2
+    victim.stop(signal.SIGKILL)
+    assert client.lookup(keys_of(2)) == [kvstash.KeyState.MISS] * 2
+    assert client.prefix_lookup(keys_of(2)) == 0
+    with pytest.raises(kvstash.Unavailable):
+        client.get(keys_of(1), [bytearray(BLOCK)])
+    with pytest.raises(kvstash.Unavailable):
+        client.put(keys_of(1, prefix=b"new"), [pattern(9)])
+    stats = client.stats()
+    assert stats["client"]["unreachable"] > 0
+    assert "error" in stats["nodes"][victim.address]
+    client.close()
+    client.close()  # idempotent
+
+
+def test_async_handles(node):
+    with kvstash.Client(node.address) as client:
+        keys = keys_of(8)
+        blocks = [pattern(i) for i in range(8)]
+        put = client.put_async(keys, blocks)
+        assert put.wait(10)
+        assert put.done()
+        assert put.result() is None
+        outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        get = client.get_async(keys, outs)
+        assert get.result() == [BLOCK] * 8
+        assert all(out.tobytes() == b.tobytes() for out, b in zip(outs, blocks))
+        missing = client.get_async(keys_of(1, prefix=b"absent"), [bytearray(BLOCK)])
+        assert missing.wait(None)
+        with pytest.raises(kvstash.NotFound):
+            missing.result()
+        with pytest.raises(kvstash.NotFound):  # the same error every time it is asked
+            missing.result()
+
+
+def test_the_gil_is_released_while_a_call_waits():
+    stalled = Node()
+    try:
+        client = kvstash.Client(stalled.address, timeout_ms=800)
+        assert client.block_bytes() == BLOCK
+        stalled.process.send_signal(signal.SIGSTOP)
+        done = threading.Event()
+
+        def slow_lookup():
+            client.lookup(keys_of(4))  # waits for the deadline: the node answers nothing
+            done.set()
+
+        thread = threading.Thread(target=slow_lookup)
+        start = time.monotonic()
+        thread.start()
+        spins = 0
+        while not done.is_set() and time.monotonic() - start < 10:
+            spins += 1
+        thread.join()
+        assert time.monotonic() - start >= 0.5
+        assert spins > 10000  # this thread ran Python all along
+        stalled.process.send_signal(signal.SIGCONT)
+        client.close()
+    finally:
+        stalled.process.send_signal(signal.SIGCONT)
+        stalled.stop()
+
+
+def test_touch_reaches_the_node(node):
+    with kvstash.Client(node.address) as client:
+        client.put(keys_of(3), [pattern(i) for i in range(3)])
+        client.touch(keys_of(3))
+        stats = client.stats()
+        assert stats["client"]["touched_keys"] == 3
+        assert stats["nodes"][node.address]["node.touched_keys"] >= 3
