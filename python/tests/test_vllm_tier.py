@@ -1,0 +1,388 @@
+"""KvstashSecondaryTier driven as vLLM's TieringOffloadingManager drives it, against kvstashd.
+
+The manager polls get_finished() once per engine step, asks lookup() once per key (None: ask
+again next step), submits one submit_load() per request at the end of a step for the keys that
+answered True, and one submit_store() per secondary tier when blocks land in the primary. Here a
+step is a short sleep; every wait is bounded.
+"""
+
+import collections
+import mmap
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+import kvstash
+from kvstash import vllm as tier_module
+from kvstash.vllm import HIT, MISS, RETRY, JobMetadata, KvstashSecondaryTier
+
+ReqContext = collections.namedtuple("ReqContext", ["req_id", "kv_transfer_params"])
+STEP_S = 0.005
+BLOCK_BYTES = 4096  # the nodes' --block-bytes (conftest.BASE_ARGS)
+
+
+def make_keys(n, prefix=b"req"):
+    return [kvstash.key(prefix + i.to_bytes(8, "big"), 0) for i in range(n)]
+
+
+def make_primary(num_blocks=8, seed=0):
+    """The primary tier's rows, (num_blocks, block bytes), filled with random bytes."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(num_blocks, BLOCK_BYTES), dtype=np.uint8)
+
+
+class Manager:
+    """The calls TieringOffloadingManager makes on one secondary tier."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self.next_job_id = 0
+        self.results = {}
+        self.ctx = ReqContext("req-0", None)
+
+    def step(self):
+        """An engine step's poll of finished jobs."""
+        for result in self.tier.get_finished():
+            assert result.job_id not in self.results, f"job {result.job_id} finished twice"
+            self.results[result.job_id] = result.success
+        time.sleep(STEP_S)
+
+    def _job(self, keys, block_ids, is_promotion):
+        job_id = self.next_job_id
+        self.next_job_id += 1
+        job = JobMetadata(job_id=job_id, keys=list(keys),
+                          block_ids=np.array(block_ids, dtype=np.int64),
+                          is_promotion=is_promotion, req_context=self.ctx)
+        (self.tier.submit_load if is_promotion else self.tier.submit_store)(job)
+        return job_id
+
+    def cascade(self, keys, block_ids):
+        return self._job(keys, block_ids, is_promotion=False)
+
+    def promote(self, keys, block_ids):
+        return self._job(keys, block_ids, is_promotion=True)
+
+    def wait_job(self, job_id, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while job_id not in self.results:
+            assert time.monotonic() < deadline, f"job {job_id} did not finish in {timeout} s"
+            self.step()
+        return self.results[job_id]
+
+    def lookup_until_decided(self, key, timeout=5.0):
+        """Asks once per step until the answer is not "ask again"; returns every answer."""
+        answers = []
+        deadline = time.monotonic() + timeout
+        while True:
+            answers.append(self.tier.lookup(key, self.ctx))
+            if answers[-1] is not RETRY:
+                return answers
+            assert time.monotonic() < deadline, f"lookup undecided after {timeout} s"
+            self.step()
+
+
+@pytest.fixture
+def make_tier():
+    """make_tier(node_or_nodes, primary, **config): a tier shut down at teardown."""
+    tiers = []
+
+    def make(node, primary, **config):
+        nodes = [n.address for n in node] if isinstance(node, list) else [node.address]
+        config.setdefault("namespace", "test")
+        tier = KvstashSecondaryTier(None, memoryview(primary) if isinstance(primary, np.ndarray)
+                                    else primary, "kvstash", nodes=nodes, **config)
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.shutdown()
+
+
+def node_counter(node, name):
+    with kvstash.Client([node.address]) as client:
+        return client.stats()["nodes"][node.address][name]
+
+
+def test_cascade_store_reports_success(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary))
+    job = manager.cascade(make_keys(3), [0, 1, 2])
+    assert manager.wait_job(job) is True
+    assert node_counter(node, "cpu.resident_blocks") == 3
+    assert manager.tier.get_finished() == []
+    assert not manager.tier.has_pending_work()
+
+
+def test_drain_jobs_returns_once_every_job_has_a_result(node, make_tier):
+    primary = make_primary()
+    tier = make_tier(node, primary)
+    manager = Manager(tier)
+    jobs = [manager.cascade(make_keys(2, b"drain%d" % i), [2 * i, 2 * i + 1]) for i in range(4)]
+    tier.drain_jobs()
+    assert sorted(r.job_id for r in tier.get_finished() if r.success) == jobs
+    assert not tier.has_pending_work()
+
+
+def test_lookup_answers_none_then_true(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary))
+    keys = make_keys(2)
+    assert manager.wait_job(manager.cascade(keys[:1], [0])) is True
+
+    stored = manager.lookup_until_decided(keys[0])
+    absent = manager.lookup_until_decided(keys[1])
+    # The first call never waits on the node; the answer arrives by a later step.
+    assert stored[0] is RETRY and stored[-1] is HIT
+    assert absent[0] is RETRY and absent[-1] is MISS
+    # Answered from the batch's result, without asking again.
+    assert manager.tier.lookup(keys[0], manager.ctx) is HIT
+
+
+def test_submit_load_fills_other_primary_slots(node, make_tier):
+    primary = make_primary(num_blocks=8, seed=1)
+    manager = Manager(make_tier(node, primary))
+    keys = make_keys(3)
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2])) is True
+    for key in keys:
+        assert manager.lookup_until_decided(key)[-1] is HIT
+    primary[4:7] = 0
+    assert manager.wait_job(manager.promote(keys, [6, 4, 5])) is True
+    np.testing.assert_array_equal(primary[6], primary[0])
+    np.testing.assert_array_equal(primary[4], primary[1])
+    np.testing.assert_array_equal(primary[5], primary[2])
+
+
+def test_touch_reaches_the_nodes_arc_policy(start_node, make_tier):
+    node = start_node("--cpu-policy", "arc")
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary))
+    keys = make_keys(3)
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2])) is True
+    assert node_counter(node, "cpu.arc_t2_blocks") == 0
+    manager.tier.touch(keys, manager.ctx)  # returns at once; the background thread sends it
+    deadline = time.monotonic() + 5.0
+    while node_counter(node, "cpu.arc_t2_blocks") < 3:
+        assert time.monotonic() < deadline, "the touch never reached the node"
+        time.sleep(STEP_S)
+
+
+def test_touches_of_a_moment_merge_last_call_first():
+    merged = tier_module._merge_touches([[b"a", b"b"], [b"c", b"a"], [b"d"]])
+    assert merged == [b"d", b"c", b"a", b"b"]
+
+
+def test_node_killed_mid_job_fails_the_job_then_lookups_miss(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary, timeout_ms=1000))
+    keys = make_keys(3)
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2])) is True
+    for key in keys:
+        assert manager.lookup_until_decided(key)[-1] is HIT
+
+    node.pause()
+    job = manager.promote(keys[:2], [4, 5])
+    time.sleep(0.1)  # the job waits on the stalled node
+    node.kill()
+    assert manager.wait_job(job) is False
+    # Nothing raises; every answer given before the failure is forgotten, also for keys[2],
+    # which no failed job named.
+    for key in keys:
+        assert manager.lookup_until_decided(key)[-1] is MISS
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2])) is False
+
+
+def test_lookup_storm_never_waits_on_a_stalled_node(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary, timeout_ms=2000))
+    assert manager.lookup_until_decided(make_keys(1, b"warm")[0])[-1] is MISS  # connected
+    keys = make_keys(10_000)
+    node.pause()
+    try:
+        start = time.perf_counter()
+        answers = [manager.tier.lookup(key, manager.ctx) for key in keys]
+        manager.tier.touch(keys[:100], manager.ctx)
+        manager.tier.get_finished()
+        elapsed = time.perf_counter() - start
+    finally:
+        node.resume()
+    print(f"10000 lookups against a stalled node: {elapsed:.3f} s")
+    assert elapsed < 0.5, f"10000 lookups took {elapsed:.3f} s against a 2 s timeout"
+    assert set(answers) <= {RETRY, MISS} and RETRY in answers
+
+
+def test_key_waiting_past_lookup_wait_reads_as_miss(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary, timeout_ms=2000, lookup_wait_ms=100))
+    assert manager.lookup_until_decided(make_keys(1, b"warm")[0])[-1] is MISS
+    key = make_keys(1)[0]
+    node.pause()
+    try:
+        assert manager.tier.lookup(key, manager.ctx) is RETRY
+        time.sleep(0.15)
+        assert manager.tier.lookup(key, manager.ctx) is MISS
+    finally:
+        node.resume()
+
+
+def test_invalid_jobs_fail_without_raising(node, make_tier):
+    primary = make_primary(num_blocks=4)
+    manager = Manager(make_tier(node, primary))
+    keys = make_keys(2)
+    mismatched = manager.cascade(keys, [0])
+    out_of_range = manager.promote(keys, [0, 4])
+    negative = manager.cascade(keys, [-1, 0])
+    empty = manager.promote([], [])
+    assert manager.wait_job(mismatched) is False
+    assert manager.wait_job(out_of_range) is False
+    assert manager.wait_job(negative) is False
+    assert manager.wait_job(empty) is True
+    # A load of blocks no node holds fails too.
+    assert manager.wait_job(manager.promote(keys, [0, 1])) is False
+
+
+def test_namespaces_keep_blocks_apart(node, make_tier):
+    primary = make_primary()
+    a = Manager(make_tier(node, primary, namespace="model-a"))
+    b = Manager(make_tier(node, primary, namespace="model-b"))
+    keys = make_keys(1)
+    assert a.wait_job(a.cascade(keys, [0])) is True
+    assert a.lookup_until_decided(keys[0])[-1] is HIT
+    assert b.lookup_until_decided(keys[0])[-1] is MISS
+
+
+def test_shutdown_lets_the_primary_release_its_mapping(node, make_tier):
+    # vLLM's primary is a memoryview over an mmap, closed after the tiers shut down.
+    num_blocks = 4
+    region = mmap.mmap(-1, num_blocks * BLOCK_BYTES)
+    view = memoryview(region).cast("B", (num_blocks, BLOCK_BYTES))
+    view[0, 0] = 7
+    manager = Manager(make_tier(node, view))
+    keys = make_keys(1)
+    assert manager.wait_job(manager.cascade(keys, [0])) is True
+    assert manager.wait_job(manager.promote(keys, [1])) is True
+    assert view[1, 0] == 7
+    manager.tier.shutdown()
+    view.release()
+    region.close()  # BufferError if the tier still held the rows
+
+
+def test_block_size_other_than_the_row_size_is_refused(node):
+    primary = np.zeros((4, 2 * BLOCK_BYTES), dtype=np.uint8)
+    with pytest.raises(ValueError, match=f"--block-bytes {2 * BLOCK_BYTES}"):
+        KvstashSecondaryTier(None, memoryview(primary), "kvstash", nodes=[node.address])
+
+
+def test_config_errors_are_refused():
+    primary = make_primary()
+    with pytest.raises(ValueError, match="unknown config keys"):
+        KvstashSecondaryTier(None, primary, "kvstash", nodes=["127.0.0.1:1"], timeout=5)
+    with pytest.raises(ValueError, match="nodes"):
+        KvstashSecondaryTier(None, primary, "kvstash")
+    with pytest.raises(ValueError, match="shape"):
+        KvstashSecondaryTier(None, np.zeros(16, np.uint8), "kvstash", nodes=["127.0.0.1:1"])
+
+
+def test_default_namespace_fingerprints_model_and_layout():
+    def config(model="org/model-a", block_size=16, layers=32):
+        hf = types.SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=8, head_dim=128)
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(model=model, revision=None, dtype="bfloat16",
+                                               hf_text_config=hf),
+            cache_config=types.SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+
+    base = tier_module.namespace_for(config(), 4096)
+    assert base.startswith("vllm-")
+    assert base == tier_module.namespace_for(config(), 4096)
+    # An OffloadingSpec holding the VllmConfig gives the same namespace.
+    assert base == tier_module.namespace_for(types.SimpleNamespace(vllm_config=config()), 4096)
+    assert base != tier_module.namespace_for(config(model="org/model-b"), 4096)
+    assert base != tier_module.namespace_for(config(block_size=32), 4096)
+    assert base != tier_module.namespace_for(config(layers=40), 4096)
+    assert base != tier_module.namespace_for(config(), 8192)
+    # Whatever is missing is left out, never an error.
+    assert tier_module.namespace_for(None, 4096).startswith("vllm-")
+    assert tier_module.namespace_for(types.SimpleNamespace(model_config=None), 4096)
+
+
+def test_register_adds_the_tier_to_vllms_factory(monkeypatch):
+    registered = {}
+
+    class SecondaryTierFactory:
+        _registry = registered
+
+        @classmethod
+        def register_tier(cls, tier_type, module_path, class_name):
+            if tier_type in cls._registry:
+                raise ValueError(f"Tier '{tier_type}' is already registered.")
+            cls._registry[tier_type] = (module_path, class_name)
+
+    names = ["vllm", "vllm.v1", "vllm.v1.kv_offload", "vllm.v1.kv_offload.tiering",
+             "vllm.v1.kv_offload.tiering.factory"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].SecondaryTierFactory = SecondaryTierFactory
+
+    tier_module.register()
+    tier_module.register()  # plugins may load twice in one process
+    assert registered == {"kvstash": ("kvstash.vllm", "KvstashSecondaryTier")}
+
+
+def test_register_without_vllm_does_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    assert tier_module.register() is None
+
+
+def test_promotions_as_the_manager_runs_them(node, make_tier):
+    """Four requests of 16 blocks each, held by the node, promoted into a 64-row primary."""
+    primary = make_primary(num_blocks=128, seed=2)
+    manager = Manager(make_tier(node, primary))
+    requests = {f"req-{r}": make_keys(16, b"r%d" % r) for r in range(4)}
+    source = {}
+    for r, keys in enumerate(requests.values()):
+        slots = list(range(16 * r, 16 * r + 16))
+        assert manager.wait_job(manager.cascade(keys, slots)) is True
+        source.update(zip(keys, slots))
+    tier = make_tier(node, primary)  # a fresh tier: nothing asked yet, no connection reused
+    calls_before = tier._client.stats()["client"]["calls"]
+
+    lookup_calls = None
+    promoted = {}  # key -> primary slot it was promoted into
+    free_slots = iter(range(64, 128))
+    jobs = {}
+    deadline = time.monotonic() + 5.0
+    while len(promoted) < 64 or jobs:
+        assert time.monotonic() < deadline, f"{len(promoted)} of 64 promoted"
+        for result in tier.get_finished():  # the once-per-step poll
+            assert result.success is True
+            jobs.pop(result.job_id)
+        pending = {}
+        for req_id, keys in requests.items():  # maximal-prefix scans: None counts as a hit
+            for key in keys:
+                if key in promoted:
+                    continue
+                answer = tier.lookup(key, ReqContext(req_id, None))
+                if answer is MISS:
+                    break
+                if answer is HIT:  # prepare_write in the primary, load at the step's end
+                    promoted[key] = next(free_slots)
+                    pending.setdefault(req_id, []).append(key)
+        if pending and lookup_calls is None:  # answers came, no load sent yet
+            lookup_calls = tier._client.stats()["client"]["calls"] - calls_before
+        for req_id, keys in pending.items():  # one submit_load per request
+            job_id = 1000 + len(jobs) + len(promoted)
+            jobs[job_id] = keys
+            tier.submit_load(JobMetadata(job_id=job_id, keys=keys,
+                                         block_ids=np.array([promoted[k] for k in keys]),
+                                         is_promotion=True, req_context=ReqContext(req_id, None)))
+        time.sleep(STEP_S)
+
+    for key, slot in promoted.items():
+        np.testing.assert_array_equal(primary[slot], primary[source[key]])
+    # The 64 keys asked in the first step went to the node in one batch or a few, not one call
+    # each.
+    assert lookup_calls < 8, f"{lookup_calls} lookup calls for 64 keys"
