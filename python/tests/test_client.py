@@ -1,11 +1,8 @@
-"""kvstash.Client against real kvstashd processes: round trips with bytes, numpy and torch
-buffers, every error class, a killed node, asynchronous handles, the GIL released while a call
-waits. Needs KVSTASHD (the daemon's path; ctest sets it) and the built package on PYTHONPATH."""
+"""kvstash.Client against real kvstashd processes (conftest.py's fixtures): round trips with
+bytes, numpy and torch buffers, every error class, a killed node, asynchronous handles, the GIL
+released while a call waits. Needs KVSTASHD (the daemon's path; ctest sets it) and the built
+package on PYTHONPATH; tests that need a node skip without KVSTASHD."""
 
-import os
-import re
-import signal
-import subprocess
 import threading
 import time
 
@@ -14,44 +11,7 @@ import pytest
 
 import kvstash
 
-KVSTASHD = os.environ.get("KVSTASHD")
-pytestmark = pytest.mark.skipif(not KVSTASHD, reason="KVSTASHD (the kvstashd binary) not set")
 BLOCK = 4096
-
-
-class Node:
-    """A kvstashd on a free loopback port, stopped at the end of the test."""
-
-    def __init__(self, *args):
-        self.process = subprocess.Popen(
-            [KVSTASHD, "--listen", "127.0.0.1", "--port", "0", "--metrics-address", "off",
-             "--block-bytes", "4KiB", "--cpu-bytes", "1MiB", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 20
-        self.address = None
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            found = re.search(r"listening on (\S+:\d+)", line)
-            if found:
-                self.address = found.group(1).rstrip(":")
-                break
-        assert self.address, "kvstashd did not start"
-        # Keep reading its output so that it never blocks on a full pipe.
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()
-
-    def stop(self, sig=signal.SIGTERM):
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=20)
-
-
-@pytest.fixture
-def node():
-    n = Node()
-    yield n
-    n.stop()
 
 
 def keys_of(n, group=0, prefix=b"block"):
@@ -160,22 +120,19 @@ def test_errors_from_the_nodes_carry_their_code_and_message(node, tmp_path):
         kvstash.Client(node.address, token_file=str(tmp_path / "missing"))
 
 
-def test_wrong_token_is_unauthenticated_and_a_namespace_token_is_checked(tmp_path):
+def test_wrong_token_is_unauthenticated_and_a_namespace_token_is_checked(start_node, tmp_path):
     tokens = tmp_path / "namespaces"
     tokens.write_text("tenant secret-1\n")
-    secured = Node("--auth-token-file", str(_write(tmp_path / "token", "node-token\n")),
-                   "--namespace-token-file", str(tokens))
-    try:
-        with pytest.raises(kvstash.Unauthenticated):
-            kvstash.Client(secured.address, token="wrong").block_bytes()
-        with kvstash.Client(secured.address, token_file=str(tmp_path / "token")) as client:
-            assert client.block_bytes() == BLOCK
-        with pytest.raises((kvstash.PermissionDenied, kvstash.Unauthenticated)):
-            kvstash.Client(secured.address, namespace="tenant", token="node-token").block_bytes()
-        with kvstash.Client(secured.address, namespace="tenant", token="secret-1") as client:
-            assert client.block_bytes() == BLOCK
-    finally:
-        secured.stop()
+    secured = start_node("--auth-token-file", str(_write(tmp_path / "token", "node-token\n")),
+                         "--namespace-token-file", str(tokens))
+    with pytest.raises(kvstash.Unauthenticated):
+        kvstash.Client(secured.address, token="wrong").block_bytes()
+    with kvstash.Client(secured.address, token_file=str(tmp_path / "token")) as client:
+        assert client.block_bytes() == BLOCK
+    with pytest.raises((kvstash.PermissionDenied, kvstash.Unauthenticated)):
+        kvstash.Client(secured.address, namespace="tenant", token="node-token").block_bytes()
+    with kvstash.Client(secured.address, namespace="tenant", token="secret-1") as client:
+        assert client.block_bytes() == BLOCK
 
 
 def _write(path, text):
@@ -183,12 +140,12 @@ def _write(path, text):
     return path
 
 
-def test_a_killed_node_reads_as_misses_and_its_reads_are_unavailable():
-    victim = Node()
+def test_a_killed_node_reads_as_misses_and_its_reads_are_unavailable(start_node):
+    victim = start_node()
     client = kvstash.Client(victim.address, timeout_ms=1000)
     client.put(keys_of(2), [pattern(0), pattern(1)])
     assert client.lookup(keys_of(2)) == [kvstash.KeyState.HIT] * 2
-    victim.stop(signal.SIGKILL)
+    victim.kill()
     assert client.lookup(keys_of(2)) == [kvstash.KeyState.MISS] * 2
     assert client.prefix_lookup(keys_of(2)) == 0
     with pytest.raises(kvstash.Unavailable):
@@ -222,32 +179,28 @@ def test_async_handles(node):
             missing.result()
 
 
-def test_the_gil_is_released_while_a_call_waits():
-    stalled = Node()
-    try:
-        client = kvstash.Client(stalled.address, timeout_ms=800)
-        assert client.block_bytes() == BLOCK
-        stalled.process.send_signal(signal.SIGSTOP)
-        done = threading.Event()
+def test_the_gil_is_released_while_a_call_waits(start_node):
+    stalled = start_node()
+    client = kvstash.Client(stalled.address, timeout_ms=800)
+    assert client.block_bytes() == BLOCK
+    stalled.pause()
+    done = threading.Event()
 
-        def slow_lookup():
-            client.lookup(keys_of(4))  # waits for the deadline: the node answers nothing
-            done.set()
+    def slow_lookup():
+        client.lookup(keys_of(4))  # waits for the deadline: the node answers nothing
+        done.set()
 
-        thread = threading.Thread(target=slow_lookup)
-        start = time.monotonic()
-        thread.start()
-        spins = 0
-        while not done.is_set() and time.monotonic() - start < 10:
-            spins += 1
-        thread.join()
-        assert time.monotonic() - start >= 0.5
-        assert spins > 10000  # this thread ran Python all along
-        stalled.process.send_signal(signal.SIGCONT)
-        client.close()
-    finally:
-        stalled.process.send_signal(signal.SIGCONT)
-        stalled.stop()
+    thread = threading.Thread(target=slow_lookup)
+    start = time.monotonic()
+    thread.start()
+    spins = 0
+    while not done.is_set() and time.monotonic() - start < 10:
+        spins += 1
+    thread.join()
+    assert time.monotonic() - start >= 0.5
+    assert spins > 10000  # this thread ran Python all along
+    stalled.resume()
+    client.close()
 
 
 def test_touch_reaches_the_node(node):
