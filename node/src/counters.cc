@@ -27,6 +27,8 @@ Value NodeValue(const Snapshot& s) {
   }
 #define KVSTASH_TRANSPORT(expr) \
   [](const Snapshot& s) -> Value { return s.transport ? Value(s.transport->expr) : std::nullopt; }
+#define KVSTASH_MEMORY(expr) \
+  [](const Snapshot& s) -> Value { return s.memory ? Value(s.memory->expr) : std::nullopt; }
 
 const MetricFamilyDef kBlocks{"kvstash_blocks", MetricType::Gauge, "Blocks held, by tier"};
 const MetricFamilyDef kBytes{"kvstash_bytes", MetricType::Gauge,
@@ -78,6 +80,9 @@ const MetricFamilyDef kRequests{"kvstash_requests_total", MetricType::Counter,
                                 "Requests dispatched"};
 const MetricFamilyDef kRefusals{"kvstash_refusals_total", MetricType::Counter,
                                 "Connections refused for a wrong token"};
+const MetricFamilyDef kMemory{"kvstash_cpu_memory_bytes", MetricType::Gauge,
+                              "The CPU tier's memory: all of it, and the part faulted in (a node "
+                              "serves at once and faults its memory in in the background)"};
 const MetricFamilyDef kMalformed{"kvstash_malformed_frames_total", MetricType::Counter,
                                  "Malformed frames received"};
 
@@ -148,6 +153,9 @@ const std::vector<CounterDef>& Defs() {
       {"transport.refused", KVSTASH_TRANSPORT(stats.refused), &kRefusals, {}},
       {"transport.malformed_frames", KVSTASH_TRANSPORT(stats.malformed_frames), &kMalformed, {}},
       {"transport.mapped_payloads", KVSTASH_TRANSPORT(stats.mapped_payloads), nullptr, {}},
+      // The CPU tier's memory.
+      {"cpu.memory_bytes", KVSTASH_MEMORY(total), &kMemory, {{"state", "total"}}},
+      {"cpu.faulted_bytes", KVSTASH_MEMORY(faulted), &kMemory, {{"state", "faulted"}}},
   };
   return defs;
 }
@@ -155,6 +163,7 @@ const std::vector<CounterDef>& Defs() {
 #undef KVSTASH_STORE
 #undef KVSTASH_ARC
 #undef KVSTASH_TRANSPORT
+#undef KVSTASH_MEMORY
 
 }  // namespace
 

@@ -78,6 +78,16 @@ std::vector<MetricFamily> NamespaceFamilies(const std::vector<NamespaceStats>& n
   return {std::move(blocks), std::move(quotas), std::move(refusals)};
 }
 
+MetricFamily FaultedShare(const NodeServer& node) {
+  ClientMetric share;
+  share.gauge.value = node.memory_faulted_share();
+  return MetricFamily{"kvstash_cpu_memory_faulted_ratio",
+                      "Share of the CPU tier's memory faulted in (the node serves from the start "
+                      "and faults its memory in in the background)",
+                      MetricType::Gauge,
+                      {share}};
+}
+
 class NodeCollectable : public prometheus::Collectable {
  public:
   explicit NodeCollectable(NodeServer& node) : node_(node) {}
@@ -104,6 +114,7 @@ class NodeCollectable : public prometheus::Collectable {
       families[it->second].metric.push_back(std::move(metric));
     }
     families.push_back(RequestSeconds(node_.Latencies()));
+    families.push_back(FaultedShare(node_));
     for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) {
       families.push_back(std::move(family));
     }
@@ -114,14 +125,20 @@ class NodeCollectable : public prometheus::Collectable {
   NodeServer& node_;
 };
 
-// /healthz: answers while the daemon serves.
+// /healthz: answers while the daemon serves (it is ready as soon as it listens), with the share
+// of its memory faulted in.
 class Up : public prometheus::Collectable {
  public:
+  explicit Up(const NodeServer& node) : node_(node) {}
   std::vector<MetricFamily> Collect() const override {
     ClientMetric up;
     up.gauge.value = 1;
-    return {MetricFamily{"kvstash_up", "1 while the node serves", MetricType::Gauge, {up}}};
+    return {MetricFamily{"kvstash_up", "1 while the node serves", MetricType::Gauge, {up}},
+            FaultedShare(node_)};
   }
+
+ private:
+  const NodeServer& node_;
 };
 
 }  // namespace
@@ -129,7 +146,7 @@ class Up : public prometheus::Collectable {
 class MetricsEndpoint::Impl {
  public:
   std::shared_ptr<NodeCollectable> node;
-  std::shared_ptr<Up> up = std::make_shared<Up>();
+  std::shared_ptr<Up> up;
   std::unique_ptr<prometheus::Exposer> exposer;
 };
 
@@ -137,6 +154,7 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(const std::stri
                                                                  NodeServer& node) {
   auto impl = std::make_unique<Impl>();
   impl->node = std::make_shared<NodeCollectable>(node);
+  impl->up = std::make_shared<Up>(node);
   try {
     impl->exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
   } catch (const std::exception& e) {

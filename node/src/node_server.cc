@@ -19,6 +19,7 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/proto/convert.h"
+#include "memory_warmer.h"
 
 namespace kvstash::node {
 namespace {
@@ -128,7 +129,8 @@ class NodeServer::Impl {
   ~Impl() {
     // Handlers use the service and the CPU memory: stop serving first (sessions end there),
     // then close the service and its store, then give the memory back while the transport
-    // still exists.
+    // still exists. The warmer stops first (within one chunk), at any moment of its work.
+    warmer_.reset();
     if (server_) server_->Stop();
     service_.reset();
     cpu_region_ = transport::MemoryRegion();
@@ -155,6 +157,11 @@ class NodeServer::Impl {
           "its own and block payloads go by UCX rendezvous",
           cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
     }
+    // Memory shared through the transport is faulted in after the node listens, on threads
+    // of its own (node/src/memory_warmer.h), instead of page by page before: a node of any
+    // size serves at once.
+    const bool warm_later = options_.store.prefault && cpu_region_.size() != 0;
+    if (warm_later) options_.store.prefault = false;
     KVSTASH_ASSIGN_OR_RETURN(service_,
                              NodeService::Create(static_cast<NodeServiceOptions&>(options_)));
     Register();
@@ -163,6 +170,12 @@ class NodeServer::Impl {
     // Leases expire a few times per lease, on the progress thread.
     const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
     server_->RunEvery(period, [this] { service_->ExpireLeases(); });
+    if (warm_later) {
+      const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, 8);
+      warmer_ = std::make_unique<MemoryWarmer>(cpu_region_.bytes().first(cpu_bytes), threads);
+    }
+    memory_bytes_ = cpu_bytes;
+    memory_prefaulted_ = !warm_later && options_.store.prefault;
     return Status::OK();
   }
 
@@ -174,11 +187,19 @@ class NodeServer::Impl {
   uint16_t port() const { return server_->port(); }
   NodeService& service() { return *service_; }
   bool shares_cpu_memory() const { return cpu_region_.size() != 0; }
+  double memory_faulted_share() const {
+    if (memory_bytes_ == 0) return 1;
+    if (!warmer_) return memory_prefaulted_ ? 1 : 0;
+    return static_cast<double>(warmer_->faulted_bytes()) / static_cast<double>(memory_bytes_);
+  }
 
   std::map<std::string, uint64_t> Counters() const {
     std::map<std::string, uint64_t> counters = service_->Counters();
     CounterSnapshot snapshot;
     snapshot.transport = CounterSnapshot::Transport{server_->stats(), server_->connection_count()};
+    snapshot.memory =
+        CounterSnapshot::Memory{memory_bytes_, warmer_ ? warmer_->faulted_bytes()
+                                                       : (memory_prefaulted_ ? memory_bytes_ : 0)};
     counters.merge(ReadCounters(snapshot));
     return counters;
   }
@@ -402,6 +423,9 @@ class NodeServer::Impl {
   std::unique_ptr<transport::Listener> server_;
   transport::MemoryRegion cpu_region_;
   std::unique_ptr<NodeService> service_;
+  std::unique_ptr<MemoryWarmer> warmer_;  // faulting the CPU memory in; null when not
+  size_t memory_bytes_ = 0;               // the CPU tier's memory
+  bool memory_prefaulted_ = false;        // faulted in by the store before serving
   std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
 };
 
@@ -418,6 +442,7 @@ Status NodeServer::Shutdown() { return impl_->Shutdown(); }
 uint16_t NodeServer::port() const { return impl_->port(); }
 std::map<std::string, uint64_t> NodeServer::Counters() const { return impl_->Counters(); }
 std::vector<MethodLatency> NodeServer::Latencies() const { return impl_->Latencies(); }
+double NodeServer::memory_faulted_share() const { return impl_->memory_faulted_share(); }
 std::vector<NamespaceStats> NodeServer::Namespaces() const { return impl_->service().Namespaces(); }
 store::TieredStore& NodeServer::store() { return impl_->service().store(); }
 bool NodeServer::shares_cpu_memory() const { return impl_->shares_cpu_memory(); }

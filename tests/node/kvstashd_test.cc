@@ -74,6 +74,30 @@ std::string HttpGet(uint16_t port, const std::string& path) {
   return body == std::string::npos ? "" : response.substr(body + 4);
 }
 
+// A large tier: the node serves at once and faults its memory in behind; /healthz says it is
+// up and how much is in, blocks stored meanwhile read back whole, and a SIGTERM while the pages
+// still come in stops it cleanly (exit 0). Readiness, content and the stop, never the time.
+TEST(KvstashdTest, ALargeTierServesCorrectBlocksWhileItsMemoryComesInAndStopsOnSigterm) {
+  Daemon daemon({"--block-bytes", "64KiB", "--cpu-bytes", "4GiB"}, /*sizes=*/false);
+  ASSERT_NE(daemon.port(), 0);
+  ASSERT_NE(daemon.metrics_port(), 0);
+  const std::string health = HttpGet(daemon.metrics_port(), "/healthz");
+  EXPECT_THAT(health, HasSubstr("kvstash_up 1"));
+  EXPECT_THAT(health, HasSubstr("kvstash_cpu_memory_faulted_ratio "));
+  {
+    NodeTestClient client(daemon.port(), "tenant", "", "", kBlock);
+    ASSERT_TRUE(client.ok());
+    std::vector<uint64_t> keys;
+    for (uint64_t k = 1; k <= 64; ++k) keys.push_back(k);
+    client.Store(keys);
+    for (uint64_t k : keys) EXPECT_TRUE(client.ReadBack(k)) << k;
+  }
+  const std::string metrics = HttpGet(daemon.metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("kvstash_cpu_memory_bytes{state=\"total\"} 4294967296"));
+  EXPECT_THAT(metrics, HasSubstr("kvstash_cpu_memory_bytes{state=\"faulted\"} "));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
 TEST(KvstashdTest, MetricsMoveUnderLoadAndHealthAnswers) {
   Daemon daemon({});
   ASSERT_NE(daemon.port(), 0);

@@ -93,6 +93,10 @@ class NodeServer {
   store::TieredStore& store();
   // True when the CPU tier lives in memory shared through the transport.
   bool shares_cpu_memory() const;
+  // The share of the CPU tier's memory faulted in, 0 to 1. A node serves from the start and
+  // faults its memory in on background threads meanwhile (a slot not in yet is faulted by its
+  // first write); 1 once all of it is in. Thread-safe.
+  double memory_faulted_share() const;
 
   class Impl;
 
