@@ -61,14 +61,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   if (offload) {
     OffloadContext context;
     context.layout = &engine->runner_.layout();
-    ModelRunner* runner = &engine->runner_;
-    context.pool = runner->host_pool();
-    if (!runner->host_pool_is_pool()) {
-      context.pages_to_host = [runner](std::span<const uint32_t> b) {
-        return runner->PagesToHost(b);
+    ModelRunner* built = &engine->runner_;
+    context.pool = built->host_pool();
+    if (!built->host_pool_is_pool()) {
+      context.pages_to_host = [built](std::span<const uint32_t> b) {
+        return built->PagesToHost(b);
       };
-      context.pages_to_device = [runner](std::span<const uint32_t> b) {
-        return runner->PagesToDevice(b);
+      context.pages_to_device = [built](std::span<const uint32_t> b) {
+        return built->PagesToDevice(b);
       };
     }
     context.kv_cache = &engine->kv_cache_;

@@ -236,9 +236,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tiny-state-hybrid", 1, {100}},
                       Case{"tiny-state-hybrid", 1, {15, 2, 16}},
                       Case{"tiny-state-hybrid", 4, {100}}, Case{"tiny-state-hybrid", 4, {3, 21}}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      std::string name = info.param.model + "_pack" + std::to_string(info.param.attn_pack);
-      for (size_t c : info.param.chunks) name += "_" + std::to_string(c);
+    [](const ::testing::TestParamInfo<Case>& param_info) {
+      std::string name =
+          param_info.param.model + "_pack" + std::to_string(param_info.param.attn_pack);
+      for (size_t c : param_info.param.chunks) name += "_" + std::to_string(c);
       for (char& ch : name) {
         if (ch == '-') ch = '_';
       }
@@ -280,9 +281,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tiny-swa", 1, {40, 7}}, Case{"tiny-swa", 1, {3, 33, 50}},
                       Case{"tiny-hybrid", 1, {100}}, Case{"tiny-hybrid", 1, {9, 33}},
                       Case{"tiny-hybrid", 2, {1, 64}}, Case{"tiny-hybrid", 4, {45, 2, 31}}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      std::string name = info.param.model + "_pack" + std::to_string(info.param.attn_pack);
-      for (size_t c : info.param.chunks) name += "_" + std::to_string(c);
+    [](const ::testing::TestParamInfo<Case>& param_info) {
+      std::string name =
+          param_info.param.model + "_pack" + std::to_string(param_info.param.attn_pack);
+      for (size_t c : param_info.param.chunks) name += "_" + std::to_string(c);
       for (char& ch : name) {
         if (ch == '-') ch = '_';
       }

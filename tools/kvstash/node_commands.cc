@@ -167,18 +167,8 @@ int RunLookup(const NodeFlags& flags) {
   auto looked_up = (*client)->LookupStrict(*keys);
   if (!looked_up.ok()) return Errors("lookup").Fail(kExitFailure, looked_up.status().message());
   const std::vector<LookupResult>& states = *looked_up;
-  std::optional<size_t> prefix;
-  if (flags.prefix) {
-    prefix = 0;
-    for (LookupResult s : states) {
-      if (s == LookupResult::kMiss) break;
-      if (s == LookupResult::kRetry) {
-        prefix.reset();
-        break;
-      }
-      ++*prefix;
-    }
-  }
+  // The scan the connector uses (docs/semantics.md §7.4); nullopt: a RETRY decides it.
+  const ScanResult prefix = MaximalPrefix(states.size(), [&states](size_t i) { return states[i]; });
   if (flags.json) {
     nlohmann::json doc = {{"keys", nlohmann::json::array()}};
     for (size_t i = 0; i < keys->size(); ++i) {
