@@ -114,9 +114,7 @@ struct Shared {
 connector::NodeClientOptions ClientOptions(const BenchNodeFlags& flags,
                                            std::shared_ptr<transport::ClientWorker> worker) {
   connector::NodeClientOptions options;
-  for (const std::string& node : flags.nodes) {
-    options.nodes.push_back(*connector::ParseNodeAddress(node));
-  }
+  options.nodes = *connector::ParseNodeAddresses(flags.nodes);
   options.key_namespace = flags.key_namespace;
   options.auth_token = flags.token;
   options.transport.tls = flags.tls;
@@ -264,10 +262,8 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  for (const std::string& node : flags.nodes) {
-    if (auto a = connector::ParseNodeAddress(node); !a.ok()) {
-      return fail(kExitUsage, a.status().message());
-    }
+  if (auto a = connector::ParseNodeAddresses(flags.nodes); !a.ok()) {
+    return fail(kExitUsage, a.status().message());
   }
   if (flags.clients < 1 || flags.clients > 1024) {
     return fail(kExitUsage, fmt::format("--clients: {} is outside 1..1024", flags.clients));

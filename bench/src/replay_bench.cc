@@ -362,9 +362,7 @@ double InfiniteCacheHitRatio(const std::vector<TraceRequest>& trace) {
 connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const std::string& token,
                                            std::shared_ptr<transport::ClientWorker> worker) {
   connector::NodeClientOptions options;
-  for (const std::string& node : flags.nodes) {
-    options.nodes.push_back(*connector::ParseNodeAddress(node));
-  }
+  options.nodes = *connector::ParseNodeAddresses(flags.nodes);
   options.key_namespace = flags.key_namespace;
   options.auth_token = token;
   options.transport.tls = flags.tls;
@@ -417,10 +415,8 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  for (const std::string& node : flags.nodes) {
-    if (auto a = connector::ParseNodeAddress(node); !a.ok()) {
-      return fail(kExitUsage, a.status().message());
-    }
+  if (auto a = connector::ParseNodeAddresses(flags.nodes); !a.ok()) {
+    return fail(kExitUsage, a.status().message());
   }
   if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
     return fail(kExitUsage, fmt::format("--speed: {} is not a factor >= 0", flags.speed));

@@ -105,6 +105,16 @@ Result<NodeAddress> ParseNodeAddress(std::string_view text) {
   return address;
 }
 
+Result<std::vector<NodeAddress>> ParseNodeAddresses(const std::vector<std::string>& texts) {
+  std::vector<NodeAddress> out;
+  out.reserve(texts.size());
+  for (const std::string& text : texts) {
+    KVSTASH_ASSIGN_OR_RETURN(NodeAddress address, ParseNodeAddress(text));
+    out.push_back(std::move(address));
+  }
+  return out;
+}
+
 // Every call's outcome goes through Record: counters, and the logs that say when a node went
 // down, came back, or refused something. Shared with the callbacks of asynchronous calls.
 // Thread-safe.

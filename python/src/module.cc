@@ -226,11 +226,9 @@ class Client {
          int64_t timeout_ms, const std::optional<std::string>& tls) {
     connector::NodeClientOptions options;
     if (nodes.empty()) Raise(InvalidArgumentError("nodes: at least one HOST:PORT"));
-    for (const std::string& node : nodes) {
-      Result<connector::NodeAddress> address = connector::ParseNodeAddress(node);
-      if (!address.ok()) Raise(address.status());
-      options.nodes.push_back(*address);
-    }
+    Result<std::vector<connector::NodeAddress>> addresses = connector::ParseNodeAddresses(nodes);
+    if (!addresses.ok()) Raise(addresses.status());
+    options.nodes = std::move(*addresses);
     if (key_namespace.empty()) Raise(InvalidArgumentError("namespace: empty"));
     options.key_namespace = key_namespace;
     Result<std::string> resolved =

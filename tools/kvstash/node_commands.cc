@@ -57,10 +57,7 @@ void AddConnectionFlags(CLI::App* cmd, NodeFlags& flags, bool keys) {
 
 Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
   connector::NodeClientOptions options;
-  for (const std::string& node : flags.nodes) {
-    KVSTASH_ASSIGN_OR_RETURN(auto address, connector::ParseNodeAddress(node));
-    options.nodes.push_back(address);
-  }
+  KVSTASH_ASSIGN_OR_RETURN(options.nodes, connector::ParseNodeAddresses(flags.nodes));
   KVSTASH_ASSIGN_OR_RETURN(options.auth_token,
                            ResolveToken(flags.token, "--token", flags.token_file, "--token-file"));
   if (flags.timeout_ms < 1) {

@@ -39,6 +39,8 @@ namespace kvstash::connector {
 
 // "HOST:PORT"; InvalidArgument naming the text otherwise.
 Result<NodeAddress> ParseNodeAddress(std::string_view text);
+// Each of `texts` as ParseNodeAddress; the first error.
+Result<std::vector<NodeAddress>> ParseNodeAddresses(const std::vector<std::string>& texts);
 
 struct NodeClientOptions {
   std::vector<NodeAddress> nodes;
