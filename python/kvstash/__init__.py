@@ -107,30 +107,6 @@ def _keys(keys):
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
-def _scan_prefix(states):
-    hits, retry = 0, False
-    for s in states:
-        if s == KeyState.MISS:
-            break
-        retry = retry or s == KeyState.RETRY
-        hits += 1
-    return None if retry else hits
-
-
-def _scan_window(states, window):
-    window = max(1, int(window))
-    retry, run = False, 0
-    for i in range(len(states) - 1, -1, -1):
-        if states[i] == KeyState.HIT:
-            run += 1
-            if run == window:
-                return None if retry else i + window
-        else:
-            retry = retry or states[i] == KeyState.RETRY
-            run = 0
-    return None if retry else run
-
-
 class Client:
     """A client of one or more kvstash nodes.
 
@@ -153,12 +129,12 @@ class Client:
 
     def prefix_lookup(self, keys):
         """The number of leading keys that are hits, or None: a RETRY among them, ask again."""
-        return _scan_prefix(self._c.lookup(_keys(keys)))
+        return self._c.prefix_lookup(_keys(keys))
 
     def window_lookup(self, keys, window):
         """The end of the right-most run of `window` hits (the keys before it need not be held);
         with none, the run of hits from key 0. None: a RETRY decides it, ask again."""
-        return _scan_window(self._c.lookup(_keys(keys)), window)
+        return self._c.window_lookup(_keys(keys), max(0, int(window)))
 
     def put(self, keys, buffers):
         """Stores buffers[i] under keys[i]; a node that holds a block already keeps its bytes."""

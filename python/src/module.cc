@@ -248,14 +248,26 @@ class Client {
     client_ = std::shared_ptr<connector::NodeClient>(std::move(*client));
   }
 
-  std::vector<int> Lookup(const py::sequence& keys) {
+  std::vector<LookupResult> Results(const py::sequence& keys) {
     const std::vector<BlockKey> k = KeysOf(keys);
     const std::shared_ptr<connector::NodeClient> client = Get();
-    std::vector<LookupResult> results;
-    {
-      py::gil_scoped_release release;
-      results = client->Lookup(k);
-    }
+    py::gil_scoped_release release;
+    return client->Lookup(k);
+  }
+
+  // The connector's scans (kvstash/common/block_key.h) over one batched lookup: a number of
+  // keys, or None for "ask again".
+  std::optional<size_t> PrefixLookup(const py::sequence& keys) {
+    const std::vector<LookupResult> r = Results(keys);
+    return MaximalPrefix(r.size(), [&r](size_t i) { return r[i]; });
+  }
+  std::optional<size_t> WindowLookup(const py::sequence& keys, size_t window) {
+    const std::vector<LookupResult> r = Results(keys);
+    return SlidingWindow(r.size(), window, [&r](size_t i) { return r[i]; });
+  }
+
+  std::vector<int> Lookup(const py::sequence& keys) {
+    const std::vector<LookupResult> results = Results(keys);
     std::vector<int> out;
     out.reserve(results.size());
     for (LookupResult r : results) out.push_back(static_cast<int>(r));
@@ -397,6 +409,8 @@ PYBIND11_MODULE(_kvstash, m) {
            py::arg("nodes"), py::arg("namespace"), py::arg("token"), py::arg("token_file"),
            py::arg("timeout_ms"), py::arg("tls"))
       .def("lookup", &Client::Lookup)
+      .def("prefix_lookup", &Client::PrefixLookup)
+      .def("window_lookup", &Client::WindowLookup)
       .def("put", &Client::Put)
       .def("get", &Client::GetBlocks)
       .def("put_async", [](Client& c, const py::sequence& keys,
