@@ -19,7 +19,7 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/proto/convert.h"
-#include "memory_warmer.h"
+#include "kvstash/common/memory_warmer.h"
 
 namespace kvstash::node {
 namespace {
@@ -158,7 +158,7 @@ class NodeServer::Impl {
           cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
     }
     // Memory shared through the transport is faulted in after the node listens, on threads
-    // of its own (node/src/memory_warmer.h), instead of page by page before: a node of any
+    // of its own (common/include/kvstash/common/memory_warmer.h), instead of page by page before: a node of any
     // size serves at once.
     const bool warm_later = options_.store.prefault && cpu_region_.size() != 0;
     if (warm_later) options_.store.prefault = false;

@@ -70,6 +70,7 @@ TransportStats RpcClient::stats() const { return impl_->stats(); }
 uint64_t RpcClient::connection_id() const { return impl_->connection_id(); }
 
 std::optional<ServerLimits> RpcClient::server_limits() const { return impl_->server_limits(); }
+bool RpcClient::payloads_mapped() const { return impl_->payloads_mapped(); }
 
 void RpcClient::ConnectAsync(std::function<void(const Status&)> done) {
   impl_->ConnectAsync(std::move(done));

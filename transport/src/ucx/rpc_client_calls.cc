@@ -107,7 +107,7 @@ void RpcClient::Impl::Send(PendingCall* call) {
       std::chrono::duration_cast<std::chrono::microseconds>(call->deadline - Clock::now());
   header.timeout_us = static_cast<uint32_t>(
       std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max()));
-  if (mapped_ && !call->message_in_data) {
+  if (mapped_.load(std::memory_order_relaxed) && !call->message_in_data) {
     if (!call->recv_payload.empty()) header.flags |= kAcceptsMapped;
     // The payload stays here until the server pulls it (kPull).
     call->held = !call->send_payload.empty() &&

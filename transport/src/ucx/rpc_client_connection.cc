@@ -280,8 +280,8 @@ void RpcClient::Impl::Disconnect(Status status) {
     call->resolving = false;
   }
   waiting_.clear();
-  mapped_ = false;
-  for (auto& [id, region] : std::exchange(shared_regions_, {})) ucp_rkey_destroy(region.rkey);
+  mapped_.store(false);
+  for (auto& [id, region] : std::exchange(shared_regions_, {})) ReleaseSharedRegion(region);
   for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
   if (ep_) {
     auto ep = std::make_shared<UcpEndpoint>(std::move(ep_));

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvstash/common/memory_warmer.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/common/status.h"
 #include "kvstash/proto/wire.pb.h"
@@ -166,6 +167,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     return s;
   }
   uint64_t connection_id() const { return connection_id_.load(); }
+  bool payloads_mapped() const { return mapped_.load(std::memory_order_relaxed); }
 
   std::optional<ServerLimits> server_limits() const {
     MutexLock lock(&limits_mu_);
@@ -218,9 +220,14 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
     ucp_rkey_h rkey = nullptr;
     uint64_t address = 0;
     uint64_t size = 0;
+    // Faults this process's mapping of the region in, behind the copies: a mapping is this
+    // process's page tables, so the server's warm memory still faults here page by page.
+    std::unique_ptr<MemoryWarmer> warmer;
   };
 
   void AddSharedRegion(const MappedRef& ref, Bytes rkey);
+  // Stops the region's warmer, then unmaps it.
+  static void ReleaseSharedRegion(SharedRegion& region);
   // Where `ref` is in this process (the server's shared memory, mapped).
   Result<std::byte*> Map(const MappedRef& ref);
   // Tries the probe region of the hello reply: mapped payloads when its cookie reads back.
@@ -267,7 +274,9 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   std::optional<asio::steady_timer> connect_timer_;
   char watch_byte_[1];
   UcpEndpoint ep_;
-  bool mapped_ = false;  // this connection copies payloads from and into the server's memory
+  // This connection copies payloads from and into the server's memory (set and cleared on the
+  // progress thread; read anywhere).
+  std::atomic<bool> mapped_{false};
   std::unordered_map<uint64_t, SharedRegion> shared_regions_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> calls_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> abandoned_;

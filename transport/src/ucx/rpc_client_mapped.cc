@@ -26,8 +26,23 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
     return;
   }
   auto [it, added] = shared_regions_.try_emplace(ref.region_id);
-  if (!added) ucp_rkey_destroy(it->second.rkey);
-  it->second = SharedRegion{handle, ref.region_address, ref.region_size};
+  if (!added) ReleaseSharedRegion(it->second);
+  SharedRegion& region = it->second;
+  region.rkey = handle;
+  region.address = ref.region_address;
+  region.size = ref.region_size;
+  void* local = nullptr;
+  if (ref.region_size > 0 &&
+      ucp_rkey_ptr(handle, ref.region_address, &local) == UCS_OK && local != nullptr) {
+    region.warmer = std::make_unique<MemoryWarmer>(
+        std::span(static_cast<std::byte*>(local), ref.region_size), /*threads=*/1);
+  }
+}
+
+void RpcClient::Impl::ReleaseSharedRegion(SharedRegion& region) {
+  region.warmer.reset();
+  if (region.rkey != nullptr) ucp_rkey_destroy(region.rkey);
+  region.rkey = nullptr;
 }
 
 Result<std::byte*> RpcClient::Impl::Map(const MappedRef& ref) {
@@ -59,9 +74,10 @@ void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
   auto local = Map(ref);
   uint64_t cookie = 0;
   if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));
-  mapped_ = local.ok() && cookie == probe.cookie();
+  const bool mapped = local.ok() && cookie == probe.cookie();
+  mapped_.store(mapped);
   KVSTASH_LOG_DEBUG("{}:{}: mapped payloads {}", options_.host, options_.port,
-                    mapped_ ? "on" : "off");
+                    mapped ? "on" : "off");
 }
 
 void RpcClient::Impl::SendControl(FrameKind kind, uint64_t id, StatusCode code) {

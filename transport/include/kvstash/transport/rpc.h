@@ -169,6 +169,10 @@ class Channel {
   virtual void ConnectAsync(std::function<void(const Status&)> done) = 0;
   // What the server stated at the latest hello; nullopt before the first connection.
   virtual std::optional<ServerLimits> server_limits() const = 0;
+  // Whether payloads now move through the server's shared memory (a client on its host copies
+  // them into and out of its memory itself): no network carries them, so a checksum of them
+  // guards nothing. False until connected.
+  virtual bool payloads_mapped() const { return false; }
 };
 
 // The client end of one connection to one server. Connects on the first call (or Connect)
@@ -212,6 +216,7 @@ class RpcClient : public Channel {
   // (TransportOptions); nullopt before the first connection. A server restarted with other
   // limits is seen at the reconnection. Thread-safe.
   std::optional<ServerLimits> server_limits() const override;
+  bool payloads_mapped() const override;
   // Starts connecting unless connected or connecting; `done` runs once on the progress thread
   // with the outcome (OK at once when connected). For connecting to many servers in parallel.
   void ConnectAsync(std::function<void(const Status&)> done) override;

@@ -1,4 +1,4 @@
-#include "memory_warmer.h"
+#include "kvstash/common/memory_warmer.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 
-namespace kvstash::node {
+namespace kvstash {
 
 namespace {
 
@@ -57,4 +57,4 @@ void MemoryWarmer::Run(size_t begin, size_t end) {
   }
 }
 
-}  // namespace kvstash::node
+}  // namespace kvstash

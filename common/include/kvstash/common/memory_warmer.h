@@ -1,9 +1,10 @@
 #pragma once
 
-// MemoryWarmer: faults a node's CPU-tier memory in on background threads while the node
-// already serves, so that a node of any size listens at once. Touching the pages first would
-// take seconds per GiB (a page fault per 4 KiB page), during which the node could neither serve
-// nor stop.
+// MemoryWarmer: faults memory in on background threads while its owner already uses it. A node
+// warms its CPU tier this way, so that a node of any size listens at once (touching the pages
+// first would take seconds per GiB, a page fault per 4 KiB page, during which the node could
+// neither serve nor stop); a same-host client warms its mapping of the node's tier, so that its
+// copies into slots do not fault page by page.
 //
 // Pages are populated without changing their content (MADV_POPULATE_WRITE; where the kernel
 // lacks it, an atomic OR of 0 into one byte per page), so a client writing a block into a slot
@@ -18,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-namespace kvstash::node {
+namespace kvstash {
 
 class MemoryWarmer {
  public:
@@ -44,4 +45,4 @@ class MemoryWarmer {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace kvstash::node
+}  // namespace kvstash
