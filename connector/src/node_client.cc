@@ -12,6 +12,7 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/proto/convert.h"
+#include "kvstash/transport/call_group.h"
 
 namespace kvstash::connector {
 namespace {
@@ -312,6 +313,29 @@ class NodeClient::Impl {
     return future;
   }
 
+  // Starts a call of `group`, whose Wait makes its same-host copies on the waiting thread (so
+  // that every thread of the engine copies its own blocks); the future holds its outcome, ready
+  // once the group's Wait returns.
+  template <typename Request>
+  std::future<Outcome> Start(transport::CallGroup& group, size_t node, wire::Method method,
+                             const Request& request, CallOptions options) {
+    auto promise = std::make_shared<std::promise<Outcome>>();
+    std::future<Outcome> future = promise->get_future();
+    options.copier = &group;
+    options.deadline = transport::Clock::now() + options_.timeout;
+    const std::string bytes = request.SerializeAsString();
+    accounting_->CallStarted();
+    clients_[node]->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
+                         group.Track([promise](const transport::Response& response) {
+                           promise->set_value(Outcome{
+                               response.status,
+                               std::vector<std::byte>(response.message.begin(),
+                                                      response.message.end()),
+                               response.payload_bytes});
+                         }));
+    return future;
+  }
+
   // The keys of `keys` by node, in key order within each node; which nodes have any.
   void ByNode(std::span<const BlockKey> keys, std::vector<std::vector<size_t>>* by_node,
               std::vector<bool>* wanted) const {
@@ -387,6 +411,7 @@ class NodeClient::Impl {
                                                   keys[i].ToString(), status.message()));
       }
     };
+    transport::CallGroup group;
     std::vector<std::tuple<size_t, size_t, std::future<Outcome>>> puts;  // node, key, call
     puts.reserve(keys.size());
     for (size_t i = keys.size(); i-- > 0;) {
@@ -419,8 +444,9 @@ class NodeClient::Impl {
       if (!clients_[n]->payloads_mapped()) put.set_checksum(Xxh3Hash64(blocks[i]));
       CallOptions options;
       options.send_payload = blocks[i];
-      puts.emplace_back(n, i, Start(n, wire::METHOD_PUT_BLOCK, put, options));
+      puts.emplace_back(n, i, Start(group, n, wire::METHOD_PUT_BLOCK, put, options));
     }
+    group.Wait();
     for (auto& [n, i, future] : puts) {
       const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
       accounting_->Record(n, status);
@@ -458,6 +484,7 @@ class NodeClient::Impl {
     }
     const auto give_up = transport::Clock::now() + options_.timeout;
     for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
+      transport::CallGroup group;
       std::vector<std::future<Outcome>> calls;
       calls.reserve(pending.size());
       for (size_t i : pending) {
@@ -465,8 +492,9 @@ class NodeClient::Impl {
         *get.mutable_key() = wire::ToWire(keys[i]);
         CallOptions options;
         options.recv_payload = outs[i];
-        calls.push_back(Start(NodeOf(keys[i]), wire::METHOD_GET_BLOCK, get, options));
+        calls.push_back(Start(group, NodeOf(keys[i]), wire::METHOD_GET_BLOCK, get, options));
       }
+      group.Wait();
       std::vector<size_t> again;
       for (size_t j = 0; j < pending.size(); ++j) {
         const size_t i = pending[j];

@@ -18,6 +18,7 @@
 
 #include "block_pattern.h"
 #include "kvstash/proto/wire.pb.h"
+#include "kvstash/transport/call_group.h"
 #include "transport_param.h"
 
 namespace kvstash::transport {
@@ -193,6 +194,138 @@ TEST_P(RpcTest, PutThenGetBlocksFrom4KiBTo8MiB) {
   const uint64_t transfers = 2 * 2 * 12;  // 4 KiB .. 8 MiB: 12 sizes, 2 lengths, put + get
   EXPECT_EQ(client_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
   EXPECT_EQ(server_->stats().mapped_payloads, ExpectMapped() ? transfers : 0);
+}
+
+// A CallGroup as the calls' copier: over mapped shared memory every put and get hands its copy
+// to the thread waiting in Wait, which makes it; on the other paths UCX moves the bytes and no
+// copy is posted.
+TEST_P(RpcTest, MappedCopiesRunOnTheThreadThatWaits) {
+  struct Recorder final : CopyExecutor {
+    CallGroup group;
+    std::mutex mu;
+    std::vector<std::thread::id> ran_on;
+    void Post(std::function<void()> copy) override {
+      group.Post([this, copy = std::move(copy)] {
+        {
+          std::lock_guard lock(mu);
+          ran_on.push_back(std::this_thread::get_id());
+        }
+        copy();
+      });
+    }
+  } recorder;
+  constexpr size_t kBlock = size_t{256} << 10;
+  constexpr int kBlocks = 8;
+  std::vector<std::vector<std::byte>> blocks(kBlocks, std::vector<std::byte>(kBlock));
+  std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(kBlock));
+  for (int b = 0; b < kBlocks; ++b) {
+    FillPattern(500 + b, blocks[b]);
+    std::promise<Status> put_done, get_done;
+    CallOptions put = Within(10s);
+    put.send_payload = blocks[b];
+    put.copier = &recorder;
+    client_->Call(kPut, {}, put, recorder.group.Track([&](const Response& r) {
+      put_done.set_value(r.status);
+    }));
+    recorder.group.Wait();
+    ASSERT_TRUE(put_done.get_future().get().ok());
+    EXPECT_TRUE(MatchesPattern(500 + b, server_block_.bytes().first(kBlock)));
+    CallOptions get = Within(10s);
+    get.recv_payload = back[b];
+    get.copier = &recorder;
+    size_t got = 0;
+    client_->Call(kGet, {}, get, recorder.group.Track([&](const Response& r) {
+      got = r.payload_bytes;
+      get_done.set_value(r.status);
+    }));
+    recorder.group.Wait();
+    ASSERT_TRUE(get_done.get_future().get().ok());
+    EXPECT_EQ(got, kBlock);
+    EXPECT_TRUE(MatchesPattern(500 + b, back[b])) << b;
+  }
+  std::lock_guard lock(recorder.mu);
+  EXPECT_EQ(recorder.ran_on.size(), ExpectMapped() ? 2u * kBlocks : 0u);
+  for (std::thread::id id : recorder.ran_on) EXPECT_EQ(id, std::this_thread::get_id());
+  EXPECT_EQ(client_->stats().mapped_payloads, ExpectMapped() ? 2u * kBlocks : 0u);
+  // The server counts a mapped reply when its ack arrives, just after the call completed.
+  const uint64_t expected = ExpectMapped() ? 2u * kBlocks : 0u;
+  for (int i = 0; i < 400 && server_->stats().mapped_payloads != expected; ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(server_->stats().mapped_payloads, expected);
+}
+
+// A copy its copier holds past the call's deadline: the call does not complete while the
+// server's memory is lent to it, and then completes with DeadlineExceeded without the copy.
+// The server stores nothing from a put whose copy was skipped, and the receive buffer of a get
+// whose copy was skipped keeps its bytes.
+TEST_P(RpcTest, ACopyHeldPastTheDeadlineIsSkippedAndTheServerStoresNothing) {
+  if (!ExpectMapped()) GTEST_SKIP() << "no copies to hold without mapped payloads";
+  struct Holder final : CopyExecutor {
+    std::mutex mu;
+    std::vector<std::function<void()>> held;
+    void Post(std::function<void()> copy) override {
+      std::lock_guard lock(mu);
+      held.push_back(std::move(copy));
+    }
+    bool WaitForOne() {
+      for (int i = 0; i < 400; ++i) {
+        {
+          std::lock_guard lock(mu);
+          if (!held.empty()) return true;
+        }
+        std::this_thread::sleep_for(5ms);
+      }
+      return false;
+    }
+    void RunAll() {
+      std::vector<std::function<void()>> copies;
+      {
+        std::lock_guard lock(mu);
+        copies.swap(held);
+      }
+      for (auto& copy : copies) copy();
+    }
+  } holder;
+  constexpr size_t kBlock = size_t{64} << 10;
+  // A block stored first, then a put whose copy is held.
+  std::vector<std::byte> first(kBlock), second(kBlock);
+  FillPattern(1, first);
+  FillPattern(2, second);
+  CallOptions put = Within(10s);
+  put.send_payload = first;
+  ASSERT_TRUE(client_->CallSync(kPut, {}, put, nullptr).ok());
+
+  for (bool is_put : {true, false}) {
+    SCOPED_TRACE(is_put ? "put" : "get");
+    std::promise<Status> result;
+    auto future = result.get_future();
+    std::vector<std::byte> back(kBlock, std::byte{0x5a});
+    CallOptions options = Within(200ms);
+    options.copier = &holder;
+    if (is_put) {
+      options.send_payload = second;
+    } else {
+      options.recv_payload = back;
+    }
+    client_->Call(is_put ? kPut : kGet, {}, options,
+                  [&](const Response& r) { result.set_value(r.status); });
+    ASSERT_TRUE(holder.WaitForOne());
+    std::this_thread::sleep_for(400ms);  // past the deadline
+    EXPECT_EQ(future.wait_for(0ms), std::future_status::timeout)
+        << "completed while its copy was held";
+    holder.RunAll();
+    ASSERT_EQ(future.wait_for(5s), std::future_status::ready);
+    EXPECT_EQ(future.get().code(), StatusCode::kDeadlineExceeded);
+    if (!is_put) {
+      EXPECT_EQ(back, std::vector<std::byte>(kBlock, std::byte{0x5a})) << "copied after all";
+    }
+  }
+  // The server's block is still the first one, and the connection still serves.
+  EXPECT_TRUE(MatchesPattern(1, server_block_.bytes().first(kBlock)));
+  std::vector<std::byte> reply;
+  ASSERT_TRUE(client_->CallSync(kEcho, AsBytes("after"), Within(5s), &reply).ok());
+  EXPECT_EQ(AsString(reply), "after");
 }
 
 // The server may reuse a reply payload's memory as soon as its `sent` callback runs: the

@@ -27,6 +27,7 @@ uint64_t RpcClient::Impl::Call(uint16_t method, Bytes request, const CallOptions
   call->send_region = options.send_region;
   call->recv_payload = options.recv_payload;
   call->recv_region = options.recv_region;
+  call->copier = options.copier;
   FrameHeader header;
   header.kind = FrameKind::kRequest;
   header.method = method;
@@ -215,6 +216,7 @@ void RpcClient::Impl::Resolve(PendingCall* call, Status status) {
 }
 
 void RpcClient::Impl::CancelRequests(PendingCall* call) {
+  if (call->skip_copy) call->skip_copy->store(true, std::memory_order_release);
   for (void* request : {call->send_request, call->recv_request, call->data_request}) {
     if (request != nullptr) ucp_request_cancel(worker_->ucp(), request);
   }

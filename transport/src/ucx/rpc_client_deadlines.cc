@@ -52,8 +52,9 @@ void RpcClient::Impl::OnDeadlines() {
       Resolve(call,
               DeadlineExceededError("call {} (method {}) passed its deadline", id, call->method));
     }
-    // Still here: a transfer the peer does not finish.
-    if (calls_.count(id) != 0) ++stuck;
+    // Still here: a transfer the peer does not finish, or a copy its copier still has (which
+    // completes the call when it runs: the copier must run it, and soon).
+    if (auto left = calls_.find(id); left != calls_.end() && !left->second->copying) ++stuck;
   }
   if (stuck != 0) {
     Disconnect(UnavailableError("{}:{} stalled with {} transfer(s) in flight; connection reset",

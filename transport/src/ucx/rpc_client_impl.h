@@ -48,6 +48,12 @@ struct PendingCall {
   const MemoryRegion* send_region = nullptr;
   MutableBytes recv_payload;
   const MemoryRegion* recv_region = nullptr;
+  CopyExecutor* copier = nullptr;  // runs the call's mapped copy (null: the progress thread)
+  // A mapped copy posted to the copier and not yet reported back (OnCopied): the server's
+  // memory is lent to this call until then. `skip`, set when the call fails, makes a copy that
+  // has not started skip its bytes.
+  bool copying = false;
+  std::shared_ptr<std::atomic<bool>> skip_copy;
   void* send_request = nullptr;  // in flight: UCX reads send_payload
   void* recv_request = nullptr;  // in flight: UCX writes recv_payload
   void* data_request = nullptr;  // in flight: a kPayload frame (UCX reads send_payload)
@@ -65,7 +71,7 @@ struct PendingCall {
 // True while UCX holds one of the call's requests (and so reads or writes its buffers).
 inline bool InFlight(const PendingCall& call) {
   return call.send_request != nullptr || call.recv_request != nullptr ||
-         call.data_request != nullptr;
+         call.data_request != nullptr || call.copying;
 }
 
 // A frame with no call behind it (cancel frames, test frames): owns its bytes until sent.
@@ -138,8 +144,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // once quiet. Returns after the shutdown (so no callback of this client runs after).
   static void Detach(std::unique_ptr<Impl> self);  // rpc_client_connection.cc
 
-  // Nothing of this client can still run: no calls, no UCX request, no endpoint.
-  bool Quiet() const { return calls_.empty() && abandoned_.empty() && !ep_; }
+  // Nothing of this client can still run: no calls, no UCX request, no copy, no endpoint.
+  bool Quiet() const { return calls_.empty() && abandoned_.empty() && !ep_ && copies_out_ == 0; }
 
   std::shared_ptr<Worker> worker() const { return worker_; }
   const ClientOptions& options() const { return options_; }
@@ -238,6 +244,13 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // A reply whose payload is in the server's shared memory: copied out, then acknowledged
   // (always, so the server may reuse the memory).
   void OnMappedReply(const FrameView& frame);
+  // Hands a mapped copy of `call` (dst <- src, n bytes) to its copier; OnCopied follows.
+  void PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n, bool pull);
+  // The copier made (or skipped) the copy of call `id`: tells the server (kPullDone or kAck)
+  // and completes a mapped reply.
+  void OnCopied(uint64_t id, bool copied, bool pull, size_t n);
+  // Unmaps a region now, or once no copy can still use it.
+  void RetireSharedRegion(SharedRegion region);
 
   // ---- loose frames (cancel, tests): rpc_client_loose_frames.cc ----------------------------
 
@@ -278,6 +291,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // progress thread; read anywhere).
   std::atomic<bool> mapped_{false};
   std::unordered_map<uint64_t, SharedRegion> shared_regions_;
+  size_t copies_out_ = 0;                      // posted to copiers, not yet reported back
+  std::vector<SharedRegion> retired_regions_;  // unmapped once copies_out_ is 0
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> calls_;
   std::unordered_map<uint64_t, std::unique_ptr<PendingCall>> abandoned_;
   std::vector<uint64_t> waiting_;

@@ -26,7 +26,7 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
     return;
   }
   auto [it, added] = shared_regions_.try_emplace(ref.region_id);
-  if (!added) ReleaseSharedRegion(it->second);
+  if (!added) RetireSharedRegion(std::exchange(it->second, {}));
   SharedRegion& region = it->second;
   region.rkey = handle;
   region.address = ref.region_address;
@@ -36,6 +36,14 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
       ucp_rkey_ptr(handle, ref.region_address, &local) == UCS_OK && local != nullptr) {
     region.warmer = std::make_unique<MemoryWarmer>(
         std::span(static_cast<std::byte*>(local), ref.region_size), /*threads=*/1);
+  }
+}
+
+void RpcClient::Impl::RetireSharedRegion(SharedRegion region) {
+  if (copies_out_ == 0) {
+    ReleaseSharedRegion(region);
+  } else {
+    retired_regions_.push_back(std::move(region));
   }
 }
 
@@ -114,6 +122,10 @@ void RpcClient::Impl::OnPull(const FrameView& frame) {
       Resolve(call, local.status());
       return;
     }
+    if (call->copier != nullptr) {
+      PostCopy(call, *local, call->send_payload.data(), call->send_payload.size(), /*pull=*/true);
+      return;
+    }
     std::memcpy(*local, call->send_payload.data(), call->send_payload.size());
     mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
     SendControl(FrameKind::kPullDone, id);
@@ -141,11 +153,15 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
   // The ack goes after the copy, on every path: once the server has it, the memory may hold
   // another block (an ack sent first let a concurrent store overwrite a block mid-copy).
+  bool acked_later = false;
   struct AckWhenDone {
     Impl* self;
     uint64_t id;
-    ~AckWhenDone() { self->SendControl(FrameKind::kAck, id); }
-  } ack{this, id};
+    const bool* later;
+    ~AckWhenDone() {
+      if (!*later) self->SendControl(FrameKind::kAck, id);
+    }
+  } ack{this, id, &acked_later};
   auto it = calls_.find(id);
   if (it == calls_.end() || it->second->resolved) {
     late_replies_.fetch_add(1, std::memory_order_relaxed);
@@ -168,10 +184,65 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
     Resolve(call, local.status());
     return;
   }
+  if (call->copier != nullptr) {
+    acked_later = true;  // by OnCopied
+    PostCopy(call, call->recv_payload.data(), *local, frame.ref.length, /*pull=*/false);
+    return;
+  }
   std::memcpy(call->recv_payload.data(), *local, frame.ref.length);
   mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
   call->payload_bytes = frame.ref.length;
   Resolve(call, Status::OK());
+}
+
+void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
+                               bool pull) {
+  call->copying = true;
+  if (!call->skip_copy) call->skip_copy = std::make_shared<std::atomic<bool>>(false);
+  ++copies_out_;
+  call->copier->Post([this, worker = worker_, id = call->id, skip = call->skip_copy, dst, src, n,
+                      pull] {
+    const bool copy = !skip->load(std::memory_order_acquire);
+    if (copy) std::memcpy(dst, src, n);
+    worker->Run([this, id, copy, pull, n] { OnCopied(id, copy, pull, n); });
+  });
+}
+
+void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
+  if (--copies_out_ == 0) {
+    for (SharedRegion& region : std::exchange(retired_regions_, {})) ReleaseSharedRegion(region);
+  }
+  if (copied) mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+  // The server learns first: its memory is free for another block from here on.
+  if (pull) {
+    SendControl(FrameKind::kPullDone, id, copied ? StatusCode::kOk : StatusCode::kCancelled);
+  } else {
+    SendControl(FrameKind::kAck, id);
+  }
+  PendingCall* call = nullptr;
+  if (auto it = calls_.find(id); it != calls_.end()) {
+    call = it->second.get();
+  } else if (auto gone = abandoned_.find(id); gone != abandoned_.end()) {
+    gone->second->copying = false;
+    ReapAbandoned(gone->second.get());
+    return;
+  }
+  if (call == nullptr) return;
+  call->copying = false;
+  if (!pull && !call->resolved) {
+    if (copied) {
+      call->payload_bytes = n;
+      Resolve(call, Status::OK());
+    } else {
+      Resolve(call, CancelledError("call {}: its reply payload was not copied", id));
+    }
+    return;
+  }
+  if (pull && !copied && !call->resolved) {
+    Resolve(call, CancelledError("call {}: its payload was not copied", id));
+    return;
+  }
+  MaybeFinish(call);
 }
 
 }  // namespace kvstash::transport

@@ -106,6 +106,18 @@ struct Response {
 };
 using ResponseCallback = std::function<void(const Response&)>;
 
+// Runs the same-host payload copies of calls (CallOptions::copier) on a thread of the caller's
+// choosing, normally the one waiting for those calls: then N callers copy in parallel, where
+// the progress thread would copy for all of them one after another. CallGroup is the usual one.
+class CopyExecutor {
+ public:
+  virtual ~CopyExecutor() = default;
+  // Called on the transport's progress thread. `copy` must run exactly once, soon, and not on
+  // that thread: its call does not complete, and the server's memory stays lent to it, until
+  // it has run.
+  virtual void Post(std::function<void()> copy) = 0;
+};
+
 struct CallOptions {
   // The call fails with DeadlineExceeded at this time (and the server is told to cancel it).
   Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
@@ -117,6 +129,9 @@ struct CallOptions {
   // larger than this fails the call with OutOfRange.
   MutableBytes recv_payload;
   const MemoryRegion* recv_region = nullptr;
+  // Where the call's payload copies run when they go through the server's shared memory (a
+  // client on its host); must outlive the call. Null: on the transport's progress thread.
+  CopyExecutor* copier = nullptr;
 };
 
 class ClientWorker;

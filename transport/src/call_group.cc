@@ -1,0 +1,79 @@
+#include "kvstash/transport/call_group.h"
+
+#include <sched.h>
+
+#include <chrono>
+#include <utility>
+
+namespace kvstash::transport {
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(50);
+}  // namespace
+
+CallGroup::~CallGroup() { Drain(); }
+
+ResponseCallback CallGroup::Track(ResponseCallback done) {
+  {
+    MutexLock lock(&mu_);
+    ++outstanding_;
+  }
+  return [this, done = std::move(done)](const Response& response) {
+    if (done) done(response);
+    MutexLock lock(&mu_);
+    --outstanding_;
+    events_.fetch_add(1, std::memory_order_release);
+    cv_.Signal();
+  };
+}
+
+void CallGroup::Post(std::function<void()> copy) {
+  MutexLock lock(&mu_);
+  copies_.push_back(std::move(copy));
+  events_.fetch_add(1, std::memory_order_release);
+  cv_.Signal();
+}
+
+void CallGroup::Wait() {
+  while (true) {
+    std::function<void()> copy;
+    uint64_t seen = 0;
+    {
+      MutexLock lock(&mu_);
+      if (copies_.empty() && outstanding_ == 0) return;
+      if (!copies_.empty()) {
+        copy = std::move(copies_.front());
+        copies_.pop_front();
+      } else {
+        seen = events_.load(std::memory_order_relaxed);
+      }
+    }
+    if (copy) {
+      copy();
+      continue;
+    }
+    // The transport answers in microseconds: poll a while before sleeping, as the progress
+    // thread does, since a sleeping thread takes tens of microseconds to wake.
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    while (events_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < spin_until) {
+      sched_yield();
+    }
+    MutexLock lock(&mu_);
+    while (copies_.empty() && outstanding_ != 0) cv_.Wait(&mu_);
+  }
+}
+
+void CallGroup::Drain() {
+  while (true) {
+    std::function<void()> copy;
+    {
+      MutexLock lock(&mu_);
+      if (copies_.empty()) return;
+      copy = std::move(copies_.front());
+      copies_.pop_front();
+    }
+    copy();
+  }
+}
+
+}  // namespace kvstash::transport
