@@ -140,6 +140,8 @@ const std::vector<CounterDef>& Defs() {
       {"store.cascades_done", KVSTASH_STORE(tiers.cascades_done), &kCascades, {}},
       {"store.cascades_deferred", KVSTASH_STORE(tiers.cascades_deferred), nullptr, {}},
       {"store.cascade_failures", KVSTASH_STORE(tiers.cascade_failures), nullptr, {}},
+      {"store.writebacks_staged", KVSTASH_STORE(tiers.writebacks_staged), nullptr, {}},
+      {"store.writebacks_unstaged", KVSTASH_STORE(tiers.writebacks_unstaged), nullptr, {}},
       {"store.quota_refusals", KVSTASH_STORE(tiers.quota_refusals), nullptr, {}},
       // Sessions.
       {"node.sessions_closed", NodeValue<N::kSessionsClosed>, &kSessionsClosed, {}},

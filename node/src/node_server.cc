@@ -316,16 +316,28 @@ class NodeServer::Impl {
     const uint64_t connection = call.connection_id();
     const uint64_t checksum = request.checksum();
     auto shared = std::make_shared<TimedCall>(std::move(call));
-    shared->ReceivePayload(
-        put->slot, region(),
-        [this, shared, connection, key, checksum, reply = std::move(reply)](Status received) {
-          const Status stored = service_->EndPut(connection, key, std::move(received), checksum);
-          if (stored.ok()) {
-            ReplyWith(*shared, reply);
-          } else {
-            shared->ReplyError(stored);
-          }
-        });
+    auto receive = [this, shared, connection, key, checksum, slot = put->slot,
+                    reply = std::move(reply)]() mutable {
+      shared->ReceivePayload(
+          slot, region(),
+          [this, shared, connection, key, checksum, reply = std::move(reply)](Status received) {
+            const Status stored =
+                service_->EndPut(connection, key, std::move(received), checksum);
+            if (stored.ok()) {
+              ReplyWith(*shared, reply);
+            } else {
+              shared->ReplyError(stored);
+            }
+          });
+    };
+    if (put->gate) {
+      // The slot's old block is still being written to SSD (write-back, staging all busy): the
+      // bytes are taken once it is, from the I/O thread that opens the gate (ReceivePayload
+      // hands itself to the progress thread), so this thread goes on serving meanwhile.
+      put->gate->WhenOpen(std::move(receive));
+    } else {
+      receive();
+    }
   }
 
   void OnLoad(TimedCall call) {

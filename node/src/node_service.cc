@@ -87,7 +87,8 @@ class NodeService::Impl {
       return AlreadyExistsError("block {} is being sent already", key.ToString());
     }
     store::StorePlan plan;
-    if (Status prepared = store_->PrepareStore(std::span(&key, 1), &plan); !prepared.ok()) {
+    std::shared_ptr<store::SlotGate> gate;
+    if (Status prepared = store_->PrepareStore(std::span(&key, 1), &plan, &gate); !prepared.ok()) {
       if (plan.quota_refused != 0) return QuotaRefusal(session, plan.quota_refused, prepared);
       return prepared;
     }
@@ -103,6 +104,7 @@ class NodeService::Impl {
       return put;
     }
     put.slot = store_->CpuSlot(plan.slots[0]).first(length);
+    put.gate = std::move(gate);
     session.arriving.emplace(key, put.slot);
     return put;
   }

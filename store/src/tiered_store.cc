@@ -87,7 +87,7 @@ class TieredStore::IoPool {
 
 struct TieredStore::Counters {
   std::atomic<uint64_t> promotions_started{0}, promotions_done{0}, promotion_failures{0},
-      cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_inline{0},
+      cascades_done{0}, cascade_failures{0}, writebacks_staged{0}, writebacks_unstaged{0},
       failed_cascade_calls{0}, cpu_evictions{0}, quota_refusals{0}, promotions_deferred{0},
       cascades_deferred{0};
   // Staging buffers for write-back, block_bytes each, reused.
@@ -291,6 +291,38 @@ void TieredStore::RunPromotion(const Transfer& promotion) {
 
 // --- Write-back ------------------------------------------------------------------------------
 
+bool SlotGate::open() const {
+  MutexLock lock(&mu_);
+  return open_;
+}
+
+void SlotGate::WhenOpen(std::function<void()> fn) {
+  {
+    MutexLock lock(&mu_);
+    if (!open_) {
+      waiting_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
+void SlotGate::Wait() const {
+  MutexLock lock(&mu_);
+  while (!open_) cv_.Wait(&mu_);
+}
+
+void SlotGate::Open() {
+  std::vector<std::function<void()>> waiting;
+  {
+    MutexLock lock(&mu_);
+    open_ = true;
+    waiting.swap(waiting_);
+    cv_.SignalAll();
+  }
+  for (auto& fn : waiting) fn();
+}
+
 void TieredStore::NoteEvictedLocked(const StorePlan& plan, Deferred* deferred) {
   // Under write-back an evicted block goes to SSD now, before its slot is reused; under
   // write-through it is there already, unless its cascade was deferred (then it goes now).
@@ -326,30 +358,32 @@ void TieredStore::PlanWriteBackLocked(Deferred* deferred) {
   deferred->write_back.ssd_slots = std::move(plan.slots);
 }
 
-void TieredStore::Execute(Deferred deferred) {
+std::shared_ptr<SlotGate> TieredStore::Execute(Deferred deferred,
+                                               std::span<const BlockKey> stored) {
   Transfer& wb = deferred.write_back;
+  std::shared_ptr<SlotGate> gate;
   if (!wb.keys.empty()) {
-    // Copy what fits in staging and write it in the background; write the rest here, from
-    // the CPU slots, which nobody reuses until this call returns.
-    Transfer staged, inline_writes;
+    // Copy what fits in staging and write it in the background; the rest is written in the
+    // background straight from the CPU slots, which nobody writes until that is done (the
+    // stores given them wait for the gate; a promotion into them runs after, in the same job).
+    Transfer staged, unstaged;
     std::vector<std::byte*> buffers;
-    std::vector<std::span<const std::byte>> inline_sources;
+    std::vector<std::span<const std::byte>> unstaged_sources;
     for (size_t i = 0; i < wb.keys.size(); ++i) {
       const std::span<const std::byte> bytes = slab_->Slot(wb.cpu_slots[i]);
       std::byte* buffer = counters_->AcquireStaging(block_bytes_, staging_limit_);
-      Transfer& to = buffer != nullptr ? staged : inline_writes;
+      Transfer& to = buffer != nullptr ? staged : unstaged;
       to.keys.push_back(wb.keys[i]);
       to.ssd_slots.push_back(wb.ssd_slots[i]);
       if (buffer != nullptr) {
         std::memcpy(buffer, bytes.data(), bytes.size());
         buffers.push_back(buffer);
       } else {
-        inline_sources.push_back(bytes);
+        unstaged_sources.push_back(bytes);
       }
     }
     counters_->writebacks_staged += staged.keys.size();
-    counters_->writebacks_inline += inline_writes.keys.size();
-    if (!inline_writes.keys.empty()) WriteToSsd(inline_writes, inline_sources);
+    counters_->writebacks_unstaged += unstaged.keys.size();
     if (!staged.keys.empty()) {
       io_->Submit([this, staged = std::move(staged), buffers = std::move(buffers)] {
         std::vector<std::span<const std::byte>> sources;
@@ -358,10 +392,42 @@ void TieredStore::Execute(Deferred deferred) {
         for (std::byte* b : buffers) counters_->ReleaseStaging(b);
       });
     }
+    if (!unstaged.keys.empty()) {
+      gate = std::make_shared<SlotGate>();
+      std::vector<BlockKey> gated(stored.begin(), stored.end());
+      if (!gated.empty()) {
+        MutexLock lock(&mu_);
+        for (const BlockKey& key : gated) gated_[key] = gate;
+      }
+      io_->Submit([this, gate, gated = std::move(gated), unstaged = std::move(unstaged),
+                   sources = std::move(unstaged_sources),
+                   promotion = std::move(deferred.promotion)] {
+        WriteToSsd(unstaged, sources);
+        std::vector<BlockKey> aborted;
+        {
+          MutexLock lock(&mu_);
+          for (const BlockKey& key : gated) {
+            if (auto it = gated_.find(key); it != gated_.end() && it->second == gate) {
+              gated_.erase(it);
+            }
+            if (auto it = std::find(aborted_while_gated_.begin(), aborted_while_gated_.end(), key);
+                it != aborted_while_gated_.end()) {
+              aborted_while_gated_.erase(it);
+              aborted.push_back(key);
+            }
+          }
+          if (!aborted.empty()) cpu_->CompleteStore(aborted, false);
+        }
+        gate->Open();
+        if (!promotion.keys.empty()) RunPromotion(promotion);
+      });
+      return stored.empty() ? nullptr : gate;
+    }
   }
   if (!deferred.promotion.keys.empty()) {
     io_->Submit([this, promotion = std::move(deferred.promotion)] { RunPromotion(promotion); });
   }
+  return gate;
 }
 
 void TieredStore::WriteToSsd(const Transfer& transfer,
@@ -407,7 +473,8 @@ void TieredStore::Touch(std::span<const BlockKey> keys) {
   if (ssd_) ssd_->Touch(keys);
 }
 
-Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) {
+Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
+                                 std::shared_ptr<SlotGate>* gate) {
   Deferred deferred;
   {
     MutexLock lock(&mu_);
@@ -421,7 +488,12 @@ Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan
       PlanWriteBackLocked(&deferred);
     }
   }
-  Execute(std::move(deferred));
+  std::shared_ptr<SlotGate> closed = Execute(std::move(deferred), plan->keys_to_store);
+  if (gate != nullptr) {
+    *gate = std::move(closed);
+  } else if (closed) {
+    closed->Wait();
+  }
   return Status::OK();
 }
 
@@ -469,6 +541,20 @@ void TieredStore::CompleteStore(std::span<const BlockKey> keys, bool success) {
   Transfer cascade;
   {
     MutexLock lock(&mu_);
+    if (!success && !gated_.empty()) {
+      // A slot a write-back still reads is freed when the write is done, not now: another
+      // store would be given it and write it at once.
+      std::vector<BlockKey> now;
+      for (const BlockKey& key : keys) {
+        if (gated_.contains(key)) {
+          aborted_while_gated_.push_back(key);
+        } else {
+          now.push_back(key);
+        }
+      }
+      cpu_->CompleteStore(now, false);
+      return;
+    }
     cpu_->CompleteStore(keys, success);
     if (success && ssd_ && cascade_ == CascadeMode::kWriteThrough) {
       StartCascadeLocked(keys, &cascade, /*bounded=*/true);
@@ -534,7 +620,7 @@ TieredStoreStats TieredStore::stats() const {
   s.cascades_done = counters_->cascades_done;
   s.cascade_failures = counters_->cascade_failures;
   s.writebacks_staged = counters_->writebacks_staged;
-  s.writebacks_inline = counters_->writebacks_inline;
+  s.writebacks_unstaged = counters_->writebacks_unstaged;
   s.cpu_evictions = counters_->cpu_evictions;
   s.quota_refusals = counters_->quota_refusals;
   return s;

@@ -10,7 +10,11 @@
 #include <spdlog/sinks/ostream_sink.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <future>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -39,7 +43,8 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
   void StartNode(size_t cpu_blocks,
                  std::chrono::milliseconds lease = std::chrono::milliseconds(30000),
                  std::optional<store::SsdTierOptions> ssd = std::nullopt,
-                 std::map<std::string, size_t> quotas = {}) {
+                 std::map<std::string, size_t> quotas = {},
+                 const std::function<void(NodeOptions&)>& tweak = {}) {
     NodeOptions options;
     options.server.transport.tls = GetParam();
     options.server.auth_token = "token";
@@ -50,6 +55,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     options.lease_timeout = lease;
     options.store.ssd = std::move(ssd);
     options.namespace_quota_blocks = std::move(quotas);
+    if (tweak) tweak(options);
     auto node = NodeServer::Create(options);
     ASSERT_TRUE(node.ok()) << node.status().ToString();
     node_ = std::move(*node);
@@ -347,6 +353,86 @@ TEST_P(NodeServerTest, SsdEvictionsAreCounted) {
   EXPECT_EQ(counters.at("ssd.resident_blocks"), 2u);
   EXPECT_EQ(counters.at("ssd.resident_bytes"), 2 * kBlock);
   EXPECT_EQ(counters.at("store.cpu_evictions"), 0u);
+  node_.reset();  // before the directory goes
+}
+
+// Write-back with every staging buffer busy: a store that evicts a block must wait until the
+// block is on SSD before its bytes may take the slot. It waits without holding the progress
+// thread: with the node's disk I/O held back entirely, another client's lookups and stores of
+// blocks that evict nothing still answer, and the waiting store completes, with every block
+// intact on its tier, once the disk goes on.
+TEST_P(NodeServerTest, AStoreWaitingForWriteBackHoldsNoOtherClient) {
+  TempDir dir;
+  store::SsdTierOptions ssd;
+  ssd.dir = dir / "ssd";
+  ssd.capacity_bytes = 64 * kBlock;
+  std::mutex io_mu;
+  std::condition_variable io_cv;
+  bool io_held = false;
+  node_.reset();
+  StartNode(4, std::chrono::milliseconds(30000), ssd, {}, [&](NodeOptions& options) {
+    options.store.cascade = store::CascadeMode::kWriteBack;
+    options.store.writeback_staging_blocks = 0;  // every eviction written from its slot
+    options.store.before_job_for_testing = [&] {
+      std::unique_lock lock(io_mu);
+      io_cv.wait(lock, [&] { return !io_held; });
+    };
+  });
+  auto writer = Client("tenant");
+  auto reader = Client("tenant");
+  ASSERT_NE(writer, nullptr);
+  ASSERT_NE(reader, nullptr);
+  writer->Store({1, 2, 3, 4});  // the CPU tier is full
+  {
+    std::lock_guard lock(io_mu);
+    io_held = true;
+  }
+  // Block 5 evicts block 1, whose write to SSD cannot start: the store waits for it.
+  auto stored = std::async(std::launch::async, [&] { return PutOne(*writer, 5); });
+  for (int i = 0; i < 400 && node_->Counters().at("store.writebacks_unstaged") == 0; ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_EQ(node_->Counters().at("store.writebacks_unstaged"), 1u);
+  // Meanwhile the node answers the other client, again and again (block 1, on its way to
+  // SSD, is RETRY: not lost).
+  for (int round = 0; round < 20; ++round) {
+    EXPECT_THAT(reader->PerKey({2, 3, 4, 1}),
+                ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
+                                       wire::LOOKUP_RETRY));
+  }
+  wire::StatsReply stats;
+  ASSERT_TRUE(reader->Call(wire::METHOD_STATS, wire::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stored.wait_for(0ms), std::future_status::timeout) << "stored before the write";
+  {
+    std::lock_guard lock(io_mu);
+    io_held = false;
+  }
+  io_cv.notify_all();
+  ASSERT_TRUE(stored.get().ok());
+  node_->store().WaitIdle();
+  // Block 1 reached SSD whole and block 5 took its slot whole.
+  const std::map<std::string, uint64_t> counters = node_->Counters();
+  EXPECT_EQ(counters.at("ssd.resident_blocks"), 1u);
+  EXPECT_EQ(counters.at("cpu.resident_blocks"), 4u);
+  EXPECT_EQ(counters.at("store.cascade_failures"), 0u);
+  std::vector<std::byte> out(kBlock);
+  for (uint64_t k : {5, 1}) {
+    wire::GetBlockRequest get;
+    *get.mutable_key() = WireKey(k);
+    CallOptions options;
+    options.recv_payload = out;
+    size_t payload = 0;
+    Status got;
+    for (int i = 0; i < 400; ++i) {  // block 1 comes back from SSD: RETRY until promoted
+      got = reader->Call(wire::METHOD_GET_BLOCK, get, (wire::GetBlockReply*)nullptr, options,
+                         &payload);
+      if (got.code() != StatusCode::kAborted) break;
+      std::this_thread::sleep_for(5ms);
+    }
+    ASSERT_TRUE(got.ok()) << k << ": " << got.ToString();
+    EXPECT_EQ(payload, kBlock);
+    EXPECT_TRUE(MatchesPattern(k, out)) << k;
+  }
   node_.reset();  // before the directory goes
 }
 

@@ -171,16 +171,16 @@ TEST_F(TieredStoreTest, WriteBackCascadesOnlyOnEviction) {
   EXPECT_EQ(store->ssd()->resident_blocks(), 1u);
   ExpectSsdBlock(*store, 1);
   ExpectCpuBlock(*store, 3);
-  EXPECT_EQ(store->stats().writebacks_staged + store->stats().writebacks_inline, 1u);
+  EXPECT_EQ(store->stats().writebacks_staged + store->stats().writebacks_unstaged, 1u);
 }
 
-TEST_F(TieredStoreTest, WriteBackWithoutStagingWritesInline) {
+TEST_F(TieredStoreTest, WriteBackWithoutStagingWritesFromTheSlotBeforeTheStoreReturns) {
   TieredStoreOptions options = Options(2, 16, CascadeMode::kWriteBack);
   options.writeback_staging_blocks = 0;
   auto store = Open(options);
   Store(*store, Keys({1, 2}));
   Store(*store, Keys({3, 4}));
-  EXPECT_EQ(store->stats().writebacks_inline, 2u);
+  EXPECT_EQ(store->stats().writebacks_unstaged, 2u);
   EXPECT_EQ(store->ssd()->resident_blocks(), 2u);  // written before PrepareStore returned
   ExpectSsdBlock(*store, 1);
   ExpectSsdBlock(*store, 2);

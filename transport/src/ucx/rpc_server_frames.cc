@@ -113,8 +113,10 @@ ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, 
     active_.erase({h.connection_id, h.request_id});
     return UCS_OK;
   }
-  if (!rndv && !state->payload_held) {
-    state->payload_persistent = true;
+  if (!state->payload_held) {
+    // Kept past the callback (a handler that takes the bytes later, e.g. once its slot is
+    // free): UCX keeps an eager payload's data, or a rendezvous descriptor, only when told so.
+    state->payload_persistent = !rndv;
     return UCS_INPROGRESS;
   }
   return UCS_OK;

@@ -99,6 +99,10 @@ class NodeService {
     // counted as a use of the block (a touch). No slot, no EndPut.
     bool skipped = false;
     std::span<std::byte> slot;  // where the bytes go
+    // Non-null: the slot may be written only once this opens (a write-back to SSD still reads
+    // it; store::SlotGate). The caller waits without blocking: the progress thread never waits
+    // on a disk.
+    std::shared_ptr<store::SlotGate> gate;
     // Blocks of the caller's namespace evicted to make room (other namespaces' evictions are
     // not its business).
     std::vector<BlockKey> evicted;

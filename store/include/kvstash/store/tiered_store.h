@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -64,10 +65,33 @@ struct TieredStoreOptions {
   // keeps a quarter of the tier for stores and reads however far behind the disk is.
   size_t max_cascades_in_flight = 0;
   // Write-back: blocks evicted from the CPU tier are copied to this many staging buffers and
-  // written in the background; when all are busy the evicting call writes them itself.
+  // written in the background; when all are busy they are written in the background straight
+  // from their CPU slots, which the evicting store then may not write until that is done (its
+  // SlotGate; a lookup's promotion into them follows the write in the same job). No caller
+  // ever writes to the disk itself.
   size_t writeback_staging_blocks = 16;
   // Tests only: runs on the I/O thread before each background job.
   std::function<void()> before_job_for_testing;
+};
+
+// Opens once the background writes a store's evictions needed have read the CPU slots that
+// store was given (write-back with every staging buffer busy); until then those slots must
+// not be written. Thread-safe.
+class SlotGate {
+ public:
+  bool open() const;
+  // Runs `fn` once open: at once, on this thread, when open already; else on the I/O thread
+  // that opens it.
+  void WhenOpen(std::function<void()> fn);
+  void Wait() const;
+  // The store's: opens the gate and runs the waiting functions.
+  void Open();
+
+ private:
+  mutable Mutex mu_;
+  mutable CondVar cv_;
+  bool open_ GUARDED_BY(mu_) = false;
+  std::vector<std::function<void()>> waiting_ GUARDED_BY(mu_);
 };
 
 // Counters since Create. Monotonic.
@@ -84,7 +108,9 @@ struct TieredStoreStats {
   uint64_t cascades_done = 0;      // blocks written to SSD after a commit or an eviction
   uint64_t cascade_failures = 0;   // blocks the SSD tier could not take (full, no space)
   uint64_t writebacks_staged = 0;  // write-back blocks copied to staging
-  uint64_t writebacks_inline = 0;  // write-back blocks written by the evicting call
+  // Write-back blocks written from their CPU slots (all staging busy): the store that evicted
+  // them waited for the write (its SlotGate) before writing its bytes there.
+  uint64_t writebacks_unstaged = 0;
   // Blocks the CPU tier evicted to make room for stores and promotions (under write-back they
   // go to SSD; the SSD tier counts its own evictions in SsdTierStats).
   uint64_t cpu_evictions = 0;
@@ -132,8 +158,12 @@ class TieredStore {
   void Touch(std::span<const BlockKey> keys);
 
   // Reserves CPU slots (BlockManager::PrepareStore); write each key's bytes to
-  // CpuSlot(plan->slots[i]), then CompleteStore.
-  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan);
+  // CpuSlot(plan->slots[i]), then CompleteStore. With `gate`, never waits for a disk: *gate is
+  // set when the slots may be written only once it opens (null: at once). Without, waits for
+  // such a gate itself. A store aborted (CompleteStore false) before its gate opened frees its
+  // slots when it opens.
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
+                      std::shared_ptr<SlotGate>* gate = nullptr);
   std::span<std::byte> CpuSlot(SlotId slot) { return slab_->Slot(slot); }
   // Publishes (or on failure drops) the keys; under write-through, starts their cascade.
   void CompleteStore(std::span<const BlockKey> keys, bool success);
@@ -172,9 +202,11 @@ class TieredStore {
   LookupResult LookupLocked(const BlockKey& key, Deferred* deferred) REQUIRES(mu_);
   // Reserves SSD slots for the evicted blocks it lacks.
   void PlanWriteBackLocked(Deferred* deferred) REQUIRES(mu_);
-  // Copies or writes the evicted blocks (before their CPU slots are reused), then starts the
-  // promotion. Called without the lock.
-  void Execute(Deferred deferred);
+  // Copies the evicted blocks to staging or has them written from their CPU slots in the
+  // background (before those slots are reused), and starts the promotion. Returns the gate of
+  // the slots `stored` (the keys being stored into them) when they wait for a write, else null.
+  // Called without the lock.
+  std::shared_ptr<SlotGate> Execute(Deferred deferred, std::span<const BlockKey> stored = {});
   void RunPromotion(const Transfer& promotion);
   // Writes blocks to their reserved SSD slots from `sources`, then commits or aborts them.
   void WriteToSsd(const Transfer& transfer, std::span<const std::span<const std::byte>> sources);
@@ -205,6 +237,10 @@ class TieredStore {
   size_t promotions_in_flight_ GUARDED_BY(mu_) = 0;
   size_t cascades_in_flight_ GUARDED_BY(mu_) = 0;
   std::set<BlockKey> deferred_cascades_ GUARDED_BY(mu_);
+  // Keys being stored into CPU slots a background write-back still reads, until it has; and
+  // those of them already aborted (CompleteStore false), whose slots are freed then.
+  std::map<BlockKey, std::shared_ptr<SlotGate>> gated_ GUARDED_BY(mu_);
+  std::vector<BlockKey> aborted_while_gated_ GUARDED_BY(mu_);
   std::unique_ptr<IoPool> io_;  // last: its threads stop first
 };
 
