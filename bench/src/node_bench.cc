@@ -195,9 +195,8 @@ ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes
           continue;
         }
         const bool whole = ++reads % static_cast<uint64_t>(flags.check_every) == 0;
-        if (*got[b] != block_bytes ||
-            !(whole ? Matches(keys[b].hash.lo, batch, recvs[b])
-                    : StampsMatch(keys[b].hash.lo, batch, recvs[b]))) {
+        if (*got[b] != block_bytes || !(whole ? Matches(keys[b].hash.lo, batch, recvs[b])
+                                              : StampsMatch(keys[b].hash.lo, batch, recvs[b]))) {
           ++totals.mismatches;
           shared.mismatches.fetch_add(1);
         }
@@ -474,7 +473,8 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
       "(a block stored under another key, stale, shifted or torn at any page fails), and "
       "every --check-every'th read word for word (a byte corrupted anywhere fails). These "
       "checks cost a small share of the copies they check. A progress line on stderr each "
-      "second; the summary gives GB/s, blocks/s, p50/p99 latency per operation, errors and content mismatches "
+      "second; the summary gives GB/s, blocks/s, p50/p99 latency per operation, errors and content "
+      "mismatches "
       "(exit 1 if any). Reads of blocks the nodes evicted count as misses, not errors.");
   cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
       ->required();

@@ -287,19 +287,21 @@ class NodeClient::Impl {
   }
 
   // Starts a call; `done` runs once on the progress thread with its outcome.
+  // With `group`, the call is counted in it (CallGroup::Track).
   template <typename Request>
   void StartWith(size_t node, wire::Method method, const Request& request, CallOptions options,
-                 std::function<void(Outcome)> done) {
+                 std::function<void(Outcome)> done, transport::CallGroup* group = nullptr) {
     options.deadline = transport::Clock::now() + options_.timeout;
     const std::string bytes = request.SerializeAsString();
     accounting_->CallStarted();
-    clients_[node]->Call(
-        static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
+    transport::ResponseCallback callback =
         [done = std::move(done)](const transport::Response& response) {
           done(Outcome{response.status,
                        std::vector<std::byte>(response.message.begin(), response.message.end()),
                        response.payload_bytes});
-        });
+        };
+    clients_[node]->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
+                         group != nullptr ? group->Track(std::move(callback)) : callback);
   }
 
   // Starts a call; the future holds its outcome.
@@ -322,17 +324,9 @@ class NodeClient::Impl {
     auto promise = std::make_shared<std::promise<Outcome>>();
     std::future<Outcome> future = promise->get_future();
     options.copier = &group;
-    options.deadline = transport::Clock::now() + options_.timeout;
-    const std::string bytes = request.SerializeAsString();
-    accounting_->CallStarted();
-    clients_[node]->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
-                         group.Track([promise](const transport::Response& response) {
-                           promise->set_value(Outcome{
-                               response.status,
-                               std::vector<std::byte>(response.message.begin(),
-                                                      response.message.end()),
-                               response.payload_bytes});
-                         }));
+    StartWith(
+        node, method, request, options,
+        [promise](Outcome outcome) { promise->set_value(std::move(outcome)); }, &group);
     return future;
   }
 

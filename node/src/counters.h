@@ -79,7 +79,8 @@ struct CounterSnapshot {
     uint64_t connections = 0;
   };
   std::optional<Transport> transport;
-  // The CPU tier's memory and how much of it is faulted in (common/include/kvstash/common/memory_warmer.h).
+  // The CPU tier's memory and how much of it is faulted in
+  // (common/include/kvstash/common/memory_warmer.h).
   struct Memory {
     uint64_t total = 0, faulted = 0;
   };

@@ -17,9 +17,9 @@
 #include "counters.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
+#include "kvstash/common/memory_warmer.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/proto/convert.h"
-#include "kvstash/common/memory_warmer.h"
 
 namespace kvstash::node {
 namespace {
@@ -158,8 +158,8 @@ class NodeServer::Impl {
           cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
     }
     // Memory shared through the transport is faulted in after the node listens, on threads
-    // of its own (common/include/kvstash/common/memory_warmer.h), instead of page by page before: a node of any
-    // size serves at once.
+    // of its own (common/include/kvstash/common/memory_warmer.h), instead of page by page before: a
+    // node of any size serves at once.
     const bool warm_later = options_.store.prefault && cpu_region_.size() != 0;
     if (warm_later) options_.store.prefault = false;
     KVSTASH_ASSIGN_OR_RETURN(service_,
@@ -321,8 +321,7 @@ class NodeServer::Impl {
       shared->ReceivePayload(
           slot, region(),
           [this, shared, connection, key, checksum, reply = std::move(reply)](Status received) {
-            const Status stored =
-                service_->EndPut(connection, key, std::move(received), checksum);
+            const Status stored = service_->EndPut(connection, key, std::move(received), checksum);
             if (stored.ok()) {
               ReplyWith(*shared, reply);
             } else {

@@ -224,9 +224,8 @@ TEST_P(RpcTest, MappedCopiesRunOnTheThreadThatWaits) {
     CallOptions put = Within(10s);
     put.send_payload = blocks[b];
     put.copier = &recorder;
-    client_->Call(kPut, {}, put, recorder.group.Track([&](const Response& r) {
-      put_done.set_value(r.status);
-    }));
+    client_->Call(kPut, {}, put,
+                  recorder.group.Track([&](const Response& r) { put_done.set_value(r.status); }));
     recorder.group.Wait();
     ASSERT_TRUE(put_done.get_future().get().ok());
     EXPECT_TRUE(MatchesPattern(500 + b, server_block_.bytes().first(kBlock)));

@@ -32,8 +32,8 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
   region.address = ref.region_address;
   region.size = ref.region_size;
   void* local = nullptr;
-  if (ref.region_size > 0 &&
-      ucp_rkey_ptr(handle, ref.region_address, &local) == UCS_OK && local != nullptr) {
+  if (ref.region_size > 0 && ucp_rkey_ptr(handle, ref.region_address, &local) == UCS_OK &&
+      local != nullptr) {
     region.warmer = std::make_unique<MemoryWarmer>(
         std::span(static_cast<std::byte*>(local), ref.region_size), /*threads=*/1);
   }
@@ -200,12 +200,12 @@ void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byt
   call->copying = true;
   if (!call->skip_copy) call->skip_copy = std::make_shared<std::atomic<bool>>(false);
   ++copies_out_;
-  call->copier->Post([this, worker = worker_, id = call->id, skip = call->skip_copy, dst, src, n,
-                      pull] {
-    const bool copy = !skip->load(std::memory_order_acquire);
-    if (copy) std::memcpy(dst, src, n);
-    worker->Run([this, id, copy, pull, n] { OnCopied(id, copy, pull, n); });
-  });
+  call->copier->Post(
+      [this, worker = worker_, id = call->id, skip = call->skip_copy, dst, src, n, pull] {
+        const bool copy = !skip->load(std::memory_order_acquire);
+        if (copy) std::memcpy(dst, src, n);
+        worker->Run([this, id, copy, pull, n] { OnCopied(id, copy, pull, n); });
+      });
 }
 
 void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
