@@ -19,6 +19,7 @@
 #include "block_pattern.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/call_group.h"
+#include "kvstash/transport/frame.h"
 #include "transport_param.h"
 
 namespace kvstash::transport {
@@ -470,6 +471,64 @@ TEST_P(RpcTest, CancelDuringBulkPutLeavesBufferFree) {
     EXPECT_TRUE(status.ok() || status.code() == StatusCode::kCancelled) << status.ToString();
   }
   EXPECT_TRUE(client_->CallSync(kEcho, AsBytes("still fine"), Within(5s), nullptr).ok());
+}
+
+TEST_P(RpcTest, ARequestPayloadAHandlerRefusesLaterIsLetGo) {
+  // As a node refusing a store after the call was handed on: the handler keeps the call past
+  // the frame's arrival, then answers with an error and never takes the payload. Here the
+  // payload comes with the request (as from a client that does not hold it for a pull), so a
+  // large one arrives by rendezvous. The transport lets it go when the reply goes; before, a
+  // rendezvous payload kept past its frame stayed pending: the sender's send never finished,
+  // and UCX could abort at the server's teardown.
+  std::vector<std::byte> payload(1 << 20);
+  FillPattern(5, payload);
+  ASSERT_TRUE(client_->Connect().ok());
+  for (int i = 0; i < 8; ++i) {
+    FrameHeader header;
+    header.kind = FrameKind::kRequest;
+    header.method = kSilent;
+    header.request_id = (1u << 30) + i;  // no call of the client's has this id
+    header.connection_id = client_->connection_id();
+    header.timeout_us = 5000000;
+    std::vector<std::byte> frame(kFrameHeaderBytes);
+    WriteFrame(header, {}, frame);
+    auto sent = std::make_shared<std::promise<Status>>();
+    ASSERT_TRUE(
+        client_->SendRawForTesting(frame, payload, [sent](Status s) { sent->set_value(s); }).ok());
+    ServerCall call;
+    bool held = false;
+    for (int wait = 0; wait < 5000 && !held; ++wait) {
+      {
+        std::lock_guard lock(mu_);
+        if (!held_.empty()) {
+          call = std::move(held_.front());
+          held_.clear();
+          held = true;
+          break;
+        }
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_TRUE(held);
+    ASSERT_EQ(call.payload_bytes(), payload.size());
+    call.ReplyError(ResourceExhaustedError("no room"));
+    // The payload is let go once the reply goes, so the client's send finishes.
+    auto finished = sent->get_future();
+    ASSERT_EQ(finished.wait_for(5s), std::future_status::ready) << "payload " << i << " kept";
+    EXPECT_TRUE(finished.get().ok());
+  }
+  // The connection still carries payloads, and both workers tear down cleanly.
+  CallOptions put = Within(5s);
+  put.send_payload = payload;
+  EXPECT_TRUE(client_->CallSync(kPut, {}, put, nullptr).ok());
+  std::vector<std::byte> back(payload.size());
+  CallOptions get = Within(5s);
+  get.recv_payload = back;
+  ASSERT_TRUE(client_->CallSync(kGet, {}, get, nullptr).ok());
+  EXPECT_TRUE(MatchesPattern(5, back));
+  client_.reset();
+  server_block_ = MemoryRegion();
+  server_.reset();
 }
 
 TEST_P(RpcTest, UnknownMethodIsUnimplemented) {

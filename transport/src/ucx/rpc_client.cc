@@ -76,9 +76,9 @@ void RpcClient::ConnectAsync(std::function<void(const Status&)> done) {
   impl_->ConnectAsync(std::move(done));
 }
 
-Status RpcClient::SendRawForTesting(Bytes header, Bytes data) {
+Status RpcClient::SendRawForTesting(Bytes header, Bytes data, std::function<void(Status)> sent) {
   KVSTASH_RETURN_IF_ERROR(impl_->Connect());
-  return impl_->SendRaw(header, data);
+  return impl_->SendRaw(header, data, std::move(sent));
 }
 
 }  // namespace kvstash::transport

@@ -78,6 +78,7 @@ inline bool InFlight(const PendingCall& call) {
 struct LooseSend {
   std::vector<std::byte> header;
   std::vector<std::byte> data;
+  std::function<void(Status)> sent;  // when UCX has finished the send; may be empty
 };
 
 // The status a server's error reply carries: `code`, with the message of the wire::Error in
@@ -155,7 +156,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   void Cancel(uint64_t id);
 
   // rpc_client_loose_frames.cc
-  Status SendRaw(Bytes header, Bytes data);
+  Status SendRaw(Bytes header, Bytes data, std::function<void(Status)> sent);
 
   // rpc_client_connection.cc
   Status Connect();

@@ -11,10 +11,11 @@ namespace kvstash::transport {
 
 // ---- loose frames (cancel, tests) ------------------------------------------------------------
 
-Status RpcClient::Impl::SendRaw(Bytes header, Bytes data) {
+Status RpcClient::Impl::SendRaw(Bytes header, Bytes data, std::function<void(Status)> sent) {
   auto send = std::make_shared<LooseSend>();
   send->header.assign(header.begin(), header.end());
   send->data.assign(data.begin(), data.end());
+  send->sent = std::move(sent);
   std::promise<Status> promise;
   auto future = promise.get_future();
   worker_->Run([this, send, &promise] {
@@ -36,16 +37,23 @@ void RpcClient::Impl::SendLoose(LooseSend send) {
   ucp_request_param_t param{};
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+  param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
     ucp_request_free(request);
-    delete static_cast<LooseSend*>(user_data);
+    std::unique_ptr<LooseSend> done(static_cast<LooseSend*>(user_data));
+    if (done->sent) done->sent(FromUcs(status, "sending a raw frame"));
   };
   param.user_data = owned;
   param.datatype = ucp_dt_make_contig(1);
   ucs_status_ptr_t request =
       ucp_am_send_nbx(ep_.get(), kRpcAmId, owned->header.data(), owned->header.size(),
                       owned->data.data(), owned->data.size(), &param);
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+    std::unique_ptr<LooseSend> done(owned);
+    if (done->sent) {
+      done->sent(request == nullptr ? Status::OK()
+                                    : FromUcs(UCS_PTR_STATUS(request), "sending a raw frame"));
+    }
+  }
 }
 
 }  // namespace kvstash::transport

@@ -57,6 +57,9 @@ void RpcServer::Impl::Reply(const std::shared_ptr<UcxCall>& state, StatusCode co
     WriteFrame(header, message, send->header);
   }
   worker_->Run([this, send = std::move(send), payload, region]() mutable {
+    // A call answered without taking its request payload lets it go now: a payload kept past
+    // its frame would otherwise stay with UCX, and a rendezvous sender would never finish.
+    send->state->ReleasePayload();
     SendReply(std::move(send), payload, region);
   });
 }

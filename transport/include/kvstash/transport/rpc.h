@@ -237,8 +237,9 @@ class RpcClient : public Channel {
   void ConnectAsync(std::function<void(const Status&)> done) override;
 
   // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
-  // first. No reply is matched to it.
-  Status SendRawForTesting(Bytes header, Bytes data);
+  // first. No reply is matched to it. `sent`, when given, runs on the client's thread once UCX
+  // has finished the send: for a rendezvous payload, once the server took or let go of it.
+  Status SendRawForTesting(Bytes header, Bytes data, std::function<void(Status)> sent = nullptr);
 
   class Impl;
 
