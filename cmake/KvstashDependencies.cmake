@@ -30,4 +30,6 @@ find_path(ASIO_INCLUDE_DIR asio.hpp REQUIRED)
 # compile with the package's own flags (pkg-config's), or it disagrees with the library about
 # httplib::Request. kvstash serves and calls plain HTTP only; TLS is never set up.
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+# OpenSSL's libcrypto (which cpp-httplib links anyway): base64 for etcd's JSON gateway.
+pkg_check_modules(LIBCRYPTO REQUIRED IMPORTED_TARGET libcrypto)
 find_program(KVSTASH_UCX_PERFTEST ucx_perftest)
