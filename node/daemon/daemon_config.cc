@@ -99,6 +99,79 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "Default: none, every namespace shares the whole tier");
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
+  app.add_option("--etcd", flags.etcd,
+                 "URL[,URL...] of the etcd cluster that keeps the membership (http://HOST:PORT; "
+                 "plain HTTP, etcd's v3 JSON gateway). The node registers itself under "
+                 "/kvstash/<cluster>/nodes/<advertise> with its address, block size, tiers and "
+                 "policy, bound to a lease it keeps alive, and deletes the key at SIGTERM/SIGINT. "
+                 "While etcd cannot be reached the node serves on and retries every second "
+                 "(logged, and kvstash_etcd_registered reads 0). Default: no membership, clients "
+                 "list the node themselves");
+  app.add_option("--cluster", flags.cluster,
+                 "Name of the cluster to join in etcd (letters, digits, '.', '_', '-'); required "
+                 "with --etcd");
+  app.add_option("--advertise", flags.advertise,
+                 "HOST or HOST:PORT that clients connect to, as published in etcd. Default: the "
+                 "--listen address and the port listened on; required when listening on every "
+                 "address (0.0.0.0)");
+  app.add_option("--etcd-ttl-s", flags.etcd_ttl_s,
+                 "TTL of the node's etcd lease in seconds (2..3600), refreshed every third of "
+                 "it: a node that dies leaves the membership this long after")
+      ->capture_default_str();
+}
+
+Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const DaemonFlags& flags,
+                                                                      const NodeOptions& options,
+                                                                      uint16_t port) {
+  if (flags.etcd.empty()) {
+    if (!flags.cluster.empty()) return InvalidArgumentError("cluster: given without --etcd");
+    if (!flags.advertise.empty()) return InvalidArgumentError("advertise: given without --etcd");
+    return std::optional<membership::RegistrationOptions>();
+  }
+  membership::RegistrationOptions registration;
+  auto endpoints = membership::ParseEtcdEndpoints(flags.etcd);
+  if (!endpoints.ok()) return InvalidArgumentError("etcd: {}", endpoints.status().message());
+  registration.etcd.endpoints = std::move(*endpoints);
+  if (flags.cluster.empty()) return InvalidArgumentError("cluster: required with --etcd");
+  if (Status s = membership::ValidateClusterName(flags.cluster); !s.ok()) {
+    return InvalidArgumentError("cluster: {}", s.message());
+  }
+  registration.cluster = flags.cluster;
+  if (flags.etcd_ttl_s < 2 || flags.etcd_ttl_s > 3600) {
+    return InvalidArgumentError("etcd-ttl-s: {} is not within 2..3600", flags.etcd_ttl_s);
+  }
+  registration.ttl_s = flags.etcd_ttl_s;
+  std::string host = flags.advertise;
+  std::string advertised_port = std::to_string(port);
+  if (!host.empty()) {
+    const size_t colon = host.rfind(':');
+    if (colon != std::string::npos && host.find(':') == colon) {  // HOST:PORT (not bare IPv6)
+      advertised_port = host.substr(colon + 1);
+      host = host.substr(0, colon);
+      int value = 0;
+      auto [end, error] = std::from_chars(advertised_port.data(),
+                                          advertised_port.data() + advertised_port.size(), value);
+      if (error != std::errc() || end != advertised_port.data() + advertised_port.size() ||
+          value <= 0 || value > 65535) {
+        return InvalidArgumentError("advertise: bad port in '{}'", flags.advertise);
+      }
+    }
+    if (host.empty()) return InvalidArgumentError("advertise: no host in '{}'", flags.advertise);
+  } else {
+    host = options.server.bind_address;
+    if (host == "0.0.0.0" || host == "::" || host.empty()) {
+      return InvalidArgumentError(
+          "advertise: required with --etcd when listening on every address ({}): give the "
+          "address clients reach this node at",
+          host.empty() ? std::string("any") : host);
+    }
+  }
+  registration.record.address = host + ":" + advertised_port;
+  registration.record.block_bytes = options.store.block_bytes;
+  registration.record.cpu_bytes = options.store.block_bytes * options.store.cpu_capacity_blocks;
+  registration.record.ssd_bytes = options.store.ssd ? options.store.ssd->capacity_bytes : 0;
+  registration.record.policy = flags.cpu_policy;
+  return std::optional<membership::RegistrationOptions>(std::move(registration));
 }
 
 namespace {

@@ -6,10 +6,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvstash/common/status.h"
+#include "kvstash/membership/membership.h"
 #include "kvstash/node/node_server.h"
 
 namespace kvstash::node {
@@ -41,6 +43,10 @@ struct DaemonFlags {
   int spin_us = 200;
   std::vector<std::string> namespace_quota;  // NAME=BYTES, one per namespace
   std::string default_namespace_quota;       // BYTES; empty: none (shared capacity)
+  std::string etcd;                          // URL[,URL...]; empty: no membership
+  std::string cluster;
+  std::string advertise;  // HOST[:PORT] clients reach this node at
+  int etcd_ttl_s = 10;
 };
 
 // Adds every flag (and --config) to `app`, bound to `flags`.
@@ -52,5 +58,13 @@ Result<std::string> MetricsAddress(const DaemonFlags& flags);
 // Validates the settings and turns them into the node's options. InvalidArgument names the
 // setting and the value; a token file that cannot be read is NotFound/PermissionDenied.
 Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags);
+
+// The etcd registration the settings ask for (nullopt without --etcd), for a node listening on
+// `port` with `options`. InvalidArgument for --cluster or --advertise without --etcd, --etcd
+// without --cluster, a bad endpoint, cluster name or TTL, and a node listening on every address
+// (0.0.0.0, ::) without --advertise, since clients cannot connect to that.
+Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const DaemonFlags& flags,
+                                                                      const NodeOptions& options,
+                                                                      uint16_t port);
 
 }  // namespace kvstash::node

@@ -46,6 +46,12 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     return errors.Fail(cli::ExitCodeFor(options.status()), options.status().message());
   }
+  // Checked before anything starts (with the port asked for; the one listened on comes later).
+  auto registration_options =
+      node::RegistrationOf(flags, *options, static_cast<uint16_t>(flags.port));
+  if (!registration_options.ok()) {
+    return errors.Fail(kExitUsage, registration_options.status().message());
+  }
 
   // The signals are taken by sigwait below, never by a handler: block them before any thread
   // starts so every thread inherits the mask.
@@ -84,10 +90,27 @@ int main(int argc, char** argv) {
                             : std::string("none")));
   std::cout << "kvstashd listening on " << options->server.bind_address << ":" << server->port()
             << std::endl;
+  // Joins the cluster once it serves: a client that learns of it from etcd can connect at once.
+  std::unique_ptr<membership::Registration> registration;
+  if (registration_options->has_value()) {
+    // The port is known only now (--port 0).
+    auto final_options = node::RegistrationOf(flags, *options, server->port());
+    Result<std::unique_ptr<membership::Registration>> created =
+        final_options.ok()
+            ? membership::Registration::Create(std::move(**final_options))
+            : Result<std::unique_ptr<membership::Registration>>(final_options.status());
+    if (!created.ok()) {
+      (void)server->Shutdown();
+      return errors.Fail(kExitFailure, fmt::format("cannot start: {}", created.status().message()));
+    }
+    registration = std::move(*created);
+    KVSTASH_LOG_INFO("joining cluster '{}' in etcd at {} as {}", flags.cluster, flags.etcd,
+                     registration->key());
+  }
   std::unique_ptr<node::MetricsEndpoint> metrics;
   if (const std::string address = *node::MetricsAddress(flags); !address.empty()) {
     Result<std::unique_ptr<node::MetricsEndpoint>> endpoint =
-        node::MetricsEndpoint::Create(address, *server);
+        node::MetricsEndpoint::Create(address, *server, registration.get());
     if (!endpoint.ok()) {
       (void)server->Shutdown();
       return errors.Fail(kExitFailure,
@@ -103,6 +126,8 @@ int main(int argc, char** argv) {
   sigwait(&stop_signals, &signal_number);
   KVSTASH_LOG_INFO("{}: stopping (no new connections; sessions end; store flushes)",
                    signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  // Leaves the cluster first, so clients stop placing blocks here while it stops.
+  if (registration != nullptr) registration->Stop();
   metrics.reset();
   const Status stopped = server->Shutdown();
   server.reset();

@@ -88,9 +88,33 @@ MetricFamily FaultedShare(const NodeServer& node) {
                       {share}};
 }
 
+// The node's registration in etcd (--etcd).
+std::vector<MetricFamily> EtcdFamilies(const membership::Registration& registration) {
+  const membership::RegistrationStats stats = registration.stats();
+  ClientMetric registered;
+  registered.gauge.value = stats.registered ? 1 : 0;
+  ClientMetric registrations;
+  registrations.counter.value = static_cast<double>(stats.registrations);
+  ClientMetric errors;
+  errors.counter.value = static_cast<double>(stats.errors);
+  return {
+      MetricFamily{"kvstash_etcd_registered",
+                   "1 while the node's key is in etcd as far as it knows; 0 while etcd "
+                   "cannot be reached (the node serves on and retries every second)",
+                   MetricType::Gauge,
+                   {registered}},
+      MetricFamily{"kvstash_etcd_registrations_total",
+                   "Times the node wrote its key to etcd (again after a lease was lost)",
+                   MetricType::Counter,
+                   {registrations}},
+      MetricFamily{
+          "kvstash_etcd_errors_total", "Calls to etcd that failed", MetricType::Counter, {errors}}};
+}
+
 class NodeCollectable : public prometheus::Collectable {
  public:
-  explicit NodeCollectable(NodeServer& node) : node_(node) {}
+  NodeCollectable(NodeServer& node, const membership::Registration* registration)
+      : node_(node), registration_(registration) {}
 
   std::vector<MetricFamily> Collect() const override {
     const std::map<std::string, uint64_t> counters = node_.Counters();
@@ -118,11 +142,17 @@ class NodeCollectable : public prometheus::Collectable {
     for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) {
       families.push_back(std::move(family));
     }
+    if (registration_ != nullptr) {
+      for (MetricFamily& family : EtcdFamilies(*registration_)) {
+        families.push_back(std::move(family));
+      }
+    }
     return families;
   }
 
  private:
   NodeServer& node_;
+  const membership::Registration* registration_;  // null without --etcd
 };
 
 // /healthz: answers while the daemon serves (it is ready as soon as it listens), with the share
@@ -150,10 +180,10 @@ class MetricsEndpoint::Impl {
   std::unique_ptr<prometheus::Exposer> exposer;
 };
 
-Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(const std::string& address,
-                                                                 NodeServer& node) {
+Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(
+    const std::string& address, NodeServer& node, const membership::Registration* registration) {
   auto impl = std::make_unique<Impl>();
-  impl->node = std::make_shared<NodeCollectable>(node);
+  impl->node = std::make_shared<NodeCollectable>(node, registration);
   impl->up = std::make_shared<Up>(node);
   try {
     impl->exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);

@@ -9,16 +9,18 @@
 #include <string>
 
 #include "kvstash/common/status.h"
+#include "kvstash/membership/membership.h"
 #include "kvstash/node/node_server.h"
 
 namespace kvstash::node {
 
 class MetricsEndpoint {
  public:
-  // Serves `node`'s metrics on `address` ("HOST:PORT"; port 0 picks a free one). The node must
-  // outlive the endpoint.
-  static Result<std::unique_ptr<MetricsEndpoint>> Create(const std::string& address,
-                                                         NodeServer& node);
+  // Serves `node`'s metrics on `address` ("HOST:PORT"; port 0 picks a free one), and those of
+  // its etcd `registration` when it has one. Both must outlive the endpoint.
+  static Result<std::unique_ptr<MetricsEndpoint>> Create(
+      const std::string& address, NodeServer& node,
+      const membership::Registration* registration = nullptr);
   ~MetricsEndpoint();
   uint16_t port() const;
 
