@@ -1,5 +1,6 @@
 #include "kvstash/membership/membership.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <utility>
 
@@ -72,8 +73,9 @@ Result<NodeRecord> NodeRecord::FromJson(std::string_view json) {
 Result<std::unique_ptr<Registration>> Registration::Create(RegistrationOptions options) {
   KVSTASH_RETURN_IF_ERROR(ValidateClusterName(options.cluster));
   if (options.record.address.empty()) return InvalidArgumentError("no address to advertise");
-  if (options.ttl_s < 2)
+  if (options.ttl_s < 2) {
     return InvalidArgumentError("etcd lease TTL of {} s (2 at least)", options.ttl_s);
+  }
   auto etcd = EtcdClient::Create(options.etcd);
   if (!etcd.ok()) return etcd.status();
   auto registration =
@@ -139,20 +141,17 @@ void Registration::Run() {
       }
       lease = *granted;
       last_refresh = std::chrono::steady_clock::now();
-      bool recovered = false;
       uint64_t count = 0;
       {
         MutexLock lock(&mu_);
         lease_ = lease;
         stats_.registered = true;
         count = ++stats_.registrations;
-        recovered = !stats_.last_error.empty();
         stats_.last_error.clear();
       }
       KVSTASH_LOG_INFO("etcd: registered as {} at {} (lease {:x}, TTL {} s){}", key_,
                        etcd_->endpoint(), lease, options_.ttl_s,
                        count > 1 ? fmt::format(", registration {}", count) : std::string());
-      (void)recovered;
     }
     if (!Sleep(refresh)) return;
     auto ttl = etcd_->KeepAlive(lease);
@@ -228,8 +227,6 @@ RegistrationStats Registration::stats() const {
 Result<std::unique_ptr<MembershipWatcher>> MembershipWatcher::Create(WatcherOptions options,
                                                                      OnChange on_change) {
   KVSTASH_RETURN_IF_ERROR(ValidateClusterName(options.cluster));
-  EtcdOptions first = options.etcd;
-  first.timeout = std::min(first.timeout, options.first_read_timeout);
   auto etcd = EtcdClient::Create(options.etcd);
   if (!etcd.ok()) return etcd.status();
   auto watcher = std::unique_ptr<MembershipWatcher>(
@@ -246,6 +243,7 @@ Result<std::unique_ptr<MembershipWatcher>> MembershipWatcher::Create(WatcherOpti
                   fmt::format("reading the members of cluster '{}' from etcd: {}",
                               watcher->options_.cluster, revision.status().message()));
   }
+  watcher->notify_.store(true);
   watcher->thread_ = std::thread([self = watcher.get(), rev = *revision] { self->Run(rev); });
   return watcher;
 }
@@ -315,7 +313,7 @@ void MembershipWatcher::Apply(std::map<std::string, NodeRecord> next) {
   }
   std::sort(members.begin(), members.end(),
             [](const NodeRecord& a, const NodeRecord& b) { return a.address < b.address; });
-  if (on_change_ && thread_.joinable()) on_change_(members);
+  if (on_change_ && notify_.load()) on_change_(members);
 }
 
 void MembershipWatcher::Run(int64_t revision) {

@@ -140,6 +140,7 @@ class MembershipWatcher {
   bool stopping_ GUARDED_BY(mu_) = false;
   std::map<std::string, NodeRecord> members_ GUARDED_BY(mu_);  // by key
   WatcherStats stats_ GUARDED_BY(mu_);
+  std::atomic<bool> notify_{false};  // on_change runs: set once the first read is done
   std::atomic<bool> done_{false};
   std::thread thread_;
 };
