@@ -121,6 +121,7 @@ void Registration::Run() {
   const milliseconds refresh{options_.ttl_s * 1000 / 3};
   int64_t lease = 0;
   auto last_refresh = std::chrono::steady_clock::now();
+  milliseconds wait = refresh;  // until the next refresh: a third of the TTL, a second if failing
   while (true) {
     {
       MutexLock lock(&mu_);
@@ -153,8 +154,9 @@ void Registration::Run() {
                        etcd_->endpoint(), lease, options_.ttl_s,
                        count > 1 ? fmt::format(", registration {}", count) : std::string());
     }
-    if (!Sleep(refresh)) return;
+    if (!Sleep(wait)) return;
     auto ttl = etcd_->KeepAlive(lease);
+    wait = refresh;
     if (ttl.ok()) {
       last_refresh = std::chrono::steady_clock::now();
       bool recovered = false;
@@ -180,8 +182,7 @@ void Registration::Run() {
       MutexLock lock(&mu_);
       stats_.registered = false;  // etcd has let the lease go by now
     }
-    // Sleep(refresh) above, minus what is left: retry about every second while it fails.
-    if (!Sleep(std::max(milliseconds(0), kRetry - refresh))) return;
+    wait = std::min(kRetry, refresh);
   }
 }
 
