@@ -111,8 +111,11 @@ Result<Endpoint> SplitEndpoint(std::string_view url) {
   return endpoint;
 }
 
-std::unique_ptr<httplib::Client> MakeClient(const Endpoint& endpoint,
+// A client of `url` (checked by EtcdClient::Create) with `timeout` for connecting, reading and
+// writing.
+std::unique_ptr<httplib::Client> MakeClient(const std::string& url,
                                             std::chrono::milliseconds timeout) {
+  const Endpoint endpoint = *SplitEndpoint(url);
   auto client = std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
   const auto s = std::chrono::duration_cast<std::chrono::seconds>(timeout);
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(timeout - s);
@@ -120,6 +123,18 @@ std::unique_ptr<httplib::Client> MakeClient(const Endpoint& endpoint,
   client->set_read_timeout(s.count(), us.count());
   client->set_write_timeout(s.count(), us.count());
   return client;
+}
+
+// A POST of JSON `body` to `path` whose response body goes to `receiver` as it arrives.
+httplib::Request JsonPost(std::string_view path, std::string body,
+                          httplib::ContentReceiverWithProgress receiver) {
+  httplib::Request request;
+  request.method = "POST";
+  request.path = std::string(path);
+  request.body = std::move(body);
+  request.set_header("Content-Type", "application/json");
+  request.content_receiver = std::move(receiver);
+  return request;
 }
 
 }  // namespace
@@ -168,24 +183,19 @@ Result<std::string> EtcdClient::Post(std::string_view path, const std::string& b
   for (size_t i = 0; i < n; ++i) {
     const size_t index = (first + i) % n;
     const std::string& url = options_.endpoints[index];
-    auto endpoint = SplitEndpoint(url);
-    auto client = MakeClient(*endpoint, options_.timeout);
+    auto client = MakeClient(url, options_.timeout);
     // etcd's gateway ends an error response with an HTTP trailer, which cpp-httplib 0.11 fails
     // to read (Error::Read) after the whole body has come: the status and the body are taken
     // as they arrive, and a read error after a complete JSON body counts as an answer.
     int status = 0;
     std::string received;
-    httplib::Request request;
-    request.method = "POST";
-    request.path = std::string(path);
-    request.body = body;
-    request.set_header("Content-Type", "application/json");
+    httplib::Request request =
+        JsonPost(path, body, [&received](const char* data, size_t length, uint64_t, uint64_t) {
+          received.append(data, length);
+          return true;
+        });
     request.response_handler = [&status](const httplib::Response& response) {
       status = response.status;
-      return true;
-    };
-    request.content_receiver = [&received](const char* data, size_t length, uint64_t, uint64_t) {
-      received.append(data, length);
       return true;
     };
     httplib::Result response = client->send(request);
@@ -306,7 +316,7 @@ Status EtcdClient::Watch(std::string_view prefix, int64_t start_revision,
   const std::string request_body = Json{{"create_request", create}}.dump();
   const size_t index = preferred_.load() % options_.endpoints.size();
   const std::string url = options_.endpoints[index];
-  auto client = MakeClient(*SplitEndpoint(url), options_.timeout);
+  auto client = MakeClient(url, options_.timeout);
   // A watch reads without limit: the stream is quiet while nothing changes.
   client->set_read_timeout(24 * 3600, 0);
   httplib::Client* raw = client.get();
@@ -366,12 +376,7 @@ Status EtcdClient::Watch(std::string_view prefix, int64_t start_revision,
     }
     return true;
   };
-  httplib::Request request;
-  request.method = "POST";
-  request.path = "/v3/watch";
-  request.body = request_body;
-  request.set_header("Content-Type", "application/json");
-  request.content_receiver = on_bytes;
+  httplib::Request request = JsonPost("/v3/watch", request_body, on_bytes);
   httplib::Result response = client->send(request);
   {
     MutexLock lock(&mu_);

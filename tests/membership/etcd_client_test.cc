@@ -30,9 +30,7 @@ TEST(EtcdEndpointsTest, ParsesListsAndRefusesWhatIsNotPlainHttp) {
 class EtcdClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(EtcdProcess::Installed()) << "etcd-server is not installed "
-                                             "(scripts/lib/setup.sh installs it)";
-    ASSERT_TRUE(etcd_.Start()) << etcd_.log();
+    ASSERT_TRUE(etcd_.Started());
     EtcdOptions options;
     options.endpoints = {etcd_.endpoint()};
     auto client = EtcdClient::Create(options);

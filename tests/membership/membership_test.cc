@@ -8,12 +8,14 @@
 #include <thread>
 
 #include "etcd_process.h"
+#include "membership_wait.h"
 
 namespace kvstash::membership {
 namespace {
 
 using namespace std::chrono_literals;
 using ::kvstash::testing::EtcdProcess;
+using ::kvstash::testing::WaitForMembers;
 
 NodeRecord Record(int n) {
   NodeRecord record;
@@ -48,11 +50,7 @@ TEST(NodeRecordTest, RoundTripsAndRefusesWhatIsNotARecord) {
 
 class MembershipTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(EtcdProcess::Installed()) << "etcd-server is not installed "
-                                             "(scripts/lib/setup.sh installs it)";
-    ASSERT_TRUE(etcd_.Start()) << etcd_.log();
-  }
+  void SetUp() override { ASSERT_TRUE(etcd_.Started()); }
 
   std::unique_ptr<Registration> Register(int n, int64_t ttl_s = 2) {
     RegistrationOptions options;
@@ -74,17 +72,6 @@ class MembershipTest : public ::testing::Test {
     auto watcher = MembershipWatcher::Create(options, std::move(on_change));
     EXPECT_TRUE(watcher.ok()) << watcher.status().ToString();
     return watcher.ok() ? std::move(*watcher) : nullptr;
-  }
-
-  // Waits up to `timeout` for the watcher to see `count` members.
-  static bool WaitFor(const MembershipWatcher& watcher, size_t count,
-                      std::chrono::milliseconds timeout = 10s) {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < until) {
-      if (watcher.members().size() == count) return true;
-      std::this_thread::sleep_for(20ms);
-    }
-    return watcher.members().size() == count;
   }
 
   EtcdProcess etcd_;
@@ -110,11 +97,11 @@ TEST_F(MembershipTest, NodesJoinAndLeaveAndTheWatcherFollows) {
 
   // A fourth joins: seen without reading again.
   nodes.push_back(Register(3));
-  ASSERT_TRUE(WaitFor(*watcher, 4));
+  ASSERT_TRUE(WaitForMembers(*watcher, 4, 10s));
   // One stops: its key is deleted at once, long before its lease would expire.
   nodes[1]->Stop();
   EXPECT_FALSE(nodes[1]->stats().registered);
-  ASSERT_TRUE(WaitFor(*watcher, 3, 1500ms));
+  ASSERT_TRUE(WaitForMembers(*watcher, 3, 1500ms));
   EXPECT_EQ(Addresses(watcher->members()),
             (std::vector<std::string>{"127.0.0.1:7000", "127.0.0.1:7002", "127.0.0.1:7003"}));
   // The registrations keep their leases alive well past the TTL.
@@ -140,8 +127,8 @@ TEST_F(MembershipTest, ANodeThatStopsRefreshingLeavesWhenItsLeaseExpires) {
   auto live = Register(0);
   auto watcher = Watch();
   ASSERT_NE(watcher, nullptr);
-  ASSERT_TRUE(WaitFor(*watcher, 2, 2s));
-  ASSERT_TRUE(WaitFor(*watcher, 1, 6s));
+  ASSERT_TRUE(WaitForMembers(*watcher, 2, 2s));
+  ASSERT_TRUE(WaitForMembers(*watcher, 1, 6s));
   EXPECT_EQ(watcher->members()[0].address, "127.0.0.1:7000");
 }
 
@@ -150,7 +137,7 @@ TEST_F(MembershipTest, WithEtcdDownNodesKeepTryingAndWatchersKeepTheLastSet) {
   auto b = Register(1);
   auto watcher = Watch();
   ASSERT_NE(watcher, nullptr);
-  ASSERT_TRUE(WaitFor(*watcher, 2));
+  ASSERT_TRUE(WaitForMembers(*watcher, 2, 10s));
   etcd_.Stop();
   // Down for longer than the lease TTL: the registrations fail and say so, the watcher keeps
   // what it knew.
@@ -170,7 +157,7 @@ TEST_F(MembershipTest, WithEtcdDownNodesKeepTryingAndWatchersKeepTheLastSet) {
   EXPECT_TRUE(a->stats().registered);
   EXPECT_TRUE(a->stats().last_error.empty());
   auto c = Register(2);
-  ASSERT_TRUE(WaitFor(*watcher, 3, 10s));
+  ASSERT_TRUE(WaitForMembers(*watcher, 3, 10s));
   EXPECT_EQ(Addresses(watcher->members()),
             (std::vector<std::string>{"127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"}));
 }

@@ -11,6 +11,7 @@
 #include "daemon_process.h"
 #include "etcd_process.h"
 #include "kvstash/membership/membership.h"
+#include "membership_wait.h"
 #include "subprocess.h"
 
 namespace kvstash::membership {
@@ -20,6 +21,7 @@ using namespace std::chrono_literals;
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::EtcdProcess;
 using ::kvstash::testing::RunProcess;
+using ::kvstash::testing::WaitForMembers;
 
 // The metrics page of a node (curl), or "" when it does not answer.
 std::string Metrics(uint16_t port) {
@@ -28,23 +30,9 @@ std::string Metrics(uint16_t port) {
   return out.exit_code == 0 ? out.out : std::string();
 }
 
-bool WaitForMembers(const MembershipWatcher& watcher, size_t count,
-                    std::chrono::milliseconds timeout) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < until) {
-    if (watcher.members().size() == count) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return watcher.members().size() == count;
-}
-
 class EtcdNodesTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(EtcdProcess::Installed()) << "etcd-server is not installed "
-                                             "(scripts/lib/setup.sh installs it)";
-    ASSERT_TRUE(etcd_.Start()) << etcd_.log();
-  }
+  void SetUp() override { ASSERT_TRUE(etcd_.Started()); }
 
   std::unique_ptr<Daemon> Node(std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {"--etcd", etcd_.endpoint(), "--cluster",

@@ -4,6 +4,7 @@
 // picks, its data in a temporary directory. Stop() and Start() again keep the data, as an etcd
 // restarted by its operator does.
 
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -45,6 +46,16 @@ class EtcdProcess {
   ~EtcdProcess() { Stop(); }
 
   static bool Installed() { return std::filesystem::exists(kEtcd); }
+
+  // Start() for a test's set-up: the failure says why (not installed, or etcd's log).
+  ::testing::AssertionResult Started() {
+    if (!Installed()) {
+      return ::testing::AssertionFailure()
+             << "etcd-server is not installed (scripts/lib/setup.sh installs it)";
+    }
+    if (!Start()) return ::testing::AssertionFailure() << "etcd did not start: " << log();
+    return ::testing::AssertionSuccess();
+  }
 
   // Starts etcd and waits until it answers; false when it did not.
   bool Start() {
