@@ -23,7 +23,7 @@ using connector::NodeClient;
 using Clock = std::chrono::steady_clock;
 
 struct BenchNodeFlags {
-  std::vector<std::string> nodes;
+  connector::NodeSource source;
   std::string key_namespace = "bench";
   std::string token;
   std::string tls;
@@ -131,12 +131,21 @@ struct Shared {
 connector::NodeClientOptions ClientOptions(const BenchNodeFlags& flags,
                                            std::shared_ptr<transport::ClientWorker> worker) {
   connector::NodeClientOptions options;
-  options.nodes = *connector::ParseNodeAddresses(flags.nodes);
+  (void)connector::ApplyNodeSource(flags.source, &options);  // checked by RunBenchNode
   options.key_namespace = flags.key_namespace;
   options.auth_token = flags.token;
   options.transport.tls = flags.tls;
   options.worker = std::move(worker);
   return options;
+}
+
+// The client's live nodes, "HOST:PORT HOST:PORT".
+std::string NodeList(const connector::NodeClient& client) {
+  std::string out;
+  for (const connector::NodeAddress& node : client.nodes()) {
+    out += (out.empty() ? "" : " ") + node.ToString();
+  }
+  return out;
 }
 
 ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes,
@@ -282,8 +291,9 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  if (auto a = connector::ParseNodeAddresses(flags.nodes); !a.ok()) {
-    return fail(kExitUsage, a.status().message());
+  connector::NodeClientOptions checked;
+  if (const Status source = connector::ApplyNodeSource(flags.source, &checked); !source.ok()) {
+    return fail(kExitUsage, source.message());
   }
   if (flags.clients < 1 || flags.clients > 1024) {
     return fail(kExitUsage, fmt::format("--clients: {} is outside 1..1024", flags.clients));
@@ -305,9 +315,15 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   // The nodes' block size and the CPU tiers the limit copies into.
   uint64_t block_bytes = 0;
   uint64_t capacity_blocks = 0;
+  std::string node_list;
   {
     auto probe = NodeClient::Create(ClientOptions(flags, nullptr));
     if (!probe.ok()) return fail(kExitFailure, probe.status().message());
+    if ((*probe)->node_count() == 0) {
+      return fail(kExitFailure, fmt::format("cluster {} has no live offload nodes in etcd",
+                                            flags.source.cluster));
+    }
+    node_list = NodeList(**probe);
     auto bytes = (*probe)->BlockBytes(0);
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
     block_bytes = *bytes;
@@ -443,9 +459,8 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   report.Set("get_misses", outcome.misses);
   report.Set("errors", outcome.errors);
   report.Set("mismatches", outcome.mismatches);
-  report.Heading(
-      "nodes", fmt::format("{}, blocks of {}, CPU tiers of {} blocks in all",
-                           fmt::join(flags.nodes, " "), FormatBytes(block_bytes), capacity_blocks));
+  report.Heading("nodes", fmt::format("{}, blocks of {}, CPU tiers of {} blocks in all", node_list,
+                                      FormatBytes(block_bytes), capacity_blocks));
   report.Heading("clients",
                  fmt::format("{} on {} UCX worker(s), {} block(s) per operation, {:.0f}% reads",
                              flags.clients, flags.workers == 0 ? flags.clients : flags.workers,
@@ -476,8 +491,11 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
       "second; the summary gives GB/s, blocks/s, p50/p99 latency per operation, errors and content "
       "mismatches "
       "(exit 1 if any). Reads of blocks the nodes evicted count as misses, not errors.");
-  cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
-      ->required();
+  cmd->add_option("--node", flags->source.nodes, "An offload node as HOST:PORT; repeat for many");
+  cmd->add_option("--etcd", flags->source.etcd, connector::kEtcdHelp);
+  cmd->add_option("--cluster", flags->source.cluster, connector::kClusterHelp);
+  cmd->add_option("--replicas", flags->source.replicas, connector::kReplicasHelp)
+      ->capture_default_str();
   cmd->add_option("--clients", flags->clients, "Concurrent clients (1..1024)")
       ->capture_default_str();
   cmd->add_option("--seconds", flags->seconds, "How long each round loads the nodes")

@@ -36,7 +36,7 @@ using Clock = std::chrono::steady_clock;
 
 struct BenchReplayFlags {
   std::string trace;
-  std::vector<std::string> nodes;
+  connector::NodeSource source;
   std::string key_namespace = "replay";
   std::string token;
   std::string token_file;
@@ -310,9 +310,13 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
   };
   uint64_t refs = 0, hits = 0;
   std::vector<std::vector<BlockKey>> by_node(managers.size());
+  // Each key's nodes (its replicas), as the client places it.
+  auto nodes_of = [&client](uint64_t id) { return client.NodesOf(KeyOf(id)); };
   auto touch = [&](std::span<const uint64_t> ids) {
     for (auto& keys : by_node) keys.clear();
-    for (uint64_t id : ids) by_node[client.NodeOf(KeyOf(id))].push_back(key_of(id));
+    for (uint64_t id : ids) {
+      for (size_t n : nodes_of(id)) by_node[n].push_back(key_of(id));
+    }
     for (size_t n = 0; n < managers.size(); ++n) {
       if (!by_node[n].empty()) managers[n]->Touch(by_node[n]);
     }
@@ -320,24 +324,29 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
   for (const TraceRequest& r : trace) {
     const std::span<const uint64_t> ids = r.hash_ids;
     size_t hit = 0;
-    while (hit < ids.size()) {
+    for (; hit < ids.size(); ++hit) {
       const BlockKey key = key_of(ids[hit]);
-      if (managers[client.NodeOf(KeyOf(ids[hit]))]->Lookup(key) != LookupResult::kHit) break;
-      ++hit;
+      const std::vector<size_t> at = nodes_of(ids[hit]);
+      if (std::none_of(at.begin(), at.end(),
+                       [&](size_t n) { return managers[n]->Lookup(key) == LookupResult::kHit; })) {
+        break;
+      }
     }
     refs += ids.size();
     hits += hit;
     touch(ids);
-    // Puts go last key first (NodeClient::Put); each prepares one key.
+    // Puts go last key first (NodeClient::Put), to every replica; each prepares one key.
     for (size_t i = ids.size(); i-- > hit;) {
       const BlockKey key = key_of(ids[i]);
-      store::BlockManager& m = *managers[client.NodeOf(KeyOf(ids[i]))];
-      store::StorePlan plan;
-      if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable
-      if (plan.keys_to_store.empty()) {
-        m.Touch(std::span(&key, 1));  // a store of a held block is a use
-      } else {
-        m.CompleteStore(std::span(&key, 1), true);
+      for (size_t n : nodes_of(ids[i])) {
+        store::BlockManager& m = *managers[n];
+        store::StorePlan plan;
+        if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable
+        if (plan.keys_to_store.empty()) {
+          m.Touch(std::span(&key, 1));  // a store of a held block is a use
+        } else {
+          m.CompleteStore(std::span(&key, 1), true);
+        }
       }
     }
     touch(ids.first(hit));
@@ -362,7 +371,7 @@ double InfiniteCacheHitRatio(const std::vector<TraceRequest>& trace) {
 connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const std::string& token,
                                            std::shared_ptr<transport::ClientWorker> worker) {
   connector::NodeClientOptions options;
-  options.nodes = *connector::ParseNodeAddresses(flags.nodes);
+  (void)connector::ApplyNodeSource(flags.source, &options);  // checked at the start
   options.key_namespace = flags.key_namespace;
   options.auth_token = token;
   options.transport.tls = flags.tls;
@@ -415,8 +424,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  if (auto a = connector::ParseNodeAddresses(flags.nodes); !a.ok()) {
-    return fail(kExitUsage, a.status().message());
+  connector::NodeClientOptions checked;
+  if (const Status source = connector::ApplyNodeSource(flags.source, &checked); !source.ok()) {
+    return fail(kExitUsage, source.message());
   }
   if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
     return fail(kExitUsage, fmt::format("--speed: {} is not a factor >= 0", flags.speed));
@@ -447,6 +457,11 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   uint64_t block_bytes = 0;
   std::vector<NodeShape> shapes;
   uint64_t resident = 0, capacity = 0;
+  const size_t client_nodes = client.node_count();
+  if (client_nodes == 0) {
+    return fail(kExitFailure,
+                fmt::format("cluster {} has no live offload nodes in etcd", flags.source.cluster));
+  }
   for (size_t n = 0; n < client.node_count(); ++n) {
     auto bytes = client.BlockBytes(n);
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
@@ -518,9 +533,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
       uint64_t n = 0;
       for (const auto& c : clients) {
         const connector::BlockStoreCounters now = c->counters();
-        n += now.unreachable + now.refused;
+        n += now.unserved_keys + now.refused;
       }
-      return n - (before.unreachable + before.refused);
+      return n - (before.unserved_keys + before.refused);
     };
     auto last = start;
     uint64_t last_bytes = 0;
@@ -587,7 +602,8 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
   const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
   report.Set("trace", flags.trace);
-  report.Set("nodes", flags.nodes.size());
+  report.Set("nodes", client_nodes);
+  report.Set("replicas", flags.source.replicas);
   report.Set("policy", policy);
   report.Set("capacity_blocks", capacity);
   report.Set("block_bytes", block_bytes);
@@ -607,8 +623,11 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Heading("trace", fmt::format("{}: {} requests, {} block references", flags.trace,
                                       totals.requests.load(), totals.block_refs.load()));
   report.Heading("nodes",
-                 fmt::format("{} of {} blocks of {} in all ({}{})", flags.nodes.size(), capacity,
+                 fmt::format("{} of {} blocks of {} in all ({}{}{})", client_nodes, capacity,
                              FormatBytes(block_bytes), policy,
+                             flags.source.replicas > 1
+                                 ? fmt::format(", {} replicas of each block", flags.source.replicas)
+                                 : "",
                              any_ssd ? ", with SSD: the model covers the CPU tier only" : ""));
   report.Heading("replay",
                  fmt::format("concurrency {}, {}", flags.concurrency,
@@ -645,8 +664,11 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
                   "JSONL, one request per line: timestamp (ms), input_length, output_length, "
                   "hash_ids (block ids; equal leading ids are a shared prefix)")
       ->required();
-  cmd->add_option("--node", flags->nodes, "An offload node as HOST:PORT; repeat for many")
-      ->required();
+  cmd->add_option("--node", flags->source.nodes, "An offload node as HOST:PORT; repeat for many");
+  cmd->add_option("--etcd", flags->source.etcd, connector::kEtcdHelp);
+  cmd->add_option("--cluster", flags->source.cluster, connector::kClusterHelp);
+  cmd->add_option("--replicas", flags->source.replicas, connector::kReplicasHelp)
+      ->capture_default_str();
   cmd->add_option("--namespace", flags->key_namespace, "Key namespace of the replayed blocks")
       ->capture_default_str();
   cmd->add_option("--token", flags->token, "The nodes' auth token");
@@ -676,7 +698,8 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
               "concurrency, speed, model_covers (\"every tier\", or \"cpu tier only\" with SSD "
               "tiers), requests, block_refs, blocks_hit, bytes_stored, bytes_read, seconds, "
               "read_misses (reads of blocks evicted since their lookup), lookup_retries, errors "
-              "and mismatches.\n"
+              "(keys of lookups, reads and stores that no node answered, and calls nodes "
+              "refused) and mismatches.\n"
               "Exits 0 on success, 1 on any error or content mismatch, 2 on bad arguments or a "
               "malformed trace.");
   cmd->callback([flags, exit_code] { *exit_code = RunBenchReplay(*flags); });

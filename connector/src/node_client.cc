@@ -3,14 +3,17 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
+#include <deque>
 #include <future>
 #include <set>
 #include <thread>
 
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
+#include "kvstash/membership/membership.h"
 #include "kvstash/proto/convert.h"
 #include "kvstash/transport/call_group.h"
 
@@ -116,36 +119,113 @@ Result<std::vector<NodeAddress>> ParseNodeAddresses(const std::vector<std::strin
   return out;
 }
 
+Status ApplyNodeSource(const NodeSource& source, NodeClientOptions* options) {
+  const bool listed = !source.nodes.empty();
+  if (listed && !source.etcd.empty()) {
+    return InvalidArgumentError("give either --node(s) or --etcd with --cluster, not both");
+  }
+  if (!listed && source.etcd.empty()) {
+    return InvalidArgumentError(
+        "no offload nodes: give --node(s) HOST:PORT, or --etcd URL with --cluster NAME");
+  }
+  if (!source.etcd.empty() && source.cluster.empty()) {
+    return InvalidArgumentError("--etcd needs --cluster NAME (the nodes' kvstashd --cluster)");
+  }
+  if (source.etcd.empty() && !source.cluster.empty()) {
+    return InvalidArgumentError("--cluster needs --etcd URL");
+  }
+  if (source.replicas == 0 || source.replicas > kMaxReplicas) {
+    return InvalidArgumentError("--replicas: {} is not within 1..{}", source.replicas,
+                                kMaxReplicas);
+  }
+  options->nodes.clear();
+  for (const std::string& item : source.nodes) {
+    for (size_t begin = 0; begin <= item.size();) {
+      const size_t comma = std::min(item.find(',', begin), item.size());
+      KVSTASH_ASSIGN_OR_RETURN(
+          NodeAddress node, ParseNodeAddress(std::string_view(item).substr(begin, comma - begin)));
+      options->nodes.push_back(std::move(node));
+      begin = comma + 1;
+    }
+  }
+  if (!source.etcd.empty()) {
+    if (auto endpoints = membership::ParseEtcdEndpoints(source.etcd); !endpoints.ok()) {
+      return InvalidArgumentError("--etcd: {}", endpoints.status().message());
+    }
+    if (Status valid = membership::ValidateClusterName(source.cluster); !valid.ok()) {
+      return InvalidArgumentError("--cluster: {}", valid.message());
+    }
+  }
+  options->etcd = source.etcd;
+  options->cluster = source.cluster;
+  options->replicas = source.replicas;
+  return Status::OK();
+}
+
+namespace {
+
+// One node's standing as its calls found it: up or down, and the refusal codes already logged.
+// Shared with the callbacks of calls in flight, so it outlives a member that left. Thread-safe.
+struct NodeState {
+  enum : int { kUnknown = 0, kUp = 1, kDown = 2 };
+  explicit NodeState(std::string n) : name(std::move(n)) {}
+  const std::string name;
+  std::atomic<int> state{kUnknown};
+  Mutex mu;
+  std::set<int> logged_codes GUARDED_BY(mu);
+};
+
+// A live node: its address, its rendezvous hash and its connection (opened by the first call).
+// Shared by the topologies that list it; the last one to go closes the connection.
+struct Member {
+  NodeAddress address;
+  uint64_t hash = 0;
+  std::shared_ptr<NodeState> state;
+  std::unique_ptr<transport::Channel> channel;  // after state: its callbacks may use state
+};
+using Members = std::vector<std::shared_ptr<Member>>;
+
+// The nodes one call works with: the live set when it began. Immutable.
+struct Topology {
+  Members members;
+};
+
+// The nodes of one key, best-ranked first.
+struct Placement {
+  std::array<uint32_t, kMaxReplicas> nodes{};
+  uint32_t count = 0;
+};
+
 // Every call's outcome goes through Record: counters, and the logs that say when a node went
-// down, came back, or refused something. Shared with the callbacks of asynchronous calls.
-// Thread-safe.
+// down, came back, or refused something. Thread-safe.
 class Accounting {
  public:
-  explicit Accounting(std::vector<std::string> names)
-      : names_(std::move(names)), nodes_(std::make_unique<Node[]>(names_.size())) {}
-
   void CallStarted() { calls_.fetch_add(1, std::memory_order_relaxed); }
   void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
   void Pinned(size_t keys) { pinned_keys_.fetch_add(keys, std::memory_order_relaxed); }
+  void Unserved(size_t keys) { unserved_.fetch_add(keys, std::memory_order_relaxed); }
+  void MembersChanged(size_t joined, size_t left) {
+    joined_.fetch_add(joined, std::memory_order_relaxed);
+    left_.fetch_add(left, std::memory_order_relaxed);
+  }
 
-  // Records the outcome of a call to `node`: OK, or an answer (NotFound, Aborted) that is not
+  // Records the outcome of a call to a node: OK, or an answer (NotFound, Aborted) that is not
   // an error, marks the node up; Unavailable, DeadlineExceeded or Cancelled count it
   // unreachable; anything else is a refusal.
-  void Record(size_t node, const Status& status) {
+  void Record(NodeState& n, const Status& status) {
     const StatusCode code = status.code();
-    Node& n = nodes_[node];
     if (Unreachable(status)) {
       unreachable_.fetch_add(1, std::memory_order_relaxed);
-      if (n.state.exchange(kDown) != kDown) {
+      if (n.state.exchange(NodeState::kDown) != NodeState::kDown) {
         KVSTASH_LOG_WARN(
             "offload node {} is unreachable ({}); its keys read as misses until it "
             "answers",
-            names_[node], status.ToString());
+            n.name, status.ToString());
       }
       return;
     }
-    if (n.state.exchange(kUp) == kDown) {
-      KVSTASH_LOG_INFO("offload node {} answers again", names_[node]);
+    if (n.state.exchange(NodeState::kUp) == NodeState::kDown) {
+      KVSTASH_LOG_INFO("offload node {} answers again", n.name);
     }
     if (status.ok() || code == StatusCode::kNotFound || code == StatusCode::kAborted) return;
     refused_.fetch_add(1, std::memory_order_relaxed);
@@ -158,7 +238,7 @@ class Accounting {
       KVSTASH_LOG_ERROR(
           "offload node {} refused a call: {} (logged once per node and code; "
           "every refusal is counted)",
-          names_[node], status.ToString());
+          n.name, status.ToString());
     }
   }
 
@@ -169,20 +249,26 @@ class Accounting {
     c.refused = refused_.load(std::memory_order_relaxed);
     c.touched_keys = touched_keys_.load(std::memory_order_relaxed);
     c.pinned_keys = pinned_keys_.load(std::memory_order_relaxed);
+    c.unserved_keys = unserved_.load(std::memory_order_relaxed);
+    c.members_joined = joined_.load(std::memory_order_relaxed);
+    c.members_left = left_.load(std::memory_order_relaxed);
     return c;
   }
 
  private:
-  enum : int { kUnknown = 0, kUp = 1, kDown = 2 };
-  struct Node {
-    std::atomic<int> state{kUnknown};
-    Mutex mu;
-    std::set<int> logged_codes GUARDED_BY(mu);
-  };
-  const std::vector<std::string> names_;
-  std::unique_ptr<Node[]> nodes_;
-  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0};
+  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0},
+      unserved_{0}, joined_{0}, left_{0};
 };
+
+// HIT over RETRY over MISS: the best of two replicas' answers.
+LookupResult Better(LookupResult a, LookupResult b) {
+  auto rank = [](LookupResult r) {
+    return r == LookupResult::kHit ? 2 : r == LookupResult::kRetry ? 1 : 0;
+  };
+  return rank(b) > rank(a) ? b : a;
+}
+
+}  // namespace
 
 class NodeClient::Impl {
  public:
@@ -190,8 +276,12 @@ class NodeClient::Impl {
 
   explicit Impl(NodeClientOptions options) : options_(std::move(options)) {}
 
-  // Asynchronous calls in flight end by their deadline; their callbacks use this object.
-  ~Impl() { WaitForTouches(); }
+  // The watcher goes first (its callback changes the members); asynchronous calls in flight
+  // end by their deadline, and their callbacks use this object.
+  ~Impl() {
+    watcher_.reset();
+    WaitForTouches();
+  }
 
   void WaitForTouches() {
     MutexLock lock(&async_mu_);
@@ -199,118 +289,243 @@ class NodeClient::Impl {
   }
 
   Status Init() {
-    if (options_.nodes.empty()) return InvalidArgumentError("no nodes given");
+    const bool follow = !options_.etcd.empty() || !options_.cluster.empty();
+    if (follow && !options_.nodes.empty()) {
+      return InvalidArgumentError("give either nodes or an etcd cluster to follow, not both");
+    }
+    if (!follow && options_.nodes.empty()) return InvalidArgumentError("no nodes given");
+    if (options_.replicas == 0 || options_.replicas > kMaxReplicas) {
+      return InvalidArgumentError("replicas {} is not within 1..{}", options_.replicas,
+                                  kMaxReplicas);
+    }
     if (!options_.worker && !options_.connect) {
       KVSTASH_ASSIGN_OR_RETURN(options_.worker,
                                transport::ClientWorker::Create(options_.transport));
     }
-    std::vector<std::string> names;
-    for (const NodeAddress& node : options_.nodes) {
-      transport::ClientOptions client;
-      client.host = node.host;
-      client.port = node.port;
-      client.key_namespace = options_.key_namespace;
-      client.auth_token = options_.auth_token;
-      client.transport = options_.transport;
-      client.connect_timeout = options_.connect_timeout;
-      client.worker = options_.worker;
-      if (options_.connect) {
-        KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<transport::Channel> channel,
-                                 options_.connect(client));
-        clients_.push_back(std::move(channel));
-      } else {
-        KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<RpcClient> rpc, RpcClient::Create(client));
-        clients_.push_back(std::move(rpc));
+    if (!follow) {
+      // A fixed list: every node must be usable from the start.
+      auto topology = std::make_shared<Topology>();
+      for (const NodeAddress& address : options_.nodes) {
+        KVSTASH_ASSIGN_OR_RETURN(std::shared_ptr<Member> member, MakeMember(address));
+        topology->members.push_back(std::move(member));
       }
-      names.push_back(node.ToString());
-      node_hashes_.push_back(Xxh3Hash64(std::as_bytes(std::span(names.back()))));
+      MutexLock lock(&topology_mu_);
+      topology_ = std::move(topology);
+      return Status::OK();
     }
-    accounting_ = std::make_shared<Accounting>(std::move(names));
+    if (options_.etcd.empty()) return InvalidArgumentError("a cluster to follow needs etcd");
+    if (options_.cluster.empty()) return InvalidArgumentError("etcd needs a cluster name");
+    membership::WatcherOptions watch;
+    KVSTASH_ASSIGN_OR_RETURN(watch.etcd.endpoints, membership::ParseEtcdEndpoints(options_.etcd));
+    watch.etcd.timeout = options_.etcd_timeout;
+    watch.cluster = options_.cluster;
+    watch.first_read_timeout = options_.etcd_first_read_timeout;
+    KVSTASH_ASSIGN_OR_RETURN(watcher_,
+                             membership::MembershipWatcher::Create(
+                                 watch, [this](const std::vector<membership::NodeRecord>& members) {
+                                   Follow(members);
+                                 }));
+    // Under apply_mu_, so that a change the watcher sees meanwhile is not overwritten by an
+    // older set.
+    MutexLock lock(&apply_mu_);
+    ApplyLocked(watcher_->members());
     return Status::OK();
   }
 
-  size_t node_count() const { return clients_.size(); }
-  const NodeAddress& node(size_t i) const { return options_.nodes.at(i); }
-  BlockStoreCounters counters() const { return accounting_->counters(); }
-
-  size_t NodeOf(const BlockKey& key) const {
-    size_t best = 0;
-    uint64_t best_score = 0;
-    for (size_t i = 0; i < node_hashes_.size(); ++i) {
-      const uint64_t score =
-          Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ Mix64(key.group ^ node_hashes_[i])));
-      if (i == 0 || score > best_score) {
-        best = i;
-        best_score = score;
-      }
-    }
-    return best;
+  // The watcher's set: applied in the order seen.
+  void Follow(const std::vector<membership::NodeRecord>& records) {
+    MutexLock lock(&apply_mu_);
+    ApplyLocked(records);
   }
 
-  std::string node_name(size_t node) const { return options_.nodes[node].ToString(); }
+  // Makes `records` the live set: members still in it keep their connections (and the pins
+  // this client holds there); new ones connect at their first call; those gone are closed once
+  // no call uses them.
+  void ApplyLocked(const std::vector<membership::NodeRecord>& records) REQUIRES(apply_mu_) {
+    const std::shared_ptr<const Topology> current = Snapshot();
+    std::map<std::string, std::shared_ptr<Member>> kept;
+    if (current) {
+      for (const auto& member : current->members) kept.emplace(member->state->name, member);
+    }
+    auto next = std::make_shared<Topology>();
+    size_t joined = 0;
+    std::set<std::string> seen;
+    for (const membership::NodeRecord& record : records) {
+      if (!seen.insert(record.address).second) continue;
+      if (auto it = kept.find(record.address); it != kept.end()) {
+        next->members.push_back(it->second);
+        kept.erase(it);
+        continue;
+      }
+      Result<NodeAddress> address = ParseNodeAddress(record.address);
+      Result<std::shared_ptr<Member>> member =
+          address.ok() ? MakeMember(*address) : Result<std::shared_ptr<Member>>(address.status());
+      if (!member.ok()) {
+        KVSTASH_LOG_ERROR("cluster {}: node {} cannot be used, its keys go to the others: {}",
+                          options_.cluster, record.address, member.status().ToString());
+        continue;
+      }
+      next->members.push_back(*std::move(member));
+      ++joined;
+    }
+    const size_t left = current ? kept.size() : 0;
+    if (current) accounting_.MembersChanged(joined, left);
+    if (next->members.empty()) {
+      KVSTASH_LOG_WARN(
+          "cluster {} has no live offload nodes: lookups miss and stores fail until one joins",
+          options_.cluster);
+    } else if (current) {
+      KVSTASH_LOG_INFO("cluster {}: {} live node(s) ({} joined, {} left); keys move by rendezvous",
+                       options_.cluster, next->members.size(), joined, left);
+    }
+    MutexLock lock(&topology_mu_);
+    topology_ = std::move(next);
+  }
 
-  // The limits of each node in `wanted` (by node index), connecting to those not yet connected,
-  // all at once. A node that cannot be connected gets its error (recorded here).
-  std::vector<Result<ServerLimits>> LimitsOf(const std::vector<bool>& wanted) {
-    std::vector<Result<ServerLimits>> limits(clients_.size(), Result<ServerLimits>(ServerLimits{}));
+  Result<std::shared_ptr<Member>> MakeMember(const NodeAddress& address) {
+    transport::ClientOptions client;
+    client.host = address.host;
+    client.port = address.port;
+    client.key_namespace = options_.key_namespace;
+    client.auth_token = options_.auth_token;
+    client.transport = options_.transport;
+    client.connect_timeout = options_.connect_timeout;
+    client.worker = options_.worker;
+    auto member = std::make_shared<Member>();
+    member->address = address;
+    member->state = std::make_shared<NodeState>(address.ToString());
+    member->hash = Xxh3Hash64(std::as_bytes(std::span(member->state->name)));
+    if (options_.connect) {
+      KVSTASH_ASSIGN_OR_RETURN(member->channel, options_.connect(client));
+    } else {
+      KVSTASH_ASSIGN_OR_RETURN(member->channel, RpcClient::Create(client));
+    }
+    return member;
+  }
+
+  std::shared_ptr<const Topology> Snapshot() const {
+    MutexLock lock(&topology_mu_);
+    return topology_;
+  }
+
+  std::vector<NodeAddress> nodes() const {
+    std::vector<NodeAddress> out;
+    for (const auto& member : Snapshot()->members) out.push_back(member->address);
+    return out;
+  }
+  size_t node_count() const { return Snapshot()->members.size(); }
+  NodeAddress node(size_t i) const { return Snapshot()->members.at(i)->address; }
+  BlockStoreCounters counters() const { return accounting_.counters(); }
+  size_t replicas() const { return options_.replicas; }
+
+  // The `replicas` highest-ranked members of `members` for `key` (fewer when fewer are live).
+  Placement Place(const Members& members, const BlockKey& key) const {
+    Placement p;
+    std::array<uint64_t, kMaxReplicas> scores{};
+    const size_t want = std::min(options_.replicas, members.size());
+    for (size_t i = 0; i < members.size(); ++i) {
+      const uint64_t score =
+          Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ Mix64(key.group ^ members[i]->hash)));
+      // Insertion into the top `want`, best first; an earlier member wins a tie.
+      size_t at = p.count;
+      while (at > 0 && score > scores[at - 1]) --at;
+      if (at >= want) continue;
+      const size_t last = std::min<size_t>(p.count, want - 1);
+      for (size_t j = last; j > at; --j) {
+        scores[j] = scores[j - 1];
+        p.nodes[j] = p.nodes[j - 1];
+      }
+      scores[at] = score;
+      p.nodes[at] = static_cast<uint32_t>(i);
+      p.count = static_cast<uint32_t>(std::min(want, p.count + size_t{1}));
+    }
+    return p;
+  }
+
+  std::optional<size_t> NodeOf(const BlockKey& key) const {
+    const auto topology = Snapshot();
+    const Placement p = Place(topology->members, key);
+    if (p.count == 0) return std::nullopt;
+    return p.nodes[0];
+  }
+
+  std::vector<NodeAddress> PlacesOf(const BlockKey& key) const {
+    const auto topology = Snapshot();
+    const Placement p = Place(topology->members, key);
+    std::vector<NodeAddress> out;
+    for (uint32_t r = 0; r < p.count; ++r) out.push_back(topology->members[p.nodes[r]]->address);
+    return out;
+  }
+
+  std::vector<size_t> NodesOf(const BlockKey& key) const {
+    const Placement p = Place(Snapshot()->members, key);
+    return std::vector<size_t>(p.nodes.begin(), p.nodes.begin() + p.count);
+  }
+
+  // The limits of each member in `wanted` (by index), connecting to those not yet connected,
+  // all at once. A member that cannot be connected gets its error (recorded here).
+  std::vector<Result<ServerLimits>> LimitsOf(const Members& members,
+                                             const std::vector<bool>& wanted) {
+    std::vector<Result<ServerLimits>> limits(members.size(), Result<ServerLimits>(ServerLimits{}));
     std::vector<std::pair<size_t, std::future<Status>>> connecting;
-    for (size_t n = 0; n < clients_.size(); ++n) {
+    for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
-      if (auto known = clients_[n]->server_limits()) {
+      if (auto known = members[n]->channel->server_limits()) {
         limits[n] = *known;
         continue;
       }
       auto promise = std::make_shared<std::promise<Status>>();
       connecting.emplace_back(n, promise->get_future());
-      clients_[n]->ConnectAsync([promise](const Status& s) { promise->set_value(s); });
+      members[n]->channel->ConnectAsync([promise](const Status& s) { promise->set_value(s); });
     }
     for (auto& [n, future] : connecting) {
       const Status connected = future.get();
-      std::optional<ServerLimits> known = clients_[n]->server_limits();
+      std::optional<ServerLimits> known = members[n]->channel->server_limits();
       if (connected.ok() && known) {
         limits[n] = *known;
       } else {
         const Status error =
             connected.ok() ? InternalError("connected without a hello") : connected;
-        accounting_->Record(n, error);
-        limits[n] = AtNode(node_name(n), error);
+        accounting_.Record(*members[n]->state, error);
+        limits[n] = AtNode(members[n]->state->name, error);
       }
     }
     return limits;
   }
 
   Result<ServerLimits> Limits(size_t node) {
-    if (node >= clients_.size()) return OutOfRangeError("no node {}", node);
-    std::vector<bool> wanted(clients_.size(), false);
+    const auto topology = Snapshot();
+    if (node >= topology->members.size()) return OutOfRangeError("no node {}", node);
+    std::vector<bool> wanted(topology->members.size(), false);
     wanted[node] = true;
-    return std::move(LimitsOf(wanted)[node]);
+    return std::move(LimitsOf(topology->members, wanted)[node]);
   }
 
   // Starts a call; `done` runs once on the progress thread with its outcome.
   // With `group`, the call is counted in it (CallGroup::Track).
   template <typename Request>
-  void StartWith(size_t node, wire::Method method, const Request& request, CallOptions options,
+  void StartWith(Member& member, wire::Method method, const Request& request, CallOptions options,
                  std::function<void(Outcome)> done, transport::CallGroup* group = nullptr) {
     options.deadline = transport::Clock::now() + options_.timeout;
     const std::string bytes = request.SerializeAsString();
-    accounting_->CallStarted();
+    accounting_.CallStarted();
     transport::ResponseCallback callback =
         [done = std::move(done)](const transport::Response& response) {
           done(Outcome{response.status,
                        std::vector<std::byte>(response.message.begin(), response.message.end()),
                        response.payload_bytes});
         };
-    clients_[node]->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
+    member.channel->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
                          group != nullptr ? group->Track(std::move(callback)) : callback);
   }
 
   // Starts a call; the future holds its outcome.
   template <typename Request>
-  std::future<Outcome> Start(size_t node, wire::Method method, const Request& request,
+  std::future<Outcome> Start(Member& member, wire::Method method, const Request& request,
                              CallOptions options = {}) {
     auto promise = std::make_shared<std::promise<Outcome>>();
     std::future<Outcome> future = promise->get_future();
-    StartWith(node, method, request, options,
+    StartWith(member, method, request, options,
               [promise](Outcome outcome) { promise->set_value(std::move(outcome)); });
     return future;
   }
@@ -319,38 +534,44 @@ class NodeClient::Impl {
   // that every thread of the engine copies its own blocks); the future holds its outcome, ready
   // once the group's Wait returns.
   template <typename Request>
-  std::future<Outcome> Start(transport::CallGroup& group, size_t node, wire::Method method,
+  std::future<Outcome> Start(transport::CallGroup& group, Member& member, wire::Method method,
                              const Request& request, CallOptions options) {
     auto promise = std::make_shared<std::promise<Outcome>>();
     std::future<Outcome> future = promise->get_future();
     options.copier = &group;
     StartWith(
-        node, method, request, options,
+        member, method, request, options,
         [promise](Outcome outcome) { promise->set_value(std::move(outcome)); }, &group);
     return future;
   }
 
-  // The keys of `keys` by node, in key order within each node; which nodes have any.
-  void ByNode(std::span<const BlockKey> keys, std::vector<std::vector<size_t>>* by_node,
-              std::vector<bool>* wanted) const {
-    by_node->assign(clients_.size(), {});
-    wanted->assign(clients_.size(), false);
+  // The keys of `keys` by member (each key at each of its replicas), in key order within each
+  // member; which members have any.
+  void ByNode(const Members& members, std::span<const BlockKey> keys,
+              std::vector<std::vector<size_t>>* by_node, std::vector<bool>* wanted) const {
+    by_node->assign(members.size(), {});
+    wanted->assign(members.size(), false);
     for (size_t i = 0; i < keys.size(); ++i) {
-      const size_t n = NodeOf(keys[i]);
-      (*by_node)[n].push_back(i);
-      (*wanted)[n] = true;
+      const Placement p = Place(members, keys[i]);
+      for (uint32_t r = 0; r < p.count; ++r) {
+        (*by_node)[p.nodes[r]].push_back(i);
+        (*wanted)[p.nodes[r]] = true;
+      }
     }
   }
 
-  // Per-key lookups; *refusal gets the first error that is not an unreachable node.
+  // Per-key lookups, the best answer of each key's replicas; *refusal gets the first error that
+  // is not an unreachable node.
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys, Status* refusal) {
     std::vector<LookupResult> states(keys.size(), LookupResult::kMiss);
+    const auto topology = Snapshot();
+    const Members& members = topology->members;
     std::vector<std::vector<size_t>> by_node;
     std::vector<bool> wanted;
-    ByNode(keys, &by_node, &wanted);
-    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
-    std::vector<size_t> per_call(clients_.size(), 0);
-    for (size_t n = 0; n < clients_.size(); ++n) {
+    ByNode(members, keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+    std::vector<size_t> per_call(members.size(), 0);
+    for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
       if (limits[n].ok()) {
         per_call[n] = KeysPerCall(*limits[n]);
@@ -359,6 +580,13 @@ class NodeClient::Impl {
       }
     }
     const std::vector<Chunk> chunks = SplitLastFirst(by_node, per_call);
+    // Per key: a replica answered (or refused: counted as that); unserved keys otherwise.
+    std::vector<bool> answered(keys.size(), false);
+    for (size_t n = 0; n < members.size(); ++n) {
+      if (wanted[n] && !limits[n].ok() && !Unreachable(limits[n].status())) {
+        for (size_t i : by_node[n]) answered[i] = true;
+      }
+    }
     std::vector<std::future<Outcome>> calls;
     calls.reserve(chunks.size());
     for (const Chunk& c : chunks) {
@@ -366,92 +594,141 @@ class NodeClient::Impl {
       for (size_t j = c.begin; j < c.end; ++j) {
         wire::ToWire(keys[by_node[c.node][j]], request.add_keys());
       }
-      calls.push_back(Start(c.node, wire::METHOD_LOOKUP, request));
+      calls.push_back(Start(*members[c.node], wire::METHOD_LOOKUP, request));
     }
     for (size_t k = 0; k < chunks.size(); ++k) {
       const Chunk& c = chunks[k];
+      Member& member = *members[c.node];
       const size_t count = c.end - c.begin;
       wire::LookupReply reply;
       Status status = ParseReply(calls[k].get(), &reply);
       if (status.ok() && reply.results_size() != static_cast<int>(count)) {
         status = InternalError("{} result(s) to a lookup of {} keys", reply.results_size(), count);
       }
-      accounting_->Record(c.node, status);
+      accounting_.Record(*member.state, status);
       if (!status.ok()) {
-        if (!Unreachable(status) && refusal->ok()) *refusal = AtNode(node_name(c.node), status);
+        if (Unreachable(status)) continue;  // misses unless another replica answers
+        if (refusal->ok()) *refusal = AtNode(member.state->name, status);
+        for (size_t j = c.begin; j < c.end; ++j) answered[by_node[c.node][j]] = true;
         continue;  // misses, counted and logged
       }
       for (size_t j = 0; j < count; ++j) {
-        states[by_node[c.node][c.begin + j]] = wire::FromWire(reply.results(static_cast<int>(j)));
+        const size_t i = by_node[c.node][c.begin + j];
+        answered[i] = true;
+        states[i] = Better(states[i], wire::FromWire(reply.results(static_cast<int>(j))));
       }
     }
+    accounting_.Unserved(static_cast<size_t>(std::count(answered.begin(), answered.end(), false)));
     return states;
   }
 
-  // One PutBlock call per block (the whole store), all in flight at once across
-  // the nodes, last key first; the caller waits for the last.
+  // One PutBlock call per block and replica (the whole store), all in flight at once across
+  // the nodes, last key first; the caller waits for the last. A block is stored once one of
+  // its replicas holds it; a replica that cannot be reached is counted, not returned, while
+  // another holds the block. A refusal is always returned.
   Status Put(std::span<const BlockKey> keys, std::span<const Bytes> blocks) {
     if (keys.size() != blocks.size()) {
       return InvalidArgumentError("{} keys for {} blocks", keys.size(), blocks.size());
     }
+    if (keys.empty()) return Status::OK();
+    const auto topology = Snapshot();
+    const Members& members = topology->members;
+    if (members.empty()) {
+      accounting_.Unserved(keys.size());
+      return UnavailableError("no live offload node in cluster {} for {} block(s)",
+                              options_.cluster, keys.size());
+    }
     std::vector<std::vector<size_t>> by_node;
     std::vector<bool> wanted;
-    ByNode(keys, &by_node, &wanted);
-    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
-    Status first;
-    auto fail = [&](size_t n, size_t i, const Status& status) {
-      if (first.ok()) {
-        first = Status(status.code(), fmt::format("node {}: block {}: {}", node_name(n),
-                                                  keys[i].ToString(), status.message()));
+    ByNode(members, keys, &by_node, &wanted);
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+    Status refusal;                              // the first refusal, of any block
+    std::vector<Status> unreached(keys.size());  // per block: a replica that did not answer
+    std::vector<bool> stored(keys.size(), false);
+    auto failed = [&](const Member& m, size_t i, const Status& status) {
+      Status named(status.code(), fmt::format("node {}: block {}: {}", m.state->name,
+                                              keys[i].ToString(), status.message()));
+      if (Unreachable(status)) {
+        if (unreached[i].ok()) unreached[i] = std::move(named);
+      } else if (refusal.ok()) {
+        refusal = std::move(named);
       }
     };
     transport::CallGroup group;
-    std::vector<std::tuple<size_t, size_t, std::future<Outcome>>> puts;  // node, key, call
-    puts.reserve(keys.size());
+    std::vector<std::tuple<Member*, size_t, std::future<Outcome>>> puts;  // node, key, call
+    puts.reserve(keys.size() * options_.replicas);
     for (size_t i = keys.size(); i-- > 0;) {
-      const size_t n = NodeOf(keys[i]);
-      if (!limits[n].ok()) {
-        fail(n, i, limits[n].status());
-        continue;
+      const Placement p = Place(members, keys[i]);
+      for (uint32_t r = 0; r < p.count; ++r) {
+        const size_t n = p.nodes[r];
+        Member& member = *members[n];
+        if (!limits[n].ok()) {
+          // The node's name is in the status already.
+          const Status& error = limits[n].status();
+          if (Unreachable(error)) {
+            if (unreached[i].ok()) {
+              unreached[i] = Status(
+                  error.code(), fmt::format("{}: block {}", error.message(), keys[i].ToString()));
+            }
+          } else if (refusal.ok()) {
+            refusal = Status(error.code(),
+                             fmt::format("{}: block {}", error.message(), keys[i].ToString()));
+          }
+          continue;
+        }
+        // What the node would refuse is refused here, without moving the bytes.
+        Status refused;
+        if (limits[n]->block_bytes != 0 && blocks[i].size() != limits[n]->block_bytes) {
+          refused = InvalidArgumentError("a block of {} bytes; the node's block size is {}",
+                                         blocks[i].size(), limits[n]->block_bytes);
+        } else if (limits[n]->max_payload_bytes != 0 &&
+                   blocks[i].size() > limits[n]->max_payload_bytes) {
+          refused = InvalidArgumentError("a block of {} bytes; the largest payload is {}",
+                                         blocks[i].size(), limits[n]->max_payload_bytes);
+        }
+        if (!refused.ok()) {
+          accounting_.Record(*member.state, refused);
+          failed(member, i, refused);
+          continue;
+        }
+        wire::PutBlockRequest put;
+        *put.mutable_key() = wire::ToWire(keys[i]);
+        put.set_length(blocks[i].size());
+        // Over a network the node checks the bytes against this; a client on the node's host
+        // copies them into the node's memory itself, where a checksum would guard nothing and
+        // cost a hash of every block on both sides.
+        if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(blocks[i]));
+        CallOptions options;
+        options.send_payload = blocks[i];
+        puts.emplace_back(&member, i, Start(group, member, wire::METHOD_PUT_BLOCK, put, options));
       }
-      // What the node would refuse is refused here, without moving the bytes.
-      Status refused;
-      if (limits[n]->block_bytes != 0 && blocks[i].size() != limits[n]->block_bytes) {
-        refused = InvalidArgumentError("a block of {} bytes; the node's block size is {}",
-                                       blocks[i].size(), limits[n]->block_bytes);
-      } else if (limits[n]->max_payload_bytes != 0 &&
-                 blocks[i].size() > limits[n]->max_payload_bytes) {
-        refused = InvalidArgumentError("a block of {} bytes; the largest payload is {}",
-                                       blocks[i].size(), limits[n]->max_payload_bytes);
-      }
-      if (!refused.ok()) {
-        accounting_->Record(n, refused);
-        fail(n, i, refused);
-        continue;
-      }
-      wire::PutBlockRequest put;
-      *put.mutable_key() = wire::ToWire(keys[i]);
-      put.set_length(blocks[i].size());
-      // Over a network the node checks the bytes against this; a client on the node's host
-      // copies them into the node's memory itself, where a checksum would guard nothing and
-      // cost a hash of every block on both sides.
-      if (!clients_[n]->payloads_mapped()) put.set_checksum(Xxh3Hash64(blocks[i]));
-      CallOptions options;
-      options.send_payload = blocks[i];
-      puts.emplace_back(n, i, Start(group, n, wire::METHOD_PUT_BLOCK, put, options));
     }
     group.Wait();
-    for (auto& [n, i, future] : puts) {
+    for (auto& [member, i, future] : puts) {
       const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
-      accounting_->Record(n, status);
-      if (!status.ok()) fail(n, i, status);
+      accounting_.Record(*member->state, status);
+      if (status.ok()) {
+        stored[i] = true;
+      } else {
+        failed(*member, i, status);
+      }
     }
-    return first;
+    Status lost;  // the first key no replica took, all unreachable
+    size_t unserved = 0;
+    for (size_t i = keys.size(); i-- > 0;) {
+      if (!stored[i] && !unreached[i].ok()) {
+        ++unserved;
+        if (lost.ok()) lost = unreached[i];
+      }
+    }
+    accounting_.Unserved(unserved);
+    return refusal.ok() ? lost : refusal;
   }
 
   // One GetBlock per key (read from this client's pin, or pinned for the transfer by the node),
-  // all in flight at once. Blocks
-  // a node is promoting from SSD are asked for again until the timeout.
+  // all in flight at once, from each key's best-ranked replica; a replica that does not hold
+  // the block or cannot be reached passes the read to the next. Blocks a node is promoting from
+  // SSD are asked for again until the timeout.
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const transport::MutableBytes> outs) {
     std::vector<Result<size_t>> results(keys.size(), Result<size_t>(size_t{0}));
@@ -461,73 +738,143 @@ class NodeClient::Impl {
       }
       return results;
     }
+    const auto topology = Snapshot();
+    const Members& members = topology->members;
+    std::vector<Placement> places(keys.size());
     std::vector<std::vector<size_t>> by_node;
-    std::vector<bool> wanted;
-    ByNode(keys, &by_node, &wanted);
-    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+    std::vector<bool> wanted(members.size(), false);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      places[i] = Place(members, keys[i]);
+      if (places[i].count != 0) wanted[places[i].nodes[0]] = true;
+    }
+    std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+    std::vector<bool> asked = wanted;  // whose limits are known
+    // Per key: the replica asked next, and the error to give if none has the block.
+    std::vector<uint32_t> rank(keys.size(), 0);
+    std::vector<Status> errors(keys.size());
+    // The error a read gives when no replica has the block: a refusal, else a replica that
+    // answered it does not hold it (a miss, whatever the others), else unreachable replicas.
+    auto weight = [](const Status& s) {
+      return s.ok() ? 0 : Unreachable(s) ? 1 : s.code() == StatusCode::kNotFound ? 2 : 3;
+    };
+    auto note_error = [&](size_t i, Status error) {
+      if (weight(error) > weight(errors[i])) errors[i] = std::move(error);
+    };
+    // The end of key i's read without its block.
+    auto give_error = [&](size_t i) {
+      if (Unreachable(errors[i])) accounting_.Unserved(1);
+      results[i] = errors[i];
+    };
     std::vector<size_t> pending;
     for (size_t i = 0; i < keys.size(); ++i) {
-      const size_t n = NodeOf(keys[i]);
-      if (limits[n].ok()) {
-        pending.push_back(i);
+      if (places[i].count == 0) {
+        accounting_.Unserved(1);
+        results[i] = UnavailableError("no live offload node in cluster {} for block {}",
+                                      options_.cluster, keys[i].ToString());
       } else {
-        results[i] =
-            Status(limits[n].status().code(),
-                   fmt::format("{}: block {}", limits[n].status().message(), keys[i].ToString()));
+        pending.push_back(i);
       }
     }
     const auto give_up = transport::Clock::now() + options_.timeout;
     for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
+      // Keys whose replica at their rank cannot be connected move on to the next rank.
+      std::vector<size_t> ready;
+      while (!pending.empty()) {
+        std::vector<size_t> next;
+        std::vector<bool> more(members.size(), false);
+        bool any_more = false;
+        for (size_t i : pending) {
+          const size_t n = places[i].nodes[rank[i]];
+          if (!asked[n]) {
+            more[n] = true;
+            any_more = true;
+            next.push_back(i);
+            continue;
+          }
+          if (limits[n].ok()) {
+            ready.push_back(i);
+            continue;
+          }
+          const Status& error = limits[n].status();
+          note_error(i, Status(error.code(),
+                               fmt::format("{}: block {}", error.message(), keys[i].ToString())));
+          if (Unreachable(error) && ++rank[i] < places[i].count) {
+            next.push_back(i);
+          } else {
+            give_error(i);
+          }
+        }
+        if (any_more) {
+          std::vector<Result<ServerLimits>> got = LimitsOf(members, more);
+          for (size_t n = 0; n < members.size(); ++n) {
+            if (more[n]) {
+              limits[n] = std::move(got[n]);
+              asked[n] = true;
+            }
+          }
+        }
+        pending = std::move(next);
+      }
+      if (ready.empty()) return results;
       transport::CallGroup group;
       std::vector<std::future<Outcome>> calls;
-      calls.reserve(pending.size());
-      for (size_t i : pending) {
+      calls.reserve(ready.size());
+      for (size_t i : ready) {
         wire::GetBlockRequest get;
         *get.mutable_key() = wire::ToWire(keys[i]);
         CallOptions options;
         options.recv_payload = outs[i];
-        calls.push_back(Start(group, NodeOf(keys[i]), wire::METHOD_GET_BLOCK, get, options));
+        calls.push_back(
+            Start(group, *members[places[i].nodes[rank[i]]], wire::METHOD_GET_BLOCK, get, options));
       }
       group.Wait();
-      std::vector<size_t> again;
-      for (size_t j = 0; j < pending.size(); ++j) {
-        const size_t i = pending[j];
-        const size_t n = NodeOf(keys[i]);
+      bool wait = false;
+      for (size_t j = 0; j < ready.size(); ++j) {
+        const size_t i = ready[j];
+        const Member& member = *members[places[i].nodes[rank[i]]];
         const Outcome outcome = calls[j].get();
         const Status& got = outcome.status;
-        accounting_->Record(n, got);
+        accounting_.Record(*member.state, got);
         if (got.ok()) {
           results[i] = outcome.payload_bytes;
-        } else if (got.code() == StatusCode::kNotFound) {
-          results[i] =
-              NotFoundError("node {} does not hold block {}", node_name(n), keys[i].ToString());
-        } else if (got.code() == StatusCode::kAborted &&
-                   transport::Clock::now() + pause <= give_up) {
-          again.push_back(i);
+          continue;
+        }
+        if (got.code() == StatusCode::kAborted && transport::Clock::now() + pause <= give_up) {
+          pending.push_back(i);  // being promoted: the same replica again, after a pause
+          wait = true;
+          continue;
+        }
+        if (got.code() == StatusCode::kNotFound) {
+          note_error(i, NotFoundError("node {} does not hold block {}", member.state->name,
+                                      keys[i].ToString()));
         } else {
-          results[i] = Status(got.code(), fmt::format("node {}: block {}: {}", node_name(n),
-                                                      keys[i].ToString(), got.message()));
+          note_error(i, Status(got.code(), fmt::format("node {}: block {}: {}", member.state->name,
+                                                       keys[i].ToString(), got.message())));
+        }
+        const bool passes = got.code() == StatusCode::kNotFound || Unreachable(got);
+        if (passes && ++rank[i] < places[i].count) {
+          pending.push_back(i);
+        } else {
+          give_error(i);
         }
       }
-      if (again.empty()) return results;
-      pending = std::move(again);
-      std::this_thread::sleep_for(pause);
+      if (pending.empty()) return results;
+      if (wait) std::this_thread::sleep_for(pause);
     }
   }
 
-  // The calls of a Request of `keys` (TouchRequest, LoadRequest, ReleaseRequest): per node,
-  // split to its limits, each node's chunks last first (a node applies them in arrival order,
-  // so a touch's first keys end most recent). `start` starts each call; nodes that cannot be
-  // reached are skipped (recorded by LimitsOf).
+  // The calls of a Request of `keys` (TouchRequest, LoadRequest, ReleaseRequest) to the
+  // members of `by_node`: per member, split to its limits, each member's chunks last first (a
+  // node applies them in arrival order, so a touch's first keys end most recent). `start`
+  // starts each call; members that cannot be reached are skipped (recorded by LimitsOf).
   template <typename Request, typename StartFn>
-  Status StartKeyCalls(std::span<const BlockKey> keys, StartFn start) {
-    std::vector<std::vector<size_t>> by_node;
-    std::vector<bool> wanted;
-    ByNode(keys, &by_node, &wanted);
-    const std::vector<Result<ServerLimits>> limits = LimitsOf(wanted);
+  Status StartKeyCalls(const Members& members, const std::vector<std::vector<size_t>>& by_node,
+                       const std::vector<bool>& wanted, std::span<const BlockKey> keys,
+                       StartFn start) {
+    const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
     Status first;
-    std::vector<size_t> per_call(clients_.size(), 0);
-    for (size_t n = 0; n < clients_.size(); ++n) {
+    std::vector<size_t> per_call(members.size(), 0);
+    for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
       if (limits[n].ok()) {
         per_call[n] = KeysPerCall(*limits[n]);
@@ -540,21 +887,31 @@ class NodeClient::Impl {
       for (size_t j = c.begin; j < c.end; ++j) {
         wire::ToWire(keys[by_node[c.node][j]], request.add_keys());
       }
-      start(c.node, request);
+      start(*members[c.node], request);
     }
     return first;
   }
 
-  // Starts `method` with `request` on `node` without waiting: `done` gets the outcome, and the
-  // destructor (WaitForTouches) waits for it.
+  // As above, to each key's replicas in the live set.
+  template <typename Request, typename StartFn>
+  Status StartKeyCalls(std::span<const BlockKey> keys, StartFn start) {
+    const auto topology = Snapshot();
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(topology->members, keys, &by_node, &wanted);
+    return StartKeyCalls<Request>(topology->members, by_node, wanted, keys, start);
+  }
+
+  // Starts `method` with `request` on `member` without waiting: `done` gets the outcome, and
+  // the destructor (WaitForTouches) waits for it.
   template <typename Request>
-  void StartAsync(size_t node, wire::Method method, const Request& request,
+  void StartAsync(Member& member, wire::Method method, const Request& request,
                   std::function<void(const Outcome&)> done) {
     {
       MutexLock lock(&async_mu_);
       ++async_in_flight_;
     }
-    StartWith(node, method, request, {}, [this, done = std::move(done)](Outcome outcome) {
+    StartWith(member, method, request, {}, [this, done = std::move(done)](Outcome outcome) {
       done(outcome);
       // Under the lock: the destructor cannot go on until this callback is done with *this.
       MutexLock lock(&async_mu_);
@@ -563,77 +920,142 @@ class NodeClient::Impl {
     });
   }
 
+  // Pins each key at its replicas, and remembers where: the release goes there even if the
+  // members have changed since.
   void Pin(std::span<const BlockKey> keys) {
     if (keys.empty()) return;
+    const auto topology = Snapshot();
+    const Members& members = topology->members;
+    std::vector<std::vector<size_t>> by_node;
+    std::vector<bool> wanted;
+    ByNode(members, keys, &by_node, &wanted);
+    {
+      MutexLock lock(&pins_mu_);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        std::vector<std::weak_ptr<Member>> at;
+        const Placement p = Place(members, keys[i]);
+        for (uint32_t r = 0; r < p.count; ++r) at.push_back(members[p.nodes[r]]);
+        pins_[keys[i]].push_back(std::move(at));
+      }
+    }
     (void)StartKeyCalls<wire::LoadRequest>(
-        keys, [this](size_t node, const wire::LoadRequest& request) {
-          StartAsync(node, wire::METHOD_LOAD, request, [this, node](const Outcome& outcome) {
-            wire::LoadReply reply;
-            const Status status = ParseReply(outcome, &reply);
-            accounting_->Record(node, status);
-            if (status.ok()) {
-              accounting_->Pinned(static_cast<size_t>(
-                  std::count(reply.pinned().begin(), reply.pinned().end(), true)));
-            }
-          });
+        members, by_node, wanted, keys, [this](Member& member, const wire::LoadRequest& request) {
+          StartAsync(member, wire::METHOD_LOAD, request,
+                     [this, state = member.state](const Outcome& outcome) {
+                       wire::LoadReply reply;
+                       const Status status = ParseReply(outcome, &reply);
+                       accounting_.Record(*state, status);
+                       if (status.ok()) {
+                         accounting_.Pinned(static_cast<size_t>(
+                             std::count(reply.pinned().begin(), reply.pinned().end(), true)));
+                       }
+                     });
         });
   }
 
+  // Releases each key where its oldest outstanding Pin went (members that have since closed
+  // released it with their connection); a key never pinned goes to its replicas now.
   void Unpin(std::span<const BlockKey> keys) {
     if (keys.empty()) return;
+    const auto topology = Snapshot();
+    Members members;
+    std::map<const Member*, size_t> index;
+    std::vector<std::vector<size_t>> by_node;
+    auto add = [&](const std::shared_ptr<Member>& member, size_t key) {
+      auto [it, fresh] = index.emplace(member.get(), members.size());
+      if (fresh) {
+        members.push_back(member);
+        by_node.emplace_back();
+      }
+      by_node[it->second].push_back(key);
+    };
+    {
+      MutexLock lock(&pins_mu_);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto it = pins_.find(keys[i]);
+        if (it == pins_.end()) {
+          const Placement p = Place(topology->members, keys[i]);
+          for (uint32_t r = 0; r < p.count; ++r) add(topology->members[p.nodes[r]], i);
+          continue;
+        }
+        for (const std::weak_ptr<Member>& weak : it->second.front()) {
+          if (std::shared_ptr<Member> member = weak.lock()) add(member, i);
+        }
+        it->second.pop_front();
+        if (it->second.empty()) pins_.erase(it);
+      }
+    }
+    const std::vector<bool> wanted(members.size(), true);
     (void)StartKeyCalls<wire::ReleaseRequest>(
-        keys, [this](size_t node, const wire::ReleaseRequest& request) {
-          StartAsync(node, wire::METHOD_RELEASE, request, [this, node](const Outcome& outcome) {
-            accounting_->Record(node, ParseReply(outcome, (wire::ReleaseReply*)nullptr));
-          });
+        members, by_node, wanted, keys,
+        [this](Member& member, const wire::ReleaseRequest& request) {
+          StartAsync(member, wire::METHOD_RELEASE, request,
+                     [this, state = member.state](const Outcome& outcome) {
+                       accounting_.Record(*state,
+                                          ParseReply(outcome, (wire::ReleaseReply*)nullptr));
+                     });
         });
   }
 
   void Touch(std::span<const BlockKey> keys) {
     if (keys.empty()) return;
     (void)StartKeyCalls<wire::TouchRequest>(
-        keys, [this](size_t node, const wire::TouchRequest& request) {
-          accounting_->Touched(static_cast<size_t>(request.keys_size()));
-          StartAsync(node, wire::METHOD_TOUCH, request, [this, node](const Outcome& outcome) {
-            accounting_->Record(node, ParseReply(outcome, (wire::TouchReply*)nullptr));
-          });
+        keys, [this](Member& member, const wire::TouchRequest& request) {
+          accounting_.Touched(static_cast<size_t>(request.keys_size()));
+          StartAsync(member, wire::METHOD_TOUCH, request,
+                     [this, state = member.state](const Outcome& outcome) {
+                       accounting_.Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
+                     });
         });
   }
 
   Status TouchSync(std::span<const BlockKey> keys) {
-    std::vector<std::pair<size_t, std::future<Outcome>>> calls;
+    std::vector<std::pair<std::shared_ptr<NodeState>, std::future<Outcome>>> calls;
     Status first = StartKeyCalls<wire::TouchRequest>(
-        keys, [&](size_t node, const wire::TouchRequest& request) {
-          accounting_->Touched(static_cast<size_t>(request.keys_size()));
-          calls.emplace_back(node, Start(node, wire::METHOD_TOUCH, request));
+        keys, [&](Member& member, const wire::TouchRequest& request) {
+          accounting_.Touched(static_cast<size_t>(request.keys_size()));
+          calls.emplace_back(member.state, Start(member, wire::METHOD_TOUCH, request));
         });
-    for (auto& [n, future] : calls) {
+    for (auto& [state, future] : calls) {
       const Status status = ParseReply(future.get(), (wire::TouchReply*)nullptr);
-      accounting_->Record(n, status);
-      if (!status.ok() && first.ok()) first = AtNode(node_name(n), status);
+      accounting_.Record(*state, status);
+      if (!status.ok() && first.ok()) first = AtNode(state->name, status);
     }
     return first;
   }
 
   Result<std::map<std::string, uint64_t>> Stats(size_t node) {
-    if (node >= clients_.size()) return OutOfRangeError("no node {}", node);
+    const auto topology = Snapshot();
+    if (node >= topology->members.size()) return OutOfRangeError("no node {}", node);
+    Member& member = *topology->members[node];
     wire::StatsReply reply;
     const Status status =
-        ParseReply(Start(node, wire::METHOD_STATS, wire::StatsRequest()).get(), &reply);
-    accounting_->Record(node, status);
-    if (!status.ok()) return AtNode(node_name(node), status);
+        ParseReply(Start(member, wire::METHOD_STATS, wire::StatsRequest()).get(), &reply);
+    accounting_.Record(*member.state, status);
+    if (!status.ok()) return AtNode(member.state->name, status);
     return std::map<std::string, uint64_t>(reply.counters().begin(), reply.counters().end());
+  }
+
+  std::string node_name(size_t node) const {
+    const auto topology = Snapshot();
+    return node < topology->members.size() ? topology->members[node]->state->name
+                                           : fmt::format("#{}", node);
   }
 
  private:
   NodeClientOptions options_;
-  std::vector<std::unique_ptr<transport::Channel>> clients_;
-  std::vector<uint64_t> node_hashes_;
-  std::shared_ptr<Accounting> accounting_;
+  Accounting accounting_;
+  mutable Mutex topology_mu_;
+  std::shared_ptr<const Topology> topology_ GUARDED_BY(topology_mu_);
+  Mutex apply_mu_;  // one membership change at a time, in the watcher's order
+  // Where each pinned key's Pins went, oldest first.
+  Mutex pins_mu_;
+  std::map<BlockKey, std::deque<std::vector<std::weak_ptr<Member>>>> pins_ GUARDED_BY(pins_mu_);
   // Asynchronous calls (touches, pins, releases) still out.
   Mutex async_mu_;
   CondVar async_cv_;
   size_t async_in_flight_ GUARDED_BY(async_mu_) = 0;
+  std::unique_ptr<membership::MembershipWatcher> watcher_;  // last: it goes first
 };
 
 Result<std::unique_ptr<NodeClient>> NodeClient::Create(NodeClientOptions options) {
@@ -646,8 +1068,16 @@ NodeClient::NodeClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NodeClient::~NodeClient() = default;
 
 size_t NodeClient::node_count() const { return impl_->node_count(); }
-const NodeAddress& NodeClient::node(size_t i) const { return impl_->node(i); }
-size_t NodeClient::NodeOf(const BlockKey& key) const { return impl_->NodeOf(key); }
+NodeAddress NodeClient::node(size_t i) const { return impl_->node(i); }
+std::vector<NodeAddress> NodeClient::nodes() const { return impl_->nodes(); }
+size_t NodeClient::replicas() const { return impl_->replicas(); }
+size_t NodeClient::NodeOf(const BlockKey& key) const {
+  return impl_->NodeOf(key).value_or(impl_->node_count());
+}
+std::vector<NodeAddress> NodeClient::PlacesOf(const BlockKey& key) const {
+  return impl_->PlacesOf(key);
+}
+std::vector<size_t> NodeClient::NodesOf(const BlockKey& key) const { return impl_->NodesOf(key); }
 Result<transport::ServerLimits> NodeClient::Limits(size_t node) { return impl_->Limits(node); }
 
 std::vector<LookupResult> NodeClient::Lookup(std::span<const BlockKey> keys) {

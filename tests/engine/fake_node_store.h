@@ -200,7 +200,7 @@ class FakeStoreClient : public connector::BlockStoreClient {
  public:
   explicit FakeStoreClient(FakeNodeStore* store) : store_(store) {}
   size_t node_count() const override { return 1; }
-  const connector::NodeAddress& node(size_t) const override { return address_; }
+  connector::NodeAddress node(size_t) const override { return address_; }
   Result<uint64_t> BlockBytes(size_t) override { return store_->block_bytes(); }
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) override {
     return store_->Lookup(keys);

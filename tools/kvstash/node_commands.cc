@@ -18,7 +18,7 @@ namespace {
 using connector::NodeClient;
 
 struct NodeFlags {
-  std::vector<std::string> nodes;
+  connector::NodeSource source;
   std::string key_namespace = "default";
   std::string token;
   std::string token_file;
@@ -36,10 +36,13 @@ cli::ErrorReporter Errors(std::string_view command) {
 }
 
 void AddConnectionFlags(CLI::App* cmd, NodeFlags& flags, bool keys) {
-  cmd->add_option("--node", flags.nodes,
+  cmd->add_option("--node", flags.source.nodes,
                   "An offload node as HOST:PORT; repeat for many nodes (each key goes to one, by "
-                  "rendezvous hashing, as every kvstash client places it)")
-      ->required();
+                  "rendezvous hashing, as every kvstash client places it)");
+  cmd->add_option("--etcd", flags.source.etcd, connector::kEtcdHelp);
+  cmd->add_option("--cluster", flags.source.cluster, connector::kClusterHelp);
+  cmd->add_option("--replicas", flags.source.replicas, connector::kReplicasHelp)
+      ->capture_default_str();
   cmd->add_option("--namespace", flags.key_namespace, "Key namespace of the blocks")
       ->capture_default_str();
   cmd->add_option("--token", flags.token, "The nodes' auth token");
@@ -57,7 +60,7 @@ void AddConnectionFlags(CLI::App* cmd, NodeFlags& flags, bool keys) {
 
 Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
   connector::NodeClientOptions options;
-  KVSTASH_ASSIGN_OR_RETURN(options.nodes, connector::ParseNodeAddresses(flags.nodes));
+  KVSTASH_RETURN_IF_ERROR(connector::ApplyNodeSource(flags.source, &options));
   KVSTASH_ASSIGN_OR_RETURN(options.auth_token,
                            ResolveToken(flags.token, "--token", flags.token_file, "--token-file"));
   if (flags.timeout_ms < 1) {
@@ -68,6 +71,22 @@ Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
   options.timeout = std::chrono::milliseconds(flags.timeout_ms);
   options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
   return NodeClient::Create(options);
+}
+
+// The nodes of `key`, best-ranked first, as "HOST:PORT,HOST:PORT".
+std::string PlacesOf(const NodeClient& client, const BlockKey& key) {
+  std::string out;
+  for (const connector::NodeAddress& node : client.PlacesOf(key)) {
+    out += (out.empty() ? "" : ",") + node.ToString();
+  }
+  return out.empty() ? "no live node" : out;
+}
+
+// The best-ranked node of `key`; Unavailable when no node is live.
+Result<size_t> HomeOf(const NodeClient& client, const BlockKey& key) {
+  const size_t node = client.NodeOf(key);
+  if (node >= client.node_count()) return UnavailableError("no live offload node");
+  return node;
 }
 
 Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
@@ -94,7 +113,9 @@ int RunPut(const NodeFlags& flags) {
   if (!client.ok()) {
     return Errors("put").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   }
-  const size_t node = (*client)->NodeOf(keys->front());
+  const Result<size_t> home = HomeOf(**client, keys->front());
+  if (!home.ok()) return Errors("put").Fail(kExitFailure, home.status().message());
+  const size_t node = *home;
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("put").Fail(kExitFailure, block_bytes.status().message());
   if (bytes.size() != *block_bytes) {
@@ -107,7 +128,7 @@ int RunPut(const NodeFlags& flags) {
   const Status put = (*client)->Put(*keys, std::span(&block, 1));
   if (!put.ok()) return Errors("put").Fail(kExitFailure, put.message());
   std::cout << fmt::format("stored {} ({} bytes, xxh3 {:#018x}) on {}\n", keys->front().ToString(),
-                           bytes.size(), Xxh3Hash64(block), (*client)->node(node).ToString());
+                           bytes.size(), Xxh3Hash64(block), PlacesOf(**client, keys->front()));
   return kExitOk;
 }
 
@@ -121,7 +142,9 @@ int RunGet(const NodeFlags& flags) {
   if (!client.ok()) {
     return Errors("get").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   }
-  const size_t node = (*client)->NodeOf(keys->front());
+  const Result<size_t> home = HomeOf(**client, keys->front());
+  if (!home.ok()) return Errors("get").Fail(kExitFailure, home.status().message());
+  const size_t node = *home;
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("get").Fail(kExitFailure, block_bytes.status().message());
   std::vector<std::byte> block(*block_bytes);
@@ -171,7 +194,7 @@ int RunLookup(const NodeFlags& flags) {
     for (size_t i = 0; i < keys->size(); ++i) {
       doc["keys"].push_back({{"key", (*keys)[i].ToString()},
                              {"state", StateName(states[i])},
-                             {"node", (*client)->node((*client)->NodeOf((*keys)[i])).ToString()}});
+                             {"node", PlacesOf(**client, (*keys)[i])}});
     }
     if (flags.prefix) doc["prefix"] = prefix.has_value() ? nlohmann::json(*prefix) : nullptr;
     doc["unreachable"] = (*client)->unreachable();
@@ -179,7 +202,7 @@ int RunLookup(const NodeFlags& flags) {
   } else {
     for (size_t i = 0; i < keys->size(); ++i) {
       std::cout << fmt::format("{} {} ({})\n", (*keys)[i].ToString(), StateName(states[i]),
-                               (*client)->node((*client)->NodeOf((*keys)[i])).ToString());
+                               PlacesOf(**client, (*keys)[i]));
     }
     if (flags.prefix) {
       std::cout << (prefix.has_value()

@@ -30,6 +30,13 @@ struct BlockStoreCounters {
   uint64_t refused = 0;
   uint64_t touched_keys = 0;  // keys sent in touches
   uint64_t pinned_keys = 0;   // keys nodes pinned (Pin)
+  // Keys of lookups, stores and reads that none of their nodes (replicas) answered, because
+  // every one was unreachable: misses and failed stores, where unreachable counts the calls.
+  // With replicas, a node that is down costs calls here only for keys it held alone.
+  uint64_t unserved_keys = 0;
+  // Members of a followed cluster that joined or left the client's set after its first read.
+  uint64_t members_joined = 0;
+  uint64_t members_left = 0;
 };
 
 struct NodeAddress {
@@ -43,7 +50,7 @@ class BlockStoreClient {
   virtual ~BlockStoreClient() = default;
 
   virtual size_t node_count() const = 0;
-  virtual const NodeAddress& node(size_t i) const = 0;
+  virtual NodeAddress node(size_t i) const = 0;
   // The node's block size; an error when the node does not answer.
   virtual Result<uint64_t> BlockBytes(size_t node) = 0;
 

@@ -1,8 +1,21 @@
 #pragma once
 
-// NodeClient: an engine-side client of one or many offload nodes. Each block key lives on one
-// node, chosen by rendezvous hashing (highest hash of key and node address), so every client
-// places a key on the same node and adding or losing a node moves only that node's keys.
+// NodeClient: an engine-side client of one or many offload nodes. Each block key lives on the
+// `replicas` live nodes that rank highest for it by rendezvous hashing (hash of key and node
+// address), so every client places a key on the same nodes and a node that joins or leaves
+// moves only its own share of the keys.
+//
+// The nodes are a fixed list, or a cluster's live members in etcd (membership::
+// MembershipWatcher): the client reads them at Create and follows the prefix, logging and
+// counting who joins and leaves. A call works with the members live when it began. Members
+// that stay keep their connections (and this client's pins); a new one is connected by its
+// first call; one that left is closed once no call uses it. While etcd is away the client
+// keeps the last set it knew.
+//
+// With replicas, a store goes to every replica (done once one holds the block; a replica
+// that cannot be reached is counted, not returned); a lookup takes the best answer among them
+// (HIT over RETRY over MISS); a read goes to the best-ranked replica and falls back to the next
+// when it lacks the block or cannot be reached; touches and pins go to every replica.
 //
 // Batched calls fan out to the nodes concerned in parallel and come back in key order. Every
 // node states its limits at hello (keys per request, message and payload bytes, block size);
@@ -42,8 +55,21 @@ Result<NodeAddress> ParseNodeAddress(std::string_view text);
 // Each of `texts` as ParseNodeAddress; the first error.
 Result<std::vector<NodeAddress>> ParseNodeAddresses(const std::vector<std::string>& texts);
 
+// The most replicas a client may ask for.
+inline constexpr size_t kMaxReplicas = 8;
+
 struct NodeClientOptions {
+  // A fixed list of nodes; or, with `etcd` and `cluster` instead, the cluster's live members.
   std::vector<NodeAddress> nodes;
+  std::string etcd;     // etcd client URLs, comma-separated ("http://HOST:PORT,...")
+  std::string cluster;  // the cluster's name (the nodes' kvstashd --cluster)
+  std::chrono::milliseconds etcd_timeout{2000};
+  // How long Create waits for etcd's first answer (then Unavailable, naming the endpoints).
+  std::chrono::milliseconds etcd_first_read_timeout{5000};
+  // Each block is kept on this many nodes (1..kMaxReplicas): a lost node then costs no hits,
+  // but the cluster holds 1/replicas as many distinct blocks, and stores send each block that
+  // many times.
+  size_t replicas = 1;
   std::string key_namespace = "default";
   std::string auth_token;
   transport::TransportOptions transport;
@@ -59,6 +85,29 @@ struct NodeClientOptions {
       connect;
 };
 
+// Where a client's nodes come from, as a command line gives them: a list of HOST:PORT, or
+// etcd and a cluster to follow; and how many replicas of each block to keep.
+struct NodeSource {
+  std::vector<std::string> nodes;  // HOST:PORT each (a comma-separated item is split)
+  std::string etcd;
+  std::string cluster;
+  size_t replicas = 1;
+};
+// Fills `options` from `source`: InvalidArgument (naming the flag, as --node/--etcd/--cluster/
+// --replicas) for no source, both, a cluster without etcd or the other way round, a bad
+// address, or replicas out of 1..kMaxReplicas.
+Status ApplyNodeSource(const NodeSource& source, NodeClientOptions* options);
+// Help texts for the flags of a NodeSource, the same in every client.
+inline constexpr const char* kEtcdHelp =
+    "follow the live offload nodes of a cluster in etcd instead of a node list: etcd client "
+    "URLs, comma-separated (http://HOST:PORT,...); nodes that join take their share of the "
+    "keys, nodes that leave give theirs back, with no restart. Needs --cluster";
+inline constexpr const char* kClusterHelp =
+    "the cluster to follow in etcd (the nodes' kvstashd --cluster)";
+inline constexpr const char* kReplicasHelp =
+    "keep each block on this many nodes (1..8): a lost node then costs no hits, but the "
+    "cluster holds 1/R as many distinct blocks and every store sends each block R times";
+
 // Keys of one request a node with these limits accepts: its key limit, and as many keys as
 // its message limit holds (each key costs at most kKeyWireBytes). At least 1.
 inline constexpr size_t kKeyWireBytes = 32;
@@ -70,10 +119,18 @@ class NodeClient : public BlockStoreClient {
   // Waits for touches still in flight (each bounded by the call timeout).
   ~NodeClient() override;
 
+  // The live nodes now (a followed cluster's set changes between calls); the index-based
+  // calls below name a node of this set.
   size_t node_count() const override;
-  const NodeAddress& node(size_t i) const override;
-  // The node that holds `key`.
+  NodeAddress node(size_t i) const override;
+  std::vector<NodeAddress> nodes() const;
+  size_t replicas() const;
+  // The index of the best-ranked node for `key` (node_count() when none is live).
   size_t NodeOf(const BlockKey& key) const;
+  // The nodes of `key`, best-ranked first (up to replicas()).
+  std::vector<NodeAddress> PlacesOf(const BlockKey& key) const;
+  // The same as indices of the live set.
+  std::vector<size_t> NodesOf(const BlockKey& key) const;
 
   // The node's limits as it stated them at hello (connecting first when needed). Unavailable
   // when it cannot be reached; the hello's refusal (Unauthenticated, PermissionDenied,
@@ -88,12 +145,13 @@ class NodeClient : public BlockStoreClient {
   // The number of leading keys that are hits (nullopt: a RETRY among them, ask again).
   std::optional<size_t> LookupPrefix(std::span<const BlockKey> keys);
 
-  // Stores blocks[i] under keys[i] (each exactly its node's block size): one call per block
-  // that reserves a slot, sends the bytes into it and commits them, all blocks in flight at once. A
-  // node that already holds a block skips it without taking the bytes, and counts the store as a
-  // use of the block (a touch). The blocks are sent last key first, so that a node inserts the
-  // first key last: among one call's new blocks the first is the most recent, as a touch would
-  // leave them. The first error, naming the node and the key; the other blocks are still stored.
+  // Stores blocks[i] under keys[i] (each exactly its node's block size) at each of its
+  // replicas: one call per block and replica that reserves a slot, sends the bytes into it and
+  // commits them, all blocks in flight at once. A node that already holds a block skips it without
+  // taking the bytes, and counts the store as a use of the block (a touch). The blocks are sent
+  // last key first, so that a node inserts the first key last: among one call's new blocks the
+  // first is the most recent, as a touch would leave them. The first error, naming the node and the
+  // key; the other blocks are still stored.
   Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) override;
 
   // Reads the block of `key` into `out` in one call (from this client's pin, or the node pins it
