@@ -124,15 +124,15 @@ Status ApplyNodeSource(const NodeSource& source, NodeClientOptions* options) {
   if (listed && !source.etcd.empty()) {
     return InvalidArgumentError("give either --node(s) or --etcd with --cluster, not both");
   }
+  if (source.etcd.empty() && !source.cluster.empty()) {
+    return InvalidArgumentError("--cluster needs --etcd URL");
+  }
   if (!listed && source.etcd.empty()) {
     return InvalidArgumentError(
         "no offload nodes: give --node(s) HOST:PORT, or --etcd URL with --cluster NAME");
   }
   if (!source.etcd.empty() && source.cluster.empty()) {
     return InvalidArgumentError("--etcd needs --cluster NAME (the nodes' kvstashd --cluster)");
-  }
-  if (source.etcd.empty() && !source.cluster.empty()) {
-    return InvalidArgumentError("--cluster needs --etcd URL");
   }
   if (source.replicas == 0 || source.replicas > kMaxReplicas) {
     return InvalidArgumentError("--replicas: {} is not within 1..{}", source.replicas,

@@ -40,6 +40,33 @@ TEST(NodeAddressTest, ParsesHostPortAndRefusesTheRest) {
   }
 }
 
+TEST(NodeSourceTest, ANodeListOrEtcdWithAClusterAndReplicasWithinRange) {
+  connector::NodeClientOptions options;
+  connector::NodeSource source;
+  source.nodes = {"127.0.0.1:1,127.0.0.1:2", "h:3"};
+  ASSERT_TRUE(connector::ApplyNodeSource(source, &options).ok());
+  EXPECT_EQ(options.nodes.size(), 3u);
+  EXPECT_EQ(options.nodes[2].ToString(), "h:3");
+  auto refused = [&](connector::NodeSource s, const char* says) {
+    const Status status = connector::ApplyNodeSource(s, &options);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr(says));
+  };
+  refused({}, "no offload nodes");
+  refused({{"h:1"}, "http://127.0.0.1:2379", "c", 1}, "not both");
+  refused({{}, "http://127.0.0.1:2379", "", 1}, "--etcd needs --cluster");
+  refused({{}, "", "c", 1}, "--cluster needs --etcd");
+  refused({{}, "https://127.0.0.1:2379", "c", 1}, "--etcd");
+  refused({{}, "http://127.0.0.1:2379", "a/b", 1}, "--cluster");
+  refused({{"h:1"}, "", "", 0}, "--replicas");
+  refused({{"h:1"}, "", "", 9}, "--replicas");
+  refused({{"nohostport"}, "", "", 1}, "nohostport");
+  ASSERT_TRUE(connector::ApplyNodeSource({{}, "127.0.0.1:2379", "c", 2}, &options).ok());
+  EXPECT_TRUE(options.nodes.empty());
+  EXPECT_EQ(options.cluster, "c");
+  EXPECT_EQ(options.replicas, 2u);
+}
+
 TEST(BlockKeyTest, ParsesHexDecimalAndGroups) {
   auto k = ParseBlockKey("0x2a/g3");
   ASSERT_TRUE(k.ok());
@@ -138,6 +165,71 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
   while (client.NodeOf(keys[live_key]) == 1) ++live_key;
   ASSERT_TRUE(client.Get(keys[live_key], out).ok());
   EXPECT_TRUE(MatchesPattern(live_key, out));
+}
+
+// Two replicas over two nodes: a block only the second-ranked node holds (stored there by a
+// client that knows only that node) is a hit, and a read falls back to it past the first
+// node's miss; a block only the first holds reads from the first. Pins reach both.
+TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  std::vector<connector::NodeAddress> addresses;
+  for (int i = 0; i < 2; ++i) {
+    daemons.push_back(std::make_unique<Daemon>(std::vector<std::string>{}));
+    ASSERT_NE(daemons.back()->port(), 0);
+    addresses.push_back({"127.0.0.1", daemons.back()->port()});
+  }
+  auto make = [](std::vector<connector::NodeAddress> nodes, size_t replicas) {
+    connector::NodeClientOptions options;
+    options.nodes = std::move(nodes);
+    options.replicas = replicas;
+    options.timeout = std::chrono::milliseconds(2000);
+    auto created = NodeClient::Create(options);
+    EXPECT_TRUE(created.ok()) << created.status().ToString();
+    return std::move(*created);
+  };
+  std::unique_ptr<NodeClient> both = make(addresses, 2);
+  constexpr int kKeys = 16;
+  // Per key, one client of its first-ranked node alone and one of its second alone.
+  std::vector<std::vector<std::byte>> blocks(kKeys, std::vector<std::byte>(kBlock));
+  for (int k = 0; k < kKeys; ++k) {
+    const std::vector<connector::NodeAddress> places = both->PlacesOf(Key(k));
+    ASSERT_EQ(places.size(), 2u);
+    FillPattern(k, blocks[k]);
+    const connector::NodeAddress& holder = places[k % 2];  // even keys: first; odd: second
+    std::unique_ptr<NodeClient> one = make({holder}, 1);
+    const BlockKey key = Key(k);
+    const transport::Bytes bytes = blocks[k];
+    ASSERT_TRUE(one->Put(std::span(&key, 1), std::span(&bytes, 1)).ok());
+  }
+  std::vector<BlockKey> keys;
+  for (int k = 0; k < kKeys; ++k) keys.push_back(Key(k));
+  for (LookupResult r : both->Lookup(keys)) EXPECT_EQ(r, LookupResult::kHit);
+  both->Pin(keys);
+  std::vector<std::vector<std::byte>> read(kKeys, std::vector<std::byte>(kBlock));
+  std::vector<transport::MutableBytes> outs(read.begin(), read.end());
+  const std::vector<Result<size_t>> got = both->Get(keys, outs);
+  for (int k = 0; k < kKeys; ++k) {
+    ASSERT_TRUE(got[k].ok()) << k << ": " << got[k].status().ToString();
+    EXPECT_TRUE(MatchesPattern(k, read[k])) << k;
+  }
+  both->Unpin(keys);
+  both->WaitForTouches();
+  // The pins went to both replicas: each node pinned the keys it holds, so 16 in all.
+  uint64_t pinned = 0;
+  for (size_t n = 0; n < 2; ++n) {
+    auto stats = both->Stats(n);
+    ASSERT_TRUE(stats.ok());
+    pinned += (*stats)["node.pinned_keys"];
+  }
+  EXPECT_EQ(pinned, static_cast<uint64_t>(kKeys));
+  EXPECT_EQ(both->counters().pinned_keys, static_cast<uint64_t>(kKeys));
+  EXPECT_EQ(both->counters().unserved_keys, 0u);
+  EXPECT_EQ(both->counters().refused, 0u);
+  // A key neither holds reads as NotFound, never as an error.
+  const BlockKey absent = Key(1000);
+  std::vector<std::byte> out(kBlock);
+  auto missing = both->Get(absent, out);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
 }
 
 }  // namespace

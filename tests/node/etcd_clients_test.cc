@@ -1,0 +1,263 @@
+// NodeClients that follow a cluster's members in a real etcd, over real kvstashd processes: a
+// client sees the registered nodes, places keys on a node that joins without restarting, reads
+// a killed node's keys as misses (never errors) once its lease expires, loses no hits with two
+// replicas when a node dies, and keeps its last set while etcd itself is away.
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <set>
+#include <thread>
+
+#include "block_pattern.h"
+#include "daemon_process.h"
+#include "etcd_process.h"
+#include "kvstash/connector/node_client.h"
+
+namespace kvstash::connector {
+namespace {
+
+using namespace std::chrono_literals;
+using ::kvstash::testing::Daemon;
+using ::kvstash::testing::EtcdProcess;
+using ::kvstash::testing::FillPattern;
+using ::kvstash::testing::MatchesPattern;
+
+constexpr size_t kBlockBytes = 64 << 10;  // the test daemon's block size
+
+BlockKey Key(uint64_t i) {
+  BlockKey key;
+  key.hash = {0x5eed0000 + i, i * 0x9e3779b97f4a7c15ULL};
+  return key;
+}
+
+std::string AddressOf(const Daemon& node) { return "127.0.0.1:" + std::to_string(node.port()); }
+
+// Waits up to `timeout` for `client` to see `count` nodes: whether it did.
+bool WaitForNodes(const NodeClient& client, size_t count, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (client.node_count() != count && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(20ms);
+  }
+  return client.node_count() == count;
+}
+
+class EtcdClientsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(etcd_.Started()); }
+
+  std::unique_ptr<Daemon> Node() {
+    auto node = std::make_unique<Daemon>(std::vector<std::string>{
+        "--etcd", etcd_.endpoint(), "--cluster", "t", "--etcd-ttl-s", "2"});
+    EXPECT_NE(node->port(), 0);
+    return node;
+  }
+
+  std::unique_ptr<NodeClient> Client(size_t replicas = 1) {
+    NodeClientOptions options;
+    options.etcd = etcd_.endpoint();
+    options.cluster = "t";
+    options.replicas = replicas;
+    options.timeout = 2000ms;
+    options.connect_timeout = 1000ms;
+    auto client = NodeClient::Create(options);
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  // Stores keys [first, first + count) with their patterns; the store's status.
+  static Status Store(NodeClient& client, uint64_t first, size_t count) {
+    std::vector<BlockKey> keys;
+    std::vector<std::vector<std::byte>> blocks(count, std::vector<std::byte>(kBlockBytes));
+    std::vector<transport::Bytes> views;
+    for (size_t i = 0; i < count; ++i) {
+      keys.push_back(Key(first + i));
+      FillPattern(first + i, blocks[i]);
+      views.push_back(blocks[i]);
+    }
+    return client.Put(keys, views);
+  }
+
+  static std::vector<LookupResult> Lookup(NodeClient& client, uint64_t first, size_t count) {
+    std::vector<BlockKey> keys;
+    for (size_t i = 0; i < count; ++i) keys.push_back(Key(first + i));
+    return client.Lookup(keys);
+  }
+
+  // Reads keys [first, first + count): how many came back with their own pattern; the rest
+  // must be misses (NotFound), never errors.
+  static size_t ReadBack(NodeClient& client, uint64_t first, size_t count) {
+    std::vector<BlockKey> keys;
+    std::vector<std::vector<std::byte>> blocks(count, std::vector<std::byte>(kBlockBytes));
+    std::vector<transport::MutableBytes> outs;
+    for (size_t i = 0; i < count; ++i) {
+      keys.push_back(Key(first + i));
+      outs.push_back(blocks[i]);
+    }
+    const std::vector<Result<size_t>> got = client.Get(keys, outs);
+    size_t good = 0;
+    for (size_t i = 0; i < count; ++i) {
+      if (got[i].ok()) {
+        EXPECT_EQ(*got[i], kBlockBytes);
+        EXPECT_TRUE(MatchesPattern(first + i, blocks[i])) << "key " << first + i;
+        ++good;
+      } else {
+        EXPECT_EQ(got[i].status().code(), StatusCode::kNotFound) << got[i].status().ToString();
+      }
+    }
+    return good;
+  }
+
+  EtcdProcess etcd_;
+};
+
+TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRestarting) {
+  std::vector<std::unique_ptr<Daemon>> nodes;
+  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
+  std::unique_ptr<NodeClient> client = Client();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  std::set<std::string> seen;
+  for (const NodeAddress& node : client->nodes()) seen.insert(node.ToString());
+  for (const auto& node : nodes) EXPECT_EQ(seen.count(AddressOf(*node)), 1u);
+  ASSERT_TRUE(Store(*client, 0, 40).ok());
+  for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
+
+  nodes.push_back(Node());
+  ASSERT_TRUE(WaitForNodes(*client, 4, 5s));
+  EXPECT_EQ(client->counters().members_joined, 1u);
+  // Keys the new node now ranks first for miss (it never had them); the rest still hit.
+  const std::string fourth = AddressOf(*nodes.back());
+  size_t moved = 0;
+  const std::vector<LookupResult> after = Lookup(*client, 0, 40);
+  for (uint64_t i = 0; i < 40; ++i) {
+    const bool on_fourth = client->PlacesOf(Key(i)).front().ToString() == fourth;
+    moved += on_fourth ? 1 : 0;
+    EXPECT_EQ(after[i], on_fourth ? LookupResult::kMiss : LookupResult::kHit) << "key " << i;
+  }
+  EXPECT_GT(moved, 0u);
+  EXPECT_LT(moved, 40u);
+  // New stores of those keys go to the fourth node, which then holds and serves them.
+  ASSERT_TRUE(Store(*client, 0, 40).ok());
+  for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
+  EXPECT_EQ(ReadBack(*client, 0, 40), 40u);
+  const std::vector<NodeAddress> live = client->nodes();
+  const size_t on_fourth =
+      std::find_if(live.begin(), live.end(),
+                   [&](const NodeAddress& a) { return a.ToString() == fourth; }) -
+      live.begin();
+  auto stats = client->Stats(on_fourth);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ((*stats)["cpu.resident_blocks"], moved);
+  const BlockStoreCounters c = client->counters();
+  EXPECT_EQ(c.unreachable, 0u);
+  EXPECT_EQ(c.refused, 0u);
+  EXPECT_EQ(c.unserved_keys, 0u);
+}
+
+TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
+  std::vector<std::unique_ptr<Daemon>> nodes;
+  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
+  std::unique_ptr<NodeClient> client = Client();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(Store(*client, 0, 40).ok());
+  const std::string dead = AddressOf(*nodes[1]);
+  std::vector<bool> was_dead(40);
+  for (uint64_t i = 0; i < 40; ++i)
+    was_dead[i] = client->PlacesOf(Key(i)).front().ToString() == dead;
+
+  nodes[1]->process().Kill(SIGKILL);
+  // Until its lease expires the node is a member that does not answer: its keys miss, and
+  // the client counts them as keys no node served.
+  const std::vector<LookupResult> meanwhile = Lookup(*client, 0, 40);
+  for (uint64_t i = 0; i < 40; ++i) {
+    EXPECT_EQ(meanwhile[i], was_dead[i] ? LookupResult::kMiss : LookupResult::kHit) << i;
+  }
+  EXPECT_GT(client->counters().unserved_keys, 0u);
+
+  ASSERT_TRUE(WaitForNodes(*client, 2, 8s));
+  EXPECT_EQ(client->counters().members_left, 1u);
+  const BlockStoreCounters before = client->counters();
+  const std::vector<LookupResult> after = Lookup(*client, 0, 40);
+  for (uint64_t i = 0; i < 40; ++i) {
+    EXPECT_EQ(after[i], was_dead[i] ? LookupResult::kMiss : LookupResult::kHit) << i;
+  }
+  EXPECT_EQ(ReadBack(*client, 0, 40),
+            static_cast<size_t>(std::count(was_dead.begin(), was_dead.end(), false)));
+  // Stores of its keys go to the others.
+  ASSERT_TRUE(Store(*client, 0, 40).ok());
+  for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
+  const BlockStoreCounters c = client->counters();
+  EXPECT_EQ(c.unreachable, before.unreachable);
+  EXPECT_EQ(c.unserved_keys, before.unserved_keys);
+  EXPECT_EQ(c.refused, 0u);
+}
+
+TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHits) {
+  std::vector<std::unique_ptr<Daemon>> nodes;
+  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
+  std::unique_ptr<NodeClient> client = Client(2);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(Store(*client, 0, 30).ok());
+  for (uint64_t i = 0; i < 30; ++i) ASSERT_EQ(client->PlacesOf(Key(i)).size(), 2u);
+  uint64_t resident = 0;
+  for (size_t n = 0; n < 3; ++n) resident += (*client->Stats(n))["cpu.resident_blocks"];
+  EXPECT_EQ(resident, 60u);  // every block twice
+
+  nodes[0]->process().Kill(SIGKILL);
+  // Before its lease expires: the other replica answers, and reads fall back to it.
+  for (LookupResult r : Lookup(*client, 0, 30)) EXPECT_EQ(r, LookupResult::kHit);
+  EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
+  ASSERT_TRUE(Store(*client, 100, 10).ok());  // one replica left is enough for a store
+  EXPECT_GT(client->counters().unreachable, 0u);
+  EXPECT_EQ(client->counters().unserved_keys, 0u);
+
+  // After it: the survivors hold every block still.
+  ASSERT_TRUE(WaitForNodes(*client, 2, 8s));
+  for (LookupResult r : Lookup(*client, 0, 30)) EXPECT_EQ(r, LookupResult::kHit);
+  for (LookupResult r : Lookup(*client, 100, 10)) EXPECT_EQ(r, LookupResult::kHit);
+  EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
+  const BlockStoreCounters c = client->counters();
+  EXPECT_EQ(c.unserved_keys, 0u);
+  EXPECT_EQ(c.refused, 0u);
+}
+
+TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {
+  std::vector<std::unique_ptr<Daemon>> nodes;
+  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
+  std::unique_ptr<NodeClient> client = Client();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(Store(*client, 0, 20).ok());
+
+  etcd_.Stop();
+  std::this_thread::sleep_for(3s);  // past the nodes' 2 s leases, had etcd been there
+  EXPECT_EQ(client->node_count(), 3u);
+  for (LookupResult r : Lookup(*client, 0, 20)) EXPECT_EQ(r, LookupResult::kHit);
+  ASSERT_TRUE(Store(*client, 20, 20).ok());
+  EXPECT_EQ(ReadBack(*client, 0, 40), 40u);
+
+  // etcd back: the nodes register again and the client still has all three.
+  ASSERT_TRUE(etcd_.Start()) << etcd_.log();
+  std::this_thread::sleep_for(3s);
+  EXPECT_EQ(client->node_count(), 3u);
+  for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
+  EXPECT_EQ(client->counters().unserved_keys, 0u);
+
+  // A client that starts while etcd is down says so, naming the endpoint.
+  etcd_.Stop();
+  NodeClientOptions options;
+  options.etcd = etcd_.endpoint();
+  options.cluster = "t";
+  options.etcd_first_read_timeout = 500ms;
+  auto late = NodeClient::Create(options);
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(late.status().message().find(etcd_.endpoint()), std::string::npos)
+      << late.status().ToString();
+}
+
+}  // namespace
+}  // namespace kvstash::connector
