@@ -111,17 +111,22 @@ class Client:
     """A client of one or more kvstash nodes.
 
     nodes: "HOST:PORT" or a list of them; each key lives on one node (rendezvous hashing).
+    etcd and cluster, instead of nodes: etcd's client URLs ("http://HOST:PORT,...") and the
+    cluster's name (kvstashd --cluster); the client follows the cluster's live nodes, so nodes
+    that join or leave move only their share of the keys, with no restart.
+    replicas: keep each block on this many nodes (a lost node then costs no hits, but the
+    cluster holds 1/replicas as many distinct blocks).
     namespace: the key namespace (nodes keep namespaces apart); token or token_file: the nodes'
     auth token (at most one of them); timeout_ms: every call's deadline; tls: UCX transports
     ("shm", "tcp", ...; None: UCX's default). Thread-safe.
     """
 
-    def __init__(self, nodes, namespace="default", token=None, token_file=None, timeout_ms=5000,
-                 tls=None):
+    def __init__(self, nodes=None, namespace="default", token=None, token_file=None,
+                 timeout_ms=5000, tls=None, etcd=None, cluster=None, replicas=1):
         if isinstance(nodes, str):
             nodes = [nodes]
-        self._c = _kvstash.Client(list(nodes), namespace, token, token_file, int(timeout_ms),
-                                  tls)
+        self._c = _kvstash.Client(list(nodes or []), namespace, token, token_file, int(timeout_ms),
+                                  tls, etcd, cluster, int(replicas))
 
     def lookup(self, keys):
         """Each key's KeyState, in order. Keys of an unreachable node are MISS (counted)."""

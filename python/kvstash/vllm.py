@@ -27,7 +27,11 @@ vLLM calls the tier from its scheduler thread, once per key, and must never wait
 - touch() is merged with the other touches of the moment and sent by the background thread.
 
 Config keys (the tier's dict in `secondary_tiers`, beside "type"):
-  nodes           "HOST:PORT" or a list of them (required)
+  nodes           "HOST:PORT" or a list of them (this, or etcd and cluster)
+  etcd            etcd client URLs ("http://HOST:PORT,..."): follow a cluster's live nodes
+  cluster         the cluster's name in etcd (kvstashd --cluster)
+  replicas        keep each block on this many nodes (default 1; a lost node then costs no
+                  hits, but the nodes hold 1/replicas as many distinct blocks)
   namespace       key namespace on the nodes (default: a fingerprint of the model and KV layout,
                   so only engines whose blocks are interchangeable share them)
   token_file      file whose first line is the nodes' auth token
@@ -110,8 +114,8 @@ _GATHER_S = 0.0002
 
 # Keys vLLM's factory may pass besides the tier's own (depending on its version).
 _FRAMEWORK_KEYS = frozenset({"module_path", "tier_name", "backpressure_detector"})
-_CONFIG_KEYS = frozenset({"nodes", "namespace", "token_file", "timeout_ms", "tls",
-                          "lookup_ttl_ms", "lookup_wait_ms", "workers"})
+_CONFIG_KEYS = frozenset({"nodes", "etcd", "cluster", "replicas", "namespace", "token_file",
+                          "timeout_ms", "tls", "lookup_ttl_ms", "lookup_wait_ms", "workers"})
 
 
 def register():
@@ -260,8 +264,19 @@ class KvstashSecondaryTier(_TierBase):
         nodes = config.get("nodes")
         if isinstance(nodes, str):
             nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-        if not nodes or not all(isinstance(n, str) for n in nodes):
+        etcd = config.get("etcd")
+        cluster = config.get("cluster")
+        replicas = int(config.get("replicas", 1))
+        if etcd is not None or cluster is not None:
+            if nodes:
+                raise ValueError("kvstash tier: give 'nodes' or 'etcd' with 'cluster', not both")
+            if not isinstance(etcd, str) or not isinstance(cluster, str) or not etcd or not cluster:
+                raise ValueError(f"kvstash tier: 'etcd' and 'cluster' must both be strings, got "
+                                 f"{etcd!r} and {cluster!r}")
+        elif not nodes or not all(isinstance(n, str) for n in nodes):
             raise ValueError(f"kvstash tier: 'nodes' must list HOST:PORT strings, got {nodes!r}")
+        if replicas < 1:
+            raise ValueError(f"kvstash tier: replicas {replicas} is not positive")
         timeout_ms = int(config.get("timeout_ms", 5000))
         if timeout_ms <= 0:
             raise ValueError(f"kvstash tier: timeout_ms {timeout_ms} is not positive")
@@ -276,7 +291,7 @@ class KvstashSecondaryTier(_TierBase):
         self._rows = _primary_rows(primary_kv_view)
         self._row_bytes = self._rows[0].nbytes
         self.namespace = config.get("namespace") or namespace_for(source, self._row_bytes)
-        self.nodes = list(nodes)
+        self.nodes = list(nodes or [])
         self._timeout_s = timeout_ms / 1000.0
         self._ttl_s = ttl_ms / 1000.0
         self._wait_s = wait_ms / 1000.0
@@ -284,12 +299,13 @@ class KvstashSecondaryTier(_TierBase):
 
         self._client = kvstash.Client(self.nodes, namespace=self.namespace,
                                       token_file=config.get("token_file"),
-                                      timeout_ms=timeout_ms, tls=config.get("tls"))
+                                      timeout_ms=timeout_ms, tls=config.get("tls"), etcd=etcd,
+                                      cluster=cluster, replicas=replicas)
         try:
             block_bytes = self._client.block_bytes()
         except kvstash.Error as e:
             logger.warning("kvstash: cannot ask %s for its block size (%s); jobs fail until it "
-                           "answers", self.nodes[0], e)
+                           "answers", self.nodes[0] if self.nodes else f"cluster {cluster}", e)
         else:
             if block_bytes != self._row_bytes:
                 self._client.close()

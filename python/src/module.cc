@@ -223,12 +223,32 @@ class Client {
  public:
   Client(const std::vector<std::string>& nodes, const std::string& key_namespace,
          const std::optional<std::string>& token, const std::optional<std::string>& token_file,
-         int64_t timeout_ms, const std::optional<std::string>& tls) {
+         int64_t timeout_ms, const std::optional<std::string>& tls,
+         const std::optional<std::string>& etcd, const std::optional<std::string>& cluster,
+         int64_t replicas) {
     connector::NodeClientOptions options;
-    if (nodes.empty()) Raise(InvalidArgumentError("nodes: at least one HOST:PORT"));
-    Result<std::vector<connector::NodeAddress>> addresses = connector::ParseNodeAddresses(nodes);
-    if (!addresses.ok()) Raise(addresses.status());
-    options.nodes = std::move(*addresses);
+    if (nodes.empty() && !etcd) {
+      Raise(InvalidArgumentError("nodes: at least one HOST:PORT, or etcd and cluster"));
+    }
+    if (replicas < 1) Raise(InvalidArgumentError("replicas: {} is not positive", replicas));
+    connector::NodeSource source;
+    source.nodes = nodes;
+    source.etcd = etcd.value_or("");
+    source.cluster = cluster.value_or("");
+    source.replicas = static_cast<size_t>(replicas);
+    if (Status s = connector::ApplyNodeSource(source, &options); !s.ok()) {
+      // The Python names of the flags.
+      std::string message(s.message());
+      for (auto [flag, arg] : {std::pair{"--node(s)", "nodes"},
+                               {"--etcd", "etcd"},
+                               {"--cluster", "cluster"},
+                               {"--replicas", "replicas"}}) {
+        for (size_t at; (at = message.find(flag)) != std::string::npos;) {
+          message.replace(at, std::string_view(flag).size(), arg);
+        }
+      }
+      Raise(Status(s.code(), message));
+    }
     if (key_namespace.empty()) Raise(InvalidArgumentError("namespace: empty"));
     options.key_namespace = key_namespace;
     Result<std::string> resolved =
@@ -321,7 +341,9 @@ class Client {
     Result<uint64_t> bytes = InternalError("not asked");
     {
       py::gil_scoped_release release;
-      bytes = client->BlockBytes(0);
+      bytes = client->node_count() == 0
+                  ? Result<uint64_t>(UnavailableError("no live offload node to ask"))
+                  : client->BlockBytes(0);
     }
     if (!bytes.ok()) Raise(bytes.status());
     return *bytes;
@@ -336,6 +358,10 @@ class Client {
     own["refused"] = c.refused;
     own["touched_keys"] = c.touched_keys;
     own["pinned_keys"] = c.pinned_keys;
+    own["unserved_keys"] = c.unserved_keys;
+    own["members_joined"] = c.members_joined;
+    own["members_left"] = c.members_left;
+    own["replicas"] = client->replicas();
     py::dict nodes;
     for (size_t i = 0; i < client->node_count(); ++i) {
       Result<std::map<std::string, uint64_t>> stats = InternalError("not asked");
@@ -405,9 +431,11 @@ PYBIND11_MODULE(_kvstash, m) {
   py::class_<Client>(m, "Client")
       .def(py::init<const std::vector<std::string>&, const std::string&,
                     const std::optional<std::string>&, const std::optional<std::string>&, int64_t,
-                    const std::optional<std::string>&>(),
+                    const std::optional<std::string>&, const std::optional<std::string>&,
+                    const std::optional<std::string>&, int64_t>(),
            py::arg("nodes"), py::arg("namespace"), py::arg("token"), py::arg("token_file"),
-           py::arg("timeout_ms"), py::arg("tls"))
+           py::arg("timeout_ms"), py::arg("tls"), py::arg("etcd") = py::none(),
+           py::arg("cluster") = py::none(), py::arg("replicas") = 1)
       .def("lookup", &Client::Lookup)
       .def("prefix_lookup", &Client::PrefixLookup)
       .def("window_lookup", &Client::WindowLookup)

@@ -117,3 +117,46 @@ def start_node(tmp_path):
 def node(start_node):
     """A kvstashd with the base settings (LRU)."""
     return start_node()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """An etcd on free loopback ports, its data in tmp_path; its client URL. Skips without etcd."""
+    import shutil
+    import urllib.request
+    binary = shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.path.exists(binary):
+        pytest.skip("etcd (Debian etcd-server) is not installed")
+    client, peer = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{client}"
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen(
+        [binary, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if b'"true"' in r.read():
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"etcd did not start: {(tmp_path / 'etcd.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    yield url
+    proc.kill()
+    proc.wait()
+    log.close()

@@ -210,3 +210,40 @@ def test_touch_reaches_the_node(node):
         stats = client.stats()
         assert stats["client"]["touched_keys"] == 3
         assert stats["nodes"][node.address]["node.touched_keys"] >= 3
+
+
+def test_a_client_follows_a_cluster_in_etcd_and_replicas_survive_a_killed_node(start_node, etcd):
+    nodes = [start_node("--etcd", etcd, "--cluster", "py", "--etcd-ttl-s", "2")
+             for _ in range(3)]
+    client = kvstash.Client(etcd=etcd, cluster="py", replicas=2, timeout_ms=2000)
+    deadline = time.monotonic() + 5
+    while len(client.stats()["nodes"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(client.stats()["nodes"]) == sorted(n.address for n in nodes)
+    client.put(keys_of(8), [pattern(i) for i in range(8)])
+    nodes[0].kill()
+    assert client.lookup(keys_of(8)) == [kvstash.KeyState.HIT] * 8
+    out = [bytearray(BLOCK) for _ in range(8)]
+    client.get(keys_of(8), out)
+    assert [bytes(o) for o in out] == [bytes(pattern(i)) for i in range(8)]
+    deadline = time.monotonic() + 8
+    while client.stats()["client"]["members_left"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = client.stats()
+    assert stats["client"]["members_left"] == 1
+    assert stats["client"]["unserved_keys"] == 0
+    assert stats["client"]["replicas"] == 2
+    assert len(stats["nodes"]) == 2
+    assert client.lookup(keys_of(8)) == [kvstash.KeyState.HIT] * 8
+    client.close()
+
+
+def test_a_node_source_is_checked():
+    with pytest.raises(kvstash.InvalidArgument, match="cluster"):
+        kvstash.Client(etcd="http://127.0.0.1:1")
+    with pytest.raises(kvstash.InvalidArgument, match="not both"):
+        kvstash.Client("127.0.0.1:1", etcd="http://127.0.0.1:1", cluster="c")
+    with pytest.raises(kvstash.InvalidArgument, match="replicas"):
+        kvstash.Client("127.0.0.1:1", replicas=0)
+    with pytest.raises(kvstash.Unavailable, match="127.0.0.1:1"):
+        kvstash.Client(etcd="http://127.0.0.1:1", cluster="c")

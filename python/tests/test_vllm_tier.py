@@ -284,6 +284,24 @@ def test_config_errors_are_refused():
         KvstashSecondaryTier(None, primary, "kvstash")
     with pytest.raises(ValueError, match="shape"):
         KvstashSecondaryTier(None, np.zeros(16, np.uint8), "kvstash", nodes=["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="not both"):
+        KvstashSecondaryTier(None, primary, "kvstash", nodes=["127.0.0.1:1"],
+                             etcd="http://127.0.0.1:1", cluster="c")
+    with pytest.raises(ValueError, match="'etcd' and 'cluster'"):
+        KvstashSecondaryTier(None, primary, "kvstash", etcd="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="replicas"):
+        KvstashSecondaryTier(None, primary, "kvstash", nodes=["127.0.0.1:1"], replicas=0)
+
+
+def test_a_tier_follows_a_cluster_in_etcd(start_node, etcd):
+    node = start_node("--etcd", etcd, "--cluster", "tier")
+    primary = make_primary()
+    tier = KvstashSecondaryTier(None, primary, "kvstash", etcd=etcd, cluster="tier", replicas=1)
+    deadline = time.monotonic() + 5
+    while not tier._client.stats()["nodes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tier._client.stats()["nodes"]) == [node.address]
+    tier.shutdown()
 
 
 def test_default_namespace_fingerprints_model_and_layout():

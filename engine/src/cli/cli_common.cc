@@ -57,6 +57,9 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
                   "prompts load what the nodes hold and push the full blocks they compute. Each "
                   "node's --block-bytes must be the engine's page plus a 56-byte trailer (4152 "
                   "for the built-ins); a wrong size is named at start");
+  app->add_option("--etcd", f.etcd, connector::kEtcdHelp);
+  app->add_option("--cluster", f.cluster, connector::kClusterHelp);
+  app->add_option("--replicas", f.replicas, connector::kReplicasHelp)->capture_default_str();
   app->add_option("--namespace", f.key_namespace, "key namespace on the nodes")
       ->capture_default_str();
   app->add_option("--auth-token-file", f.auth_token_file,
@@ -84,12 +87,15 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
   o.scheduler.max_num_seqs = f.max_num_seqs;
   if (f.seed_set) o.seed = f.seed;
   o.weights_path = f.weights;
-  if (!f.nodes.empty()) {
+  if (HasNodes(f) || !f.cluster.empty()) {
     connector::NodeClientOptions nodes;
-    std::stringstream list(f.nodes);
-    for (std::string item; std::getline(list, item, ',');) {
-      KVSTASH_ASSIGN_OR_RETURN(connector::NodeAddress node, connector::ParseNodeAddress(item));
-      nodes.nodes.push_back(node);
+    connector::NodeSource source;
+    if (!f.nodes.empty()) source.nodes = {f.nodes};
+    source.etcd = f.etcd;
+    source.cluster = f.cluster;
+    source.replicas = f.replicas;
+    if (Status s = connector::ApplyNodeSource(source, &nodes); !s.ok()) {
+      return InvalidArgumentError("{}", s.message());
     }
     nodes.key_namespace = f.key_namespace;
     nodes.timeout = std::chrono::milliseconds(f.node_timeout_ms);

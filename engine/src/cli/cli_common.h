@@ -37,13 +37,18 @@ struct ModelFlags {
   bool swa_ring = false;
   std::string device = "cpu";
   std::string nodes;  // HOST:PORT[,HOST:PORT...]
+  std::string etcd;   // or a cluster's live nodes in etcd
+  std::string cluster;
+  size_t replicas = 1;
   std::string key_namespace = "kvstash-engine";
   std::string auth_token_file;
   uint32_t node_timeout_ms = 2000;
 };
 
 void AddModelFlags(CLI::App* app, ModelFlags& f);
-// The engine the flags describe; with --nodes, over those offload nodes.
+// Whether the flags name offload nodes (--nodes, or --etcd with --cluster).
+inline bool HasNodes(const ModelFlags& f) { return !f.nodes.empty() || !f.etcd.empty(); }
+// The engine the flags describe; with --nodes (or --etcd), over those offload nodes.
 Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f);
 // "1 2 3" -> {1, 2, 3}; InvalidArgument naming the first word that is not a token id.
 Result<std::vector<uint32_t>> ParseTokens(const std::string& text);

@@ -32,8 +32,8 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
                 const std::string& role, bool show_ttft) {
   auto prompt = ParseTokens(prompt_text);
   if (!prompt.ok()) return kErrors.Fail(prompt.status());
-  if (role != "both" && f.nodes.empty()) {
-    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", role));
+  if (role != "both" && !HasNodes(f)) {
+    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes or --etcd", role));
   }
   auto engine = MakeEngine(f);
   if (!engine.ok()) return kErrors.Fail(engine.status());

@@ -68,8 +68,8 @@ Result<WorkerTurn> RunTurn(worker::WorkerClient& client, const worker::Completio
 }  // namespace
 
 int RunServe(const ModelFlags& model, const ServeFlags& serve) {
-  if (serve.role != "both" && model.nodes.empty()) {
-    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes", serve.role));
+  if (serve.role != "both" && !HasNodes(model)) {
+    return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes or --etcd", serve.role));
   }
   Result<worker::Role> role = worker::ParseRole(serve.role);
   if (!role.ok()) return kErrors.Fail(role.status());
@@ -150,6 +150,8 @@ int RunRemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t 
   // The comparison: the same model here, without prefix caching or nodes.
   ModelFlags local_flags = model;
   local_flags.nodes.clear();
+  local_flags.etcd.clear();
+  local_flags.cluster.clear();
   local_flags.no_prefix_cache = true;
   auto local_or = MakeEngine(local_flags);
   if (!local_or.ok()) return kErrors.Fail(local_or.status());
