@@ -4,12 +4,16 @@
 # Installs what is missing and builds first, like scripts/demo.sh.
 #
 #   scripts/cluster.sh [-n NODES] [-p PREFILL] [-d DECODE] [-m MODEL] [--block-bytes B]
-#                      [--cpu-bytes B] [--worker-args "ARGS"] [--node-args "ARGS"] [-- COMMAND...]
+#                      [--cpu-bytes B] [--etcd] [--replicas R] [--worker-args "ARGS"]
+#                      [--node-args "ARGS"] [-- COMMAND...]
 #
+# With --etcd it also starts an etcd; the nodes register in it (cluster "local", 5 s leases)
+# and the workers follow its live members instead of a node list, keeping --replicas copies.
 # Prints every address and writes them to $KVSTASH_CLUSTER_LOGS/cluster.env (KVSTASH_NODES,
-# KVSTASH_PREFILL_WORKERS, KVSTASH_DECODE_WORKERS: comma-separated HOST:PORT lists). With a
-# COMMAND it runs that command with those variables exported, then stops the cluster and exits
-# with the command's status; without one it runs until Ctrl-C. For example:
+# KVSTASH_PREFILL_WORKERS, KVSTASH_DECODE_WORKERS: comma-separated HOST:PORT lists;
+# KVSTASH_NODE_PIDS; with --etcd, KVSTASH_ETCD and KVSTASH_CLUSTER). With a COMMAND it runs
+# that command with those variables exported, then stops the cluster and exits with the
+# command's status; without one it runs until Ctrl-C. For example:
 #
 #   scripts/cluster.sh -n 3 -p 1 -d 1 -- sh -c 'build/engine/kvstash-engine chat \
 #       --prefill-worker $KVSTASH_PREFILL_WORKERS --decode-worker $KVSTASH_DECODE_WORKERS'
@@ -17,10 +21,10 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/setup.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/lib/cluster.sh"
 
-usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 num_nodes=2 num_prefill=1 num_decode=1 model="builtin:tiny-hybrid"
-block_bytes=4152 cpu_bytes=256MiB worker_args="" node_args=""
+block_bytes=4152 cpu_bytes=256MiB worker_args="" node_args="" use_etcd=0 replicas=1
 count() {
   if ! [[ "$2" =~ ^[0-9]+$ ]] || [ "$2" -gt 64 ]; then
     echo "error: $1 takes a count from 0 to 64, not '$2'" >&2
@@ -37,6 +41,13 @@ while [ "$#" -gt 0 ]; do
     --cpu-bytes) cpu_bytes="${2:?--cpu-bytes needs a value}"; shift 2 ;;
     --worker-args) worker_args="${2?--worker-args needs a value}"; shift 2 ;;
     --node-args) node_args="${2?--node-args needs a value}"; shift 2 ;;
+    --etcd) use_etcd=1; shift ;;
+    --replicas)
+      if ! [[ "${2-}" =~ ^[1-8]$ ]]; then
+        echo "error: --replicas takes a count from 1 to 8, not '${2-}'" >&2
+        exit 2
+      fi
+      replicas="$2"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     --) shift; break ;;
     *) echo "error: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -55,15 +66,22 @@ trap kvstash_cluster_stop EXIT
 kvstash_log "cluster on 127.0.0.1: $num_nodes nodes, $num_prefill prefill + $num_decode decode workers (logs in $KVSTASH_CLUSTER_LOGS)"
 read -r -a extra_node <<<"$node_args"
 read -r -a extra_worker <<<"$worker_args"
-nodes=() prefills=() decodes=()
+nodes=() prefills=() decodes=() etcd_node=() etcd_url=""
+if [ "$use_etcd" -eq 1 ]; then
+  kvstash_start_etcd
+  etcd_url="$KVSTASH_ADDRESS"
+  echo "etcd      $etcd_url"
+  etcd_node=(--etcd "$etcd_url" --cluster local --etcd-ttl-s 5)
+fi
 for ((i = 1; i <= num_nodes; i++)); do
-  kvstash_start_node "node$i" --block-bytes "$block_bytes" --cpu-bytes "$cpu_bytes" "${extra_node[@]}"
+  kvstash_start_node "node$i" --block-bytes "$block_bytes" --cpu-bytes "$cpu_bytes" "${etcd_node[@]}" "${extra_node[@]}"
   nodes+=("$KVSTASH_ADDRESS")
   echo "node$i     $KVSTASH_ADDRESS"
 done
 node_list="$(IFS=,; echo "${nodes[*]}")"
 node_flag=()
-[ -n "$node_list" ] && node_flag=(--nodes "$node_list")
+[ -n "$node_list" ] && node_flag=(--nodes "$node_list" --replicas "$replicas")
+[ -n "$node_list" ] && [ -n "$etcd_url" ] && node_flag=(--etcd "$etcd_url" --cluster local --replicas "$replicas")
 # Without nodes a decode worker computes everything: it runs as `both`.
 decode_role=decode
 [ -z "$node_list" ] && decode_role=both
@@ -79,10 +97,16 @@ for ((i = 1; i <= num_decode; i++)); do
 done
 
 export KVSTASH_NODES="$node_list"
+export KVSTASH_NODE_PIDS="$(IFS=,; echo "${KVSTASH_CLUSTER_PIDS_NODES[*]}")"
+export KVSTASH_ETCD="$etcd_url"
+export KVSTASH_CLUSTER="${etcd_url:+local}"
 export KVSTASH_PREFILL_WORKERS="$(IFS=,; echo "${prefills[*]}")"
 export KVSTASH_DECODE_WORKERS="$(IFS=,; echo "${decodes[*]}")"
 {
   echo "KVSTASH_NODES=$KVSTASH_NODES"
+  echo "KVSTASH_NODE_PIDS=$KVSTASH_NODE_PIDS"
+  echo "KVSTASH_ETCD=$KVSTASH_ETCD"
+  echo "KVSTASH_CLUSTER=$KVSTASH_CLUSTER"
   echo "KVSTASH_PREFILL_WORKERS=$KVSTASH_PREFILL_WORKERS"
   echo "KVSTASH_DECODE_WORKERS=$KVSTASH_DECODE_WORKERS"
 } >"$KVSTASH_CLUSTER_LOGS/cluster.env"

@@ -545,10 +545,11 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
       const uint64_t bytes = (totals.blocks_read + totals.blocks_stored) * block_bytes;
       const uint64_t refs = totals.block_refs.load();
       const bool shown = progress.Update(fmt::format(
-          "{}/{} requests  block hits {:.1f}%  {:.2f} GB/s  errors {}  mismatches {}",
+          "{}/{} requests  block hits {:.1f}% ({} of {})  {:.2f} GB/s  errors {}  mismatches {}",
           totals.requests.load(), trace->size(),
           refs == 0 ? 0.0 : 100.0 * static_cast<double>(totals.blocks_hit.load()) / refs,
-          Gbps(bytes - last_bytes, now - last), errors_now(), totals.mismatches.load()));
+          totals.blocks_hit.load(), refs, Gbps(bytes - last_bytes, now - last), errors_now(),
+          totals.mismatches.load()));
       if (shown) {
         last = now;
         last_bytes = bytes;

@@ -301,11 +301,18 @@ void MembershipWatcher::Apply(std::map<std::string, NodeRecord> next) {
         ++changed;
       }
     }
+    // The first read's members are the start, not joins: one line for them, at debug.
+    const bool first = !notify_.load();
     for (const auto& [key, record] : next) {
       if (members_.count(key) == 0) {
-        KVSTASH_LOG_INFO("cluster {}: node {} joined", options_.cluster, record.address);
+        if (!first)
+          KVSTASH_LOG_INFO("cluster {}: node {} joined", options_.cluster, record.address);
         ++changed;
       }
+    }
+    if (first) {
+      KVSTASH_LOG_DEBUG("cluster {}: {} live node(s) at the first read", options_.cluster,
+                        next.size());
     }
     if (changed == 0) return;
     stats_.changes += changed;

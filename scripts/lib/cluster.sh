@@ -6,6 +6,7 @@
 
 KVSTASH_CLUSTER_PIDS_WORKERS=()
 KVSTASH_CLUSTER_PIDS_NODES=()
+KVSTASH_CLUSTER_PIDS_ETCD=()
 KVSTASH_CLUSTER_LOGS=""
 KVSTASH_ADDRESS=""
 
@@ -61,11 +62,47 @@ kvstash_start_worker() {
   _kvstash_wait_line "$out" "$pid" '^kvstash-engine serving '
 }
 
-# kvstash_cluster_stop: SIGTERM to the workers, then to the nodes; waits for each (10 s, then
-# SIGKILL).
+# _kvstash_free_port: a loopback TCP port nothing listens on now.
+_kvstash_free_port() {
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# kvstash_start_etcd: starts a single-member etcd (Debian etcd-server) on free loopback ports,
+# its data under the cluster's logs, and sets KVSTASH_ADDRESS to its client URL once it is
+# healthy. Stopped last by kvstash_cluster_stop, after the nodes have left it.
+kvstash_start_etcd() {
+  local client peer url i
+  client="$(_kvstash_free_port)"
+  peer="$(_kvstash_free_port)"
+  url="http://127.0.0.1:$client"
+  /usr/bin/etcd --name kvstash --data-dir "$KVSTASH_CLUSTER_LOGS/etcd.data" \
+    --listen-client-urls "$url" --advertise-client-urls "$url" \
+    --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
+    --initial-cluster "kvstash=http://127.0.0.1:$peer" \
+    >"$KVSTASH_CLUSTER_LOGS/etcd.out" 2>&1 &
+  local pid=$!
+  KVSTASH_CLUSTER_PIDS_ETCD+=("$pid")
+  for ((i = 0; i < 300; i++)); do
+    if curl -sf -m 1 "$url/health" 2>/dev/null | grep -q '"health":"true"'; then
+      KVSTASH_ADDRESS="$url"
+      return 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "error: etcd exited before it was ready; its log:" >&2
+      tail -n 20 "$KVSTASH_CLUSTER_LOGS/etcd.out" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  echo "error: etcd not healthy after 30 s (log: $KVSTASH_CLUSTER_LOGS/etcd.out)" >&2
+  return 1
+}
+
+# kvstash_cluster_stop: SIGTERM to the workers, then to the nodes (which leave etcd), then to
+# etcd; waits for each (10 s, then SIGKILL).
 kvstash_cluster_stop() {
   local group pid i
-  for group in WORKERS NODES; do
+  for group in WORKERS NODES ETCD; do
     local -n pids="KVSTASH_CLUSTER_PIDS_$group"
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${pids[@]}"; do
