@@ -305,8 +305,9 @@ void MembershipWatcher::Apply(std::map<std::string, NodeRecord> next) {
     const bool first = !notify_.load();
     for (const auto& [key, record] : next) {
       if (members_.count(key) == 0) {
-        if (!first)
+        if (!first) {
           KVSTASH_LOG_INFO("cluster {}: node {} joined", options_.cluster, record.address);
+        }
         ++changed;
       }
     }

@@ -53,6 +53,18 @@ class EtcdClientsTest : public ::testing::Test {
     return node;
   }
 
+  // Starts three nodes (nodes_) and a client of them with `replicas` that has seen all three
+  // (client_); whether it did.
+  ::testing::AssertionResult StartThree(size_t replicas = 1) {
+    for (int i = 0; i < 3; ++i) nodes_.push_back(Node());
+    client_ = Client(replicas);
+    if (client_ == nullptr) return ::testing::AssertionFailure() << "no client";
+    if (!WaitForNodes(*client_, 3, 5s)) {
+      return ::testing::AssertionFailure() << "the client sees " << client_->node_count();
+    }
+    return ::testing::AssertionSuccess();
+  }
+
   std::unique_ptr<NodeClient> Client(size_t replicas = 1) {
     NodeClientOptions options;
     options.etcd = etcd_.endpoint();
@@ -109,14 +121,14 @@ class EtcdClientsTest : public ::testing::Test {
   }
 
   EtcdProcess etcd_;
+  std::vector<std::unique_ptr<Daemon>> nodes_;
+  std::unique_ptr<NodeClient> client_;
 };
 
 TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRestarting) {
-  std::vector<std::unique_ptr<Daemon>> nodes;
-  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
-  std::unique_ptr<NodeClient> client = Client();
-  ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(StartThree());
+  std::vector<std::unique_ptr<Daemon>>& nodes = nodes_;
+  NodeClient* client = client_.get();
   std::set<std::string> seen;
   for (const NodeAddress& node : client->nodes()) seen.insert(node.ToString());
   for (const auto& node : nodes) EXPECT_EQ(seen.count(AddressOf(*node)), 1u);
@@ -156,16 +168,15 @@ TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRes
 }
 
 TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
-  std::vector<std::unique_ptr<Daemon>> nodes;
-  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
-  std::unique_ptr<NodeClient> client = Client();
-  ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(StartThree());
+  std::vector<std::unique_ptr<Daemon>>& nodes = nodes_;
+  NodeClient* client = client_.get();
   ASSERT_TRUE(Store(*client, 0, 40).ok());
   const std::string dead = AddressOf(*nodes[1]);
   std::vector<bool> was_dead(40);
-  for (uint64_t i = 0; i < 40; ++i)
+  for (uint64_t i = 0; i < 40; ++i) {
     was_dead[i] = client->PlacesOf(Key(i)).front().ToString() == dead;
+  }
 
   nodes[1]->process().Kill(SIGKILL);
   // Until its lease expires the node is a member that does not answer: its keys miss, and
@@ -195,11 +206,9 @@ TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
 }
 
 TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHits) {
-  std::vector<std::unique_ptr<Daemon>> nodes;
-  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
-  std::unique_ptr<NodeClient> client = Client(2);
-  ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(StartThree(2));
+  std::vector<std::unique_ptr<Daemon>>& nodes = nodes_;
+  NodeClient* client = client_.get();
   ASSERT_TRUE(Store(*client, 0, 30).ok());
   for (uint64_t i = 0; i < 30; ++i) ASSERT_EQ(client->PlacesOf(Key(i)).size(), 2u);
   uint64_t resident = 0;
@@ -225,11 +234,9 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHits) {
 }
 
 TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {
-  std::vector<std::unique_ptr<Daemon>> nodes;
-  for (int i = 0; i < 3; ++i) nodes.push_back(Node());
-  std::unique_ptr<NodeClient> client = Client();
-  ASSERT_NE(client, nullptr);
-  ASSERT_TRUE(WaitForNodes(*client, 3, 5s));
+  ASSERT_TRUE(StartThree());
+  std::vector<std::unique_ptr<Daemon>>& nodes = nodes_;
+  NodeClient* client = client_.get();
   ASSERT_TRUE(Store(*client, 0, 20).ok());
 
   etcd_.Stop();
