@@ -348,6 +348,9 @@ KvConnectorStats KvConnector::stats() const {
   s.node_unreachable = c.unreachable;
   s.node_refusals = c.refused;
   s.touched_keys = c.touched_keys;
+  s.node_unserved_keys = c.unserved_keys;
+  s.members_joined = c.members_joined;
+  s.members_left = c.members_left;
   return s;
 }
 

@@ -216,7 +216,8 @@ TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {
                           &t.prefill_tokens,    &t.decode_tokens,    &t.preemptions,
                           &t.load_failures,     &t.loaded_bytes,     &t.stored_bytes,
                           &t.blocks_loaded,     &t.blocks_stored,    &t.node_unreachable,
-                          &t.node_refusals,     &t.touched_keys}) {
+                          &t.node_refusals,     &t.touched_keys,     &t.node_unserved_keys,
+                          &t.members_joined,    &t.members_left}) {
     *field = 1000 + v++;
   }
   const Result<WorkerTotals> back = ParseTotals(Dump(TotalsJson(t)));
@@ -243,6 +244,9 @@ TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {
            {"kvstash_worker_node_unreachable_total", t.node_unreachable},
            {"kvstash_worker_node_refusals_total", t.node_refusals},
            {"kvstash_worker_touched_keys_total", t.touched_keys},
+           {"kvstash_worker_node_unserved_keys_total", t.node_unserved_keys},
+           {"kvstash_worker_members_joined_total", t.members_joined},
+           {"kvstash_worker_members_left_total", t.members_left},
            {"kvstash_worker_running_requests", t.running_requests}}) {
     EXPECT_NE(text.find("\n" + name + " " + std::to_string(value) + "\n"), std::string::npos)
         << name << " in\n"

@@ -359,8 +359,9 @@ TEST(ServeTest, HealthMetricsStatsAndUnknownPathsOrMethods) {
   EXPECT_GE(stats.parsed.value("local_hit_tokens", 0u), 32u) << "the second hit the first";
   EXPECT_GT(stats.parsed.value("steps", 0u), 0u);
   EXPECT_EQ(stats.parsed.value("running_requests", 1u), 0u);
-  for (const char* field : {"loaded_bytes", "stored_bytes", "load_failures", "node_unreachable",
-                            "node_refusals", "touched_keys", "node_tokens"}) {
+  for (const char* field :
+       {"loaded_bytes", "stored_bytes", "load_failures", "node_unreachable", "node_refusals",
+        "touched_keys", "node_tokens", "node_unserved_keys", "members_joined", "members_left"}) {
     EXPECT_TRUE(stats.parsed.contains(field)) << field << " in " << stats.body;
   }
 

@@ -63,6 +63,14 @@ constexpr TotalField kTotals[] = {
      &WorkerTotals::node_refusals},
     {"touched_keys", "kvstash_worker_touched_keys_total",
      "Keys whose use the offload nodes were told of", &WorkerTotals::touched_keys},
+    {"node_unserved_keys", "kvstash_worker_node_unserved_keys_total",
+     "Keys of lookups, loads and stores that no offload node answered (every replica down)",
+     &WorkerTotals::node_unserved_keys},
+    {"members_joined", "kvstash_worker_members_joined_total",
+     "Offload nodes that joined the followed cluster (etcd) after the worker started",
+     &WorkerTotals::members_joined},
+    {"members_left", "kvstash_worker_members_left_total",
+     "Offload nodes that left the followed cluster (etcd)", &WorkerTotals::members_left},
 };
 
 // The member `key` of object `o`, or null.

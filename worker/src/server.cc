@@ -557,6 +557,9 @@ void HttpWorkerServer::PublishTotals(bool engine_done) {
     t.node_unreachable = s.node_unreachable;
     t.node_refusals = s.node_refusals;
     t.touched_keys = s.touched_keys;
+    t.node_unserved_keys = s.node_unserved_keys;
+    t.members_joined = s.members_joined;
+    t.members_left = s.members_left;
   }
   MutexLock lock(&mu_);
   totals_ = t;

@@ -102,6 +102,9 @@ class NodeKvOffload : public KvOffload {
     s.node_unreachable = c.node_unreachable;
     s.node_refusals = c.node_refusals;
     s.touched_keys = c.touched_keys;
+    s.node_unserved_keys = c.node_unserved_keys;
+    s.members_joined = c.members_joined;
+    s.members_left = c.members_left;
     return s;
   }
 

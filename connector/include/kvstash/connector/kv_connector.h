@@ -49,6 +49,8 @@ struct KvConnectorStats {
   // The node client's counters (BlockStoreCounters): calls, calls to nodes that were down or
   // late (misses), calls the nodes refused (errors), keys touched.
   uint64_t node_calls = 0, node_unreachable = 0, node_refusals = 0, touched_keys = 0;
+  // Keys no node (replica) answered; members of a followed cluster that joined and left.
+  uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
 };
 
 class KvConnector {

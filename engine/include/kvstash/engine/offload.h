@@ -27,6 +27,9 @@ struct OffloadStats {
   // Calls to nodes that were down or late (their blocks are misses), calls a node refused (an
   // error: a limit, a wrong token, a quota), keys touched on the nodes.
   uint64_t node_unreachable = 0, node_refusals = 0, touched_keys = 0;
+  // Keys no node answered (every replica unreachable); nodes of a followed cluster (etcd)
+  // that joined and left.
+  uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
 };
 
 class KvOffload : public ExternalKvSource {

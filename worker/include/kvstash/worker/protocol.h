@@ -96,6 +96,9 @@ struct WorkerTotals {
   uint64_t node_unreachable = 0;
   uint64_t node_refusals = 0;
   uint64_t touched_keys = 0;
+  uint64_t node_unserved_keys = 0;  // keys no node (replica) answered
+  uint64_t members_joined = 0;      // nodes of a followed cluster (etcd) that joined
+  uint64_t members_left = 0;        // and left
 };
 
 // The most tokens one request may ask for (max_tokens).
