@@ -249,7 +249,7 @@ TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {
   // etcd back: the nodes register again and the client still has all three.
   ASSERT_TRUE(etcd_.Start()) << etcd_.log();
   std::this_thread::sleep_for(3s);
-  EXPECT_EQ(client->node_count(), 3u);
+  EXPECT_TRUE(WaitForNodes(*client, 3, 5s));
   for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
   EXPECT_EQ(client->counters().unserved_keys, 0u);
 
