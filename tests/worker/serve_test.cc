@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "daemon_process.h"
+#include "etcd_process.h"
 #include "subprocess.h"
 
 namespace kvstash::worker {
@@ -589,6 +590,40 @@ TEST(ServeTest, ChatThroughPrefillAndDecodeWorkersMatchesNoCacheAndHitsEarlierTu
   EXPECT_NE(wrong.err.find("not this --model"), std::string::npos) << wrong.err;
   EXPECT_EQ(prefill.process().Kill(SIGTERM), 0);
   EXPECT_EQ(decode.process().Kill(SIGTERM), 0);
+}
+
+// A worker that follows a cluster in etcd: it says how many nodes it started with, counts a
+// node that joins on /metrics.
+TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
+  ::kvstash::testing::EtcdProcess etcd;
+  ASSERT_TRUE(etcd.Started());
+  auto node = [&] {
+    return std::make_unique<Daemon>(
+        std::vector<std::string>{"--block-bytes", kNodeBlockBytes, "--cpu-bytes", "32MiB", "--etcd",
+                                 etcd.endpoint(), "--cluster", "w"},
+        /*sizes=*/false);
+  };
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  daemons.push_back(node());
+  daemons.push_back(node());
+  Worker worker({"--model", "builtin:tiny-hybrid", "--role", "prefill", "--etcd", etcd.endpoint(),
+                 "--cluster", "w", "--replicas", "2"});
+  ASSERT_NE(worker.port(), 0);
+  Http http(worker.port());
+  const Reply models = http.Get("/v1/models");
+  ASSERT_EQ(models.status, 200) << models.body;
+  EXPECT_EQ(models.parsed["data"][0]["kvstash"].value("nodes", 0u), 2u) << models.body;
+
+  daemons.push_back(node());
+  std::string metrics;
+  for (int i = 0; i < 100; ++i) {
+    metrics = http.Get("/metrics").body;
+    if (metrics.find("kvstash_worker_members_joined_total 1\n") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(metrics.find("kvstash_worker_members_joined_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("kvstash_worker_node_unserved_keys_total 0\n"), std::string::npos);
+  EXPECT_EQ(worker.process().Kill(SIGTERM), 0);
 }
 
 }  // namespace

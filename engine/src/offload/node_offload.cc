@@ -105,6 +105,7 @@ class NodeKvOffload : public KvOffload {
     s.node_unserved_keys = c.node_unserved_keys;
     s.members_joined = c.members_joined;
     s.members_left = c.members_left;
+    s.live_nodes = c.live_nodes;
     return s;
   }
 

@@ -51,6 +51,7 @@ struct KvConnectorStats {
   uint64_t node_calls = 0, node_unreachable = 0, node_refusals = 0, touched_keys = 0;
   // Keys no node (replica) answered; members of a followed cluster that joined and left.
   uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
+  uint64_t live_nodes = 0;  // the nodes the client places keys on now
 };
 
 class KvConnector {

@@ -30,6 +30,7 @@ struct OffloadStats {
   // Keys no node answered (every replica unreachable); nodes of a followed cluster (etcd)
   // that joined and left.
   uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
+  uint64_t live_nodes = 0;  // offload nodes keys are placed on now
 };
 
 class KvOffload : public ExternalKvSource {
