@@ -592,7 +592,7 @@ TEST(ServeTest, ChatThroughPrefillAndDecodeWorkersMatchesNoCacheAndHitsEarlierTu
   EXPECT_EQ(decode.process().Kill(SIGTERM), 0);
 }
 
-// A worker that follows a cluster in etcd: it says how many nodes it started with, counts a
+// A worker that follows a cluster in etcd says how many nodes it started with and counts a
 // node that joins on /metrics.
 TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
   ::kvstash::testing::EtcdProcess etcd;
