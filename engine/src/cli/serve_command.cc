@@ -91,8 +91,9 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
   options.max_body_bytes = serve.max_body_bytes;
   options.http_threads = serve.http_threads;
   // The nodes at start (a followed cluster's set changes later).
-  if (const KvOffload* offload = (*engine)->offload())
+  if (const KvOffload* offload = (*engine)->offload()) {
     options.num_nodes = offload->stats().live_nodes;
+  }
   auto server = worker::WorkerServer::Create(engine->get(), options);
   if (!server.ok()) return kErrors.Fail(server.status());
   std::printf("kvstash-engine serving %s (role %s) on %s:%u\n", (*engine)->config().name.c_str(),
