@@ -519,18 +519,25 @@ void TieredStore::StartCascadeLocked(std::span<const BlockKey> keys, Transfer* c
       candidates.pop_back();
     }
   }
-  for (const BlockKey& key : candidates) deferred_cascades_.erase(key);
   if (candidates.empty()) return;
+  // A cascade that cannot start now leaves its blocks to their eviction, which writes them as
+  // deferred ones (were they on no list, eviction would take them as on SSD already: lost).
   std::vector<SlotId> cpu_slots;
-  if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) return;  // pin overflow: skip
+  if (!cpu_->PrepareLoad(candidates, &cpu_slots).ok()) {  // pin overflow
+    deferred_cascades_.insert(candidates.begin(), candidates.end());
+    return;
+  }
   StorePlan plan;
   Status s = ssd_->PrepareStore(candidates, &plan);
   if (!s.ok()) {
     cpu_->CompleteLoad(candidates).IgnoreError();
+    deferred_cascades_.insert(candidates.begin(), candidates.end());
     counters_->cascade_failures += candidates.size();
-    KVSTASH_LOG_WARN("cascade of {} blocks to SSD skipped: {}", candidates.size(), s.ToString());
+    KVSTASH_LOG_WARN("cascade of {} blocks to SSD deferred to their eviction: {}",
+                     candidates.size(), s.ToString());
     return;
   }
+  for (const BlockKey& key : candidates) deferred_cascades_.erase(key);
   cascades_in_flight_ += candidates.size();
   cascade->keys = std::move(candidates);
   cascade->cpu_slots = std::move(cpu_slots);

@@ -401,6 +401,32 @@ TEST_F(TieredStoreTest, PromotedBlockIsPinnedOnSsdAgainstEviction) {
   ExpectCpuBlock(*store, 1);
 }
 
+// A cascade that cannot start (every SSD slot pinned by promotions) leaves its block to be
+// written at its eviction; before, the block was on no list, and its eviction took it as on
+// SSD already: a committed block lost (the soak test's "committed block missed").
+TEST_F(TieredStoreTest, ACascadeThatCannotStartWritesItsBlockAtEviction) {
+  auto store = Open(Options(8, 3));
+  for (uint64_t k : {7, 8, 9}) {
+    std::vector<std::byte> bytes(kBlock);
+    FillPattern(k, bytes);
+    ASSERT_TRUE(store->ssd()->Put(Key(k), bytes).ok());
+  }
+  gate_.Close();
+  for (uint64_t k : {7, 8, 9}) EXPECT_EQ(store->Lookup(Key(k)), LookupResult::kRetry);
+  Store(*store, Keys({1}));  // its cascade finds every SSD slot pinned by a promotion
+  EXPECT_EQ(store->stats().cascade_failures, 1u);
+  gate_.Open();
+  store->WaitIdle();
+  Store(*store, Keys({2, 3, 4, 5}));  // the CPU tier full: 1, 7, 8, 9, 2..5
+  store->WaitIdle();
+  store->Touch(Keys({7, 8, 9, 2, 3, 4, 5}));  // 1 the least recent
+  Store(*store, Keys({6}));                   // evicts 1
+  store->WaitIdle();
+  EXPECT_NE(store->Lookup(Key(1)), LookupResult::kMiss);  // on SSD: promoted
+  store->WaitIdle();
+  ExpectCpuBlock(*store, 1);
+}
+
 TEST_F(TieredStoreTest, FailedStoreLeavesNothing) {
   auto store = Open(Options(4, 16));
   StorePlan plan;
