@@ -181,6 +181,12 @@ TieredStore::~TieredStore() {
 LookupResult TieredStore::LookupLocked(const BlockKey& key, Deferred* deferred) {
   const LookupResult cpu = cpu_->Lookup(key);
   if (cpu != LookupResult::kMiss || !ssd_) return cpu;
+  // Evicted from the CPU tier by a promotion earlier in this lookup, its write-back not yet
+  // planned (that comes after the last key): held, and on SSD shortly, so asked for again.
+  if (std::find(deferred->evicted.begin(), deferred->evicted.end(), key) !=
+      deferred->evicted.end()) {
+    return LookupResult::kRetry;
+  }
   const LookupResult ssd = ssd_->Lookup(key);
   if (ssd != LookupResult::kHit) return ssd;
   // Only on SSD. Promotions hold CPU slots until their read is done: past the cap, the block
@@ -202,6 +208,7 @@ LookupResult TieredStore::LookupLocked(const BlockKey& key, Deferred* deferred) 
     return LookupResult::kRetry;
   }
   counters_->cpu_evictions += plan.evicted.size();  // gone even if the promotion fails below
+  NoteEvictedLocked(plan, deferred);                // written back whatever comes of this promotion
   std::vector<SlotId> ssd_slots;
   if (!ssd_->PrepareLoad(keys, &ssd_slots).ok()) {
     cpu_->CompleteStore(keys, false);
@@ -212,7 +219,6 @@ LookupResult TieredStore::LookupLocked(const BlockKey& key, Deferred* deferred) 
   deferred->promotion.ssd_slots.push_back(ssd_slots[0]);
   counters_->promotions_started += 1;
   promotions_in_flight_ += 1;
-  NoteEvictedLocked(plan, deferred);
   return LookupResult::kRetry;
 }
 
