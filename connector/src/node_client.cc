@@ -204,6 +204,7 @@ class Accounting {
   void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
   void Pinned(size_t keys) { pinned_keys_.fetch_add(keys, std::memory_order_relaxed); }
   void Unserved(size_t keys) { unserved_.fetch_add(keys, std::memory_order_relaxed); }
+  void Repaired(size_t blocks) { repaired_.fetch_add(blocks, std::memory_order_relaxed); }
   void MembersChanged(size_t joined, size_t left) {
     joined_.fetch_add(joined, std::memory_order_relaxed);
     left_.fetch_add(left, std::memory_order_relaxed);
@@ -250,6 +251,7 @@ class Accounting {
     c.touched_keys = touched_keys_.load(std::memory_order_relaxed);
     c.pinned_keys = pinned_keys_.load(std::memory_order_relaxed);
     c.unserved_keys = unserved_.load(std::memory_order_relaxed);
+    c.repaired_blocks = repaired_.load(std::memory_order_relaxed);
     c.members_joined = joined_.load(std::memory_order_relaxed);
     c.members_left = left_.load(std::memory_order_relaxed);
     return c;
@@ -257,7 +259,7 @@ class Accounting {
 
  private:
   std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0},
-      unserved_{0}, joined_{0}, left_{0};
+      unserved_{0}, repaired_{0}, joined_{0}, left_{0};
 };
 
 // HIT over RETRY over MISS: the best of two replicas' answers.
@@ -580,6 +582,9 @@ class NodeClient::Impl {
       }
     }
     const std::vector<Chunk> chunks = SplitLastFirst(by_node, per_call);
+    // Per key: the replicas that answered MISS (with replicas, for repairs).
+    std::vector<std::vector<std::shared_ptr<Member>>> missed_at(options_.replicas > 1 ? keys.size()
+                                                                                      : 0);
     // Per key: a replica answered (or refused: counted as that); unserved keys otherwise.
     std::vector<bool> answered(keys.size(), false);
     for (size_t n = 0; n < members.size(); ++n) {
@@ -614,12 +619,75 @@ class NodeClient::Impl {
       }
       for (size_t j = 0; j < count; ++j) {
         const size_t i = by_node[c.node][c.begin + j];
+        const LookupResult result = wire::FromWire(reply.results(static_cast<int>(j)));
         answered[i] = true;
-        states[i] = Better(states[i], wire::FromWire(reply.results(static_cast<int>(j))));
+        states[i] = Better(states[i], result);
+        if (result == LookupResult::kMiss && options_.replicas > 1) {
+          missed_at[i].push_back(members[c.node]);
+        }
       }
     }
     accounting_.Unserved(static_cast<size_t>(std::count(answered.begin(), answered.end(), false)));
+    if (options_.replicas > 1) NoteRepairs(keys, states, missed_at);
     return states;
+  }
+
+  // Keys a lookup found on some of their replicas and missing on others (a node that joined,
+  // or one that evicted its copy): the next read of each copies it to those others.
+  void NoteRepairs(std::span<const BlockKey> keys, const std::vector<LookupResult>& states,
+                   std::vector<std::vector<std::shared_ptr<Member>>>& missed_at) {
+    MutexLock lock(&repairs_mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (states[i] != LookupResult::kHit || missed_at[i].empty()) continue;
+      if (repairs_.size() >= kMaxRepairs && !repairs_.contains(keys[i])) continue;
+      std::vector<std::weak_ptr<Member>>& to = repairs_[keys[i]];
+      to.assign(missed_at[i].begin(), missed_at[i].end());
+    }
+    repairs_pending_.store(!repairs_.empty(), std::memory_order_relaxed);
+  }
+
+  // After a read: the blocks read whose key a lookup found missing on some replicas are stored
+  // there, all at once, the caller waiting (only reads after a change of members pay this).
+  void Repair(std::span<const BlockKey> keys, std::span<const transport::MutableBytes> outs,
+              const std::vector<Result<size_t>>& results) {
+    if (!repairs_pending_.load(std::memory_order_relaxed)) return;
+    std::vector<std::pair<size_t, std::shared_ptr<Member>>> todo;  // key index, replica
+    {
+      MutexLock lock(&repairs_mu_);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        auto it = repairs_.find(keys[i]);
+        if (it == repairs_.end()) continue;
+        if (results[i].ok()) {
+          for (const std::weak_ptr<Member>& weak : it->second) {
+            if (std::shared_ptr<Member> member = weak.lock()) todo.emplace_back(i, member);
+          }
+        }
+        repairs_.erase(it);
+      }
+      repairs_pending_.store(!repairs_.empty(), std::memory_order_relaxed);
+    }
+    if (todo.empty()) return;
+    transport::CallGroup group;
+    std::vector<std::future<Outcome>> calls;
+    calls.reserve(todo.size());
+    for (const auto& [i, member] : todo) {
+      const Bytes block = outs[i].first(*results[i]);
+      wire::PutBlockRequest put;
+      *put.mutable_key() = wire::ToWire(keys[i]);
+      put.set_length(block.size());
+      if (!member->channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(block));
+      CallOptions options;
+      options.send_payload = block;
+      calls.push_back(Start(group, *member, wire::METHOD_PUT_BLOCK, put, options));
+    }
+    group.Wait();
+    size_t repaired = 0;
+    for (size_t k = 0; k < todo.size(); ++k) {
+      const Status status = ParseReply(calls[k].get(), (wire::PutBlockReply*)nullptr);
+      accounting_.Record(*todo[k].second->state, status);
+      repaired += status.ok() ? 1 : 0;
+    }
+    accounting_.Repaired(repaired);
   }
 
   // One PutBlock call per block and replica (the whole store), all in flight at once across
@@ -731,6 +799,13 @@ class NodeClient::Impl {
   // SSD are asked for again until the timeout.
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const transport::MutableBytes> outs) {
+    std::vector<Result<size_t>> results = ReadReplicas(keys, outs);
+    if (keys.size() == outs.size()) Repair(keys, outs, results);
+    return results;
+  }
+
+  std::vector<Result<size_t>> ReadReplicas(std::span<const BlockKey> keys,
+                                           std::span<const transport::MutableBytes> outs) {
     std::vector<Result<size_t>> results(keys.size(), Result<size_t>(size_t{0}));
     if (keys.size() != outs.size()) {
       for (auto& r : results) {
@@ -1049,6 +1124,12 @@ class NodeClient::Impl {
   std::shared_ptr<const Topology> topology_ GUARDED_BY(topology_mu_);
   Mutex apply_mu_;  // one membership change at a time, in the watcher's order
   // Where each pinned key's Pins went, oldest first.
+  // Blocks to copy to replicas that lack them at their next read (NoteRepairs), at most
+  // kMaxRepairs keys.
+  static constexpr size_t kMaxRepairs = 1 << 16;
+  Mutex repairs_mu_;
+  std::map<BlockKey, std::vector<std::weak_ptr<Member>>> repairs_ GUARDED_BY(repairs_mu_);
+  std::atomic<bool> repairs_pending_{false};
   Mutex pins_mu_;
   std::map<BlockKey, std::deque<std::vector<std::weak_ptr<Member>>>> pins_ GUARDED_BY(pins_mu_);
   // Asynchronous calls (touches, pins, releases) still out.

@@ -359,6 +359,7 @@ class Client {
     own["touched_keys"] = c.touched_keys;
     own["pinned_keys"] = c.pinned_keys;
     own["unserved_keys"] = c.unserved_keys;
+    own["repaired_blocks"] = c.repaired_blocks;
     own["members_joined"] = c.members_joined;
     own["members_left"] = c.members_left;
     own["replicas"] = client->replicas();

@@ -205,7 +205,7 @@ TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
   EXPECT_EQ(c.refused, 0u);
 }
 
-TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHits) {
+TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheSecondCopy) {
   ASSERT_TRUE(StartThree(2));
   std::vector<std::unique_ptr<Daemon>>& nodes = nodes_;
   NodeClient* client = client_.get();
@@ -231,6 +231,12 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHits) {
   const BlockStoreCounters c = client->counters();
   EXPECT_EQ(c.unserved_keys, 0u);
   EXPECT_EQ(c.refused, 0u);
+  // The blocks whose second replica is now the other survivor were copied there by that read
+  // (the lookup found them missing), so a second node lost costs no hits either.
+  EXPECT_GT(c.repaired_blocks, 0u);
+  nodes[1]->process().Kill(SIGKILL);
+  for (LookupResult r : Lookup(*client, 0, 30)) EXPECT_EQ(r, LookupResult::kHit);
+  EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
 }
 
 TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {

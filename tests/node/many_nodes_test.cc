@@ -169,7 +169,8 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
 
 // Two replicas over two nodes: a block only the second-ranked node holds (stored there by a
 // client that knows only that node) is a hit, and a read falls back to it past the first
-// node's miss; a block only the first holds reads from the first. Pins reach both.
+// node's miss; a block only the first holds reads from the first. Pins reach both, and the
+// read copies each block to the replica the lookup found without it.
 TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
   std::vector<std::unique_ptr<Daemon>> daemons;
   std::vector<connector::NodeAddress> addresses;
@@ -212,6 +213,16 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
     ASSERT_TRUE(got[k].ok()) << k << ": " << got[k].status().ToString();
     EXPECT_TRUE(MatchesPattern(k, read[k])) << k;
   }
+  // The lookup found each key on one replica only: the read copied it to the other.
+  EXPECT_EQ(both->counters().repaired_blocks, static_cast<uint64_t>(kKeys));
+  for (const connector::NodeAddress& address : addresses) {
+    std::unique_ptr<NodeClient> one = make({address}, 1);
+    for (LookupResult r : one->Lookup(keys)) EXPECT_EQ(r, LookupResult::kHit) << address.ToString();
+  }
+  // Nothing is left to repair: the next read copies nothing.
+  (void)both->Lookup(keys);
+  ASSERT_TRUE(both->Get(keys, outs)[0].ok());
+  EXPECT_EQ(both->counters().repaired_blocks, static_cast<uint64_t>(kKeys));
   both->Unpin(keys);
   both->WaitForTouches();
   // The pins went to both replicas: each node pinned the keys it holds, so 16 in all.

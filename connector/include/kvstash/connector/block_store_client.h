@@ -34,6 +34,9 @@ struct BlockStoreCounters {
   // every one was unreachable: misses and failed stores, where unreachable counts the calls.
   // With replicas, a node that is down costs calls here only for keys it held alone.
   uint64_t unserved_keys = 0;
+  // Blocks copied to replicas that lacked them (a lookup found them on another replica; the
+  // next read copied them over).
+  uint64_t repaired_blocks = 0;
   // Members of a followed cluster that joined or left the client's set after its first read.
   uint64_t members_joined = 0;
   uint64_t members_left = 0;

@@ -15,7 +15,10 @@
 // With replicas, a store goes to every replica (done once one holds the block; a replica
 // that cannot be reached is counted, not returned); a lookup takes the best answer among them
 // (HIT over RETRY over MISS); a read goes to the best-ranked replica and falls back to the next
-// when it lacks the block or cannot be reached; touches and pins go to every replica.
+// when it lacks the block or cannot be reached; touches and pins go to every replica. A key
+// that a lookup finds on some replicas and not on others (a node that joined, or evicted it) is
+// copied to the others by its next read, so a lost node's keys get back to R copies as they
+// are used.
 //
 // Batched calls fan out to the nodes concerned in parallel and come back in key order. Every
 // node states its limits at hello (keys per request, message and payload bytes, block size);
