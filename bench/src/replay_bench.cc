@@ -506,6 +506,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   Progress progress = Progress::ToStderr(flags.output.progress);
   Totals totals;
   uint64_t errors = 0;
+  uint64_t repaired = 0;  // blocks copied to replicas that lacked them
   double seconds = 0;
   RoundSides sides;
   // The replay, once: a second would find the first's blocks.
@@ -560,6 +561,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     // Touches still in flight land before the counters are read.
     for (const auto& c : clients) c->WaitForTouches();
     errors = errors_now();
+    for (const auto& c : clients) repaired += c->counters().repaired_blocks;
 
     Latencies all;
     for (Latencies& l : latencies) {
@@ -620,6 +622,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Set("read_misses", totals.read_misses.load());
   report.Set("lookup_retries", totals.retries.load());
   report.Set("errors", errors);
+  report.Set("repaired_blocks", repaired);
   report.Set("mismatches", totals.mismatches.load());
   report.Heading("trace", fmt::format("{}: {} requests, {} block references", flags.trace,
                                       totals.requests.load(), totals.block_refs.load()));
@@ -700,7 +703,8 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
               "tiers), requests, block_refs, blocks_hit, bytes_stored, bytes_read, seconds, "
               "read_misses (reads of blocks evicted since their lookup), lookup_retries, errors "
               "(keys of lookups, reads and stores that no node answered, and calls nodes "
-              "refused) and mismatches.\n"
+              "refused), mismatches and repaired_blocks (blocks a read copied to a replica "
+              "that lacked them).\n"
               "Exits 0 on success, 1 on any error or content mismatch, 2 on bad arguments or a "
               "malformed trace.");
   cmd->callback([flags, exit_code] { *exit_code = RunBenchReplay(*flags); });
