@@ -547,14 +547,32 @@ class NodeClient::Impl {
     return future;
   }
 
+  // Starts the PutBlock call of `block` under `key` to `member` in `group`.
+  std::future<Outcome> StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
+                                Bytes block) {
+    wire::PutBlockRequest put;
+    *put.mutable_key() = wire::ToWire(key);
+    put.set_length(block.size());
+    // Over a network the node checks the bytes against this; a client on the node's host
+    // copies them into the node's memory itself, where a checksum would guard nothing and
+    // cost a hash of every block on both sides.
+    if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(block));
+    CallOptions options;
+    options.send_payload = block;
+    return Start(group, member, wire::METHOD_PUT_BLOCK, put, options);
+  }
+
   // The keys of `keys` by member (each key at each of its replicas), in key order within each
   // member; which members have any.
   void ByNode(const Members& members, std::span<const BlockKey> keys,
-              std::vector<std::vector<size_t>>* by_node, std::vector<bool>* wanted) const {
+              std::vector<std::vector<size_t>>* by_node, std::vector<bool>* wanted,
+              std::vector<Placement>* places = nullptr) const {
     by_node->assign(members.size(), {});
     wanted->assign(members.size(), false);
+    if (places != nullptr) places->resize(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       const Placement p = Place(members, keys[i]);
+      if (places != nullptr) (*places)[i] = p;
       for (uint32_t r = 0; r < p.count; ++r) {
         (*by_node)[p.nodes[r]].push_back(i);
         (*wanted)[p.nodes[r]] = true;
@@ -672,13 +690,7 @@ class NodeClient::Impl {
     calls.reserve(todo.size());
     for (const auto& [i, member] : todo) {
       const Bytes block = outs[i].first(*results[i]);
-      wire::PutBlockRequest put;
-      *put.mutable_key() = wire::ToWire(keys[i]);
-      put.set_length(block.size());
-      if (!member->channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(block));
-      CallOptions options;
-      options.send_payload = block;
-      calls.push_back(Start(group, *member, wire::METHOD_PUT_BLOCK, put, options));
+      calls.push_back(StartPut(group, *member, keys[i], block));
     }
     group.Wait();
     size_t repaired = 0;
@@ -759,16 +771,7 @@ class NodeClient::Impl {
           failed(member, i, refused);
           continue;
         }
-        wire::PutBlockRequest put;
-        *put.mutable_key() = wire::ToWire(keys[i]);
-        put.set_length(blocks[i].size());
-        // Over a network the node checks the bytes against this; a client on the node's host
-        // copies them into the node's memory itself, where a checksum would guard nothing and
-        // cost a hash of every block on both sides.
-        if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(blocks[i]));
-        CallOptions options;
-        options.send_payload = blocks[i];
-        puts.emplace_back(&member, i, Start(group, member, wire::METHOD_PUT_BLOCK, put, options));
+        puts.emplace_back(&member, i, StartPut(group, member, keys[i], blocks[i]));
       }
     }
     group.Wait();
@@ -816,14 +819,10 @@ class NodeClient::Impl {
     const auto topology = Snapshot();
     const Members& members = topology->members;
     std::vector<Placement> places(keys.size());
-    std::vector<std::vector<size_t>> by_node;
-    std::vector<bool> wanted(members.size(), false);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      places[i] = Place(members, keys[i]);
-      if (places[i].count != 0) wanted[places[i].nodes[0]] = true;
-    }
-    std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
-    std::vector<bool> asked = wanted;  // whose limits are known
+    for (size_t i = 0; i < keys.size(); ++i) places[i] = Place(members, keys[i]);
+    // Each member's limits, asked (connecting) only once a key's read comes to it.
+    std::vector<Result<ServerLimits>> limits(members.size(), Result<ServerLimits>(ServerLimits{}));
+    std::vector<bool> asked(members.size(), false);
     // Per key: the replica asked next, and the error to give if none has the block.
     std::vector<uint32_t> rank(keys.size(), 0);
     std::vector<Status> errors(keys.size());
@@ -852,7 +851,8 @@ class NodeClient::Impl {
     }
     const auto give_up = transport::Clock::now() + options_.timeout;
     for (auto pause = std::chrono::microseconds(100);; pause = std::min(pause * 2, kMaxPause)) {
-      // Keys whose replica at their rank cannot be connected move on to the next rank.
+      // Members not yet asked are asked, all at once; keys whose replica at their rank cannot be
+      // connected move on to the next rank.
       std::vector<size_t> ready;
       while (!pending.empty()) {
         std::vector<size_t> next;
@@ -1003,12 +1003,13 @@ class NodeClient::Impl {
     const Members& members = topology->members;
     std::vector<std::vector<size_t>> by_node;
     std::vector<bool> wanted;
-    ByNode(members, keys, &by_node, &wanted);
+    std::vector<Placement> places;
+    ByNode(members, keys, &by_node, &wanted, &places);
     {
       MutexLock lock(&pins_mu_);
       for (size_t i = 0; i < keys.size(); ++i) {
         std::vector<std::weak_ptr<Member>> at;
-        const Placement p = Place(members, keys[i]);
+        const Placement& p = places[i];
         for (uint32_t r = 0; r < p.count; ++r) at.push_back(members[p.nodes[r]]);
         pins_[keys[i]].push_back(std::move(at));
       }
