@@ -127,15 +127,13 @@ struct Shared {
   std::atomic<bool> stop{false};
 };
 
-// The node client of one bench client. The addresses were checked by RunBenchNode.
-connector::NodeClientOptions ClientOptions(const BenchNodeFlags& flags,
-                                           std::shared_ptr<transport::ClientWorker> worker) {
+// The options of every bench client but its worker; InvalidArgument for a bad node source.
+Result<connector::NodeClientOptions> ClientOptions(const BenchNodeFlags& flags) {
   connector::NodeClientOptions options;
-  (void)connector::ApplyNodeSource(flags.source, &options);  // checked by RunBenchNode
+  KVSTASH_RETURN_IF_ERROR(connector::ApplyNodeSource(flags.source, &options));
   options.key_namespace = flags.key_namespace;
   options.auth_token = flags.token;
   options.transport.tls = flags.tls;
-  options.worker = std::move(worker);
   return options;
 }
 
@@ -148,11 +146,12 @@ std::string NodeList(const connector::NodeClient& client) {
   return out;
 }
 
-ClientTotals RunClient(const BenchNodeFlags& flags, int id, uint64_t block_bytes,
-                       std::shared_ptr<transport::ClientWorker> worker, Shared& shared,
-                       std::string* failure) {
+ClientTotals RunClient(const BenchNodeFlags& flags, connector::NodeClientOptions options, int id,
+                       uint64_t block_bytes, std::shared_ptr<transport::ClientWorker> worker,
+                       Shared& shared, std::string* failure) {
   ClientTotals totals;
-  auto client = NodeClient::Create(ClientOptions(flags, std::move(worker)));
+  options.worker = std::move(worker);
+  auto client = NodeClient::Create(std::move(options));
   if (!client.ok()) {
     *failure = std::string(client.status().message());
     return totals;
@@ -291,10 +290,8 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  connector::NodeClientOptions checked;
-  if (const Status source = connector::ApplyNodeSource(flags.source, &checked); !source.ok()) {
-    return fail(kExitUsage, source.message());
-  }
+  const Result<connector::NodeClientOptions> options = ClientOptions(flags);
+  if (!options.ok()) return fail(kExitUsage, options.status().message());
   if (flags.clients < 1 || flags.clients > 1024) {
     return fail(kExitUsage, fmt::format("--clients: {} is outside 1..1024", flags.clients));
   }
@@ -317,7 +314,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   uint64_t capacity_blocks = 0;
   std::string node_list;
   {
-    auto probe = NodeClient::Create(ClientOptions(flags, nullptr));
+    auto probe = NodeClient::Create(*options);
     if (!probe.ok()) return fail(kExitFailure, probe.status().message());
     if ((*probe)->node_count() == 0) {
       return fail(kExitFailure, fmt::format("cluster {} has no live offload nodes in etcd",
@@ -382,7 +379,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
     const auto start = Clock::now();
     for (int i = 0; i < flags.clients; ++i) {
       threads.emplace_back([&, i] {
-        totals[i] = RunClient(flags, i, block_bytes, worker_of(i), shared, &failures[i]);
+        totals[i] = RunClient(flags, *options, i, block_bytes, worker_of(i), shared, &failures[i]);
       });
     }
     const auto end = start + std::chrono::duration_cast<Clock::duration>(

@@ -368,16 +368,15 @@ double InfiniteCacheHitRatio(const std::vector<TraceRequest>& trace) {
   return refs == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(refs);
 }
 
-connector::NodeClientOptions ClientOptions(const BenchReplayFlags& flags, const std::string& token,
-                                           std::shared_ptr<transport::ClientWorker> worker) {
+// The options of every replay client but its token and worker; InvalidArgument for a bad
+// node source.
+Result<connector::NodeClientOptions> ClientOptions(const BenchReplayFlags& flags) {
   connector::NodeClientOptions options;
-  (void)connector::ApplyNodeSource(flags.source, &options);  // checked at the start
+  KVSTASH_RETURN_IF_ERROR(connector::ApplyNodeSource(flags.source, &options));
   options.key_namespace = flags.key_namespace;
-  options.auth_token = token;
   options.transport.tls = flags.tls;
   options.timeout = std::chrono::milliseconds(flags.timeout_ms);
   options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
-  options.worker = std::move(worker);
   return options;
 }
 
@@ -424,10 +423,8 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
-  connector::NodeClientOptions checked;
-  if (const Status source = connector::ApplyNodeSource(flags.source, &checked); !source.ok()) {
-    return fail(kExitUsage, source.message());
-  }
+  Result<connector::NodeClientOptions> options = ClientOptions(flags);
+  if (!options.ok()) return fail(kExitUsage, options.status().message());
   if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
     return fail(kExitUsage, fmt::format("--speed: {} is not a factor >= 0", flags.speed));
   }
@@ -449,7 +446,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   transport.tls = flags.tls;
   auto worker = transport::ClientWorker::Create(transport);
   if (!worker.ok()) return fail(kExitFailure, worker.status().message());
-  auto probe = NodeClient::Create(ClientOptions(flags, *token, *worker));
+  options->auth_token = *token;
+  options->worker = *worker;
+  auto probe = NodeClient::Create(*options);
   if (!probe.ok()) return fail(kExitFailure, probe.status().message());
   NodeClient& client = **probe;
 
@@ -518,7 +517,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     std::vector<std::unique_ptr<NodeClient>> clients;
     clients.push_back(std::move(*probe));
     for (int i = 1; i < flags.concurrency; ++i) {
-      KVSTASH_ASSIGN_OR_RETURN(auto c, NodeClient::Create(ClientOptions(flags, *token, *worker)));
+      KVSTASH_ASSIGN_OR_RETURN(auto c, NodeClient::Create(*options));
       clients.push_back(std::move(c));
     }
     const auto start = Clock::now();
