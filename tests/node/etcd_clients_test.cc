@@ -31,6 +31,13 @@ BlockKey Key(uint64_t i) {
   return key;
 }
 
+// Keys [first, first + count).
+std::vector<BlockKey> Keys(uint64_t first, size_t count) {
+  std::vector<BlockKey> keys;
+  for (size_t i = 0; i < count; ++i) keys.push_back(Key(first + i));
+  return keys;
+}
+
 std::string AddressOf(const Daemon& node) { return "127.0.0.1:" + std::to_string(node.port()); }
 
 // Waits up to `timeout` for `client` to see `count` nodes: whether it did.
@@ -79,34 +86,22 @@ class EtcdClientsTest : public ::testing::Test {
 
   // Stores keys [first, first + count) with their patterns; the store's status.
   static Status Store(NodeClient& client, uint64_t first, size_t count) {
-    std::vector<BlockKey> keys;
     std::vector<std::vector<std::byte>> blocks(count, std::vector<std::byte>(kBlockBytes));
-    std::vector<transport::Bytes> views;
-    for (size_t i = 0; i < count; ++i) {
-      keys.push_back(Key(first + i));
-      FillPattern(first + i, blocks[i]);
-      views.push_back(blocks[i]);
-    }
-    return client.Put(keys, views);
+    for (size_t i = 0; i < count; ++i) FillPattern(first + i, blocks[i]);
+    const std::vector<transport::Bytes> views(blocks.begin(), blocks.end());
+    return client.Put(Keys(first, count), views);
   }
 
   static std::vector<LookupResult> Lookup(NodeClient& client, uint64_t first, size_t count) {
-    std::vector<BlockKey> keys;
-    for (size_t i = 0; i < count; ++i) keys.push_back(Key(first + i));
-    return client.Lookup(keys);
+    return client.Lookup(Keys(first, count));
   }
 
   // Reads keys [first, first + count): how many came back with their own pattern; the rest
   // must be misses (NotFound), never errors.
   static size_t ReadBack(NodeClient& client, uint64_t first, size_t count) {
-    std::vector<BlockKey> keys;
     std::vector<std::vector<std::byte>> blocks(count, std::vector<std::byte>(kBlockBytes));
-    std::vector<transport::MutableBytes> outs;
-    for (size_t i = 0; i < count; ++i) {
-      keys.push_back(Key(first + i));
-      outs.push_back(blocks[i]);
-    }
-    const std::vector<Result<size_t>> got = client.Get(keys, outs);
+    const std::vector<transport::MutableBytes> outs(blocks.begin(), blocks.end());
+    const std::vector<Result<size_t>> got = client.Get(Keys(first, count), outs);
     size_t good = 0;
     for (size_t i = 0; i < count; ++i) {
       if (got[i].ok()) {
