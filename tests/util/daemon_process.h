@@ -8,11 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "programs.h"
 #include "subprocess.h"
 
 namespace kvstash::testing {
 
-inline const std::string kKvstashd = KVSTASHD_PATH;
+inline const std::string kKvstashd = KvstashdPath();
 
 // A kvstashd child; port() is 0 when it did not start.
 class Daemon {
