@@ -139,6 +139,11 @@ class NodeServer::Impl {
 
   Status Start() {
     options_.server.block_bytes = options_.store.block_bytes;
+    // A hello's namespace gets its id (or its refusal) at once. Called on the progress thread,
+    // which starts after the service exists.
+    options_.server.admit_namespace = [this](std::string_view name) {
+      return service_->AdmitNamespace(name);
+    };
     if (options_.listen) {
       KVSTASH_ASSIGN_OR_RETURN(server_, options_.listen(options_.server));
     } else {
@@ -238,11 +243,16 @@ class NodeServer::Impl {
   }
 
   // Parses the request and begins it with the service: the namespace of its keys, or nullopt
-  // once answered InvalidArgument.
+  // once answered with an error (InvalidArgument, or the namespace's).
   template <typename Message>
   std::optional<NamespaceId> Begin(TimedCall& call, Message* message, std::string_view what) {
     if (!Parse(call, message, what)) return std::nullopt;
-    return service_->BeginRequest(call.connection_id(), call.key_namespace());
+    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.key_namespace());
+    if (!ns.ok()) {
+      call.ReplyError(ns.status());
+      return std::nullopt;
+    }
+    return *ns;
   }
 
   // The keys of a request in namespace `ns`, or an InvalidArgument answer.

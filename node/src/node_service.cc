@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <filesystem>
 #include <unordered_map>
 #include <utility>
 
@@ -11,14 +12,11 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
+#include "namespace_registry.h"
 
 namespace kvstash::node {
 
 using Clock = std::chrono::steady_clock;
-
-NamespaceId NamespaceIdOf(std::string_view name) {
-  return static_cast<NamespaceId>(Xxh3Hash64(std::as_bytes(std::span(name))));
-}
 
 class NodeService::Impl {
  public:
@@ -40,19 +38,41 @@ class NodeService::Impl {
   }
 
   Status Open() {
+    // The namespace table lives beside the SSD tier's blocks, whose keys carry its ids; it is
+    // read first, so that the tier keeps only blocks of namespaces it still names.
+    std::string table;
+    if (options_.store.ssd) {
+      std::error_code error;
+      std::filesystem::create_directories(options_.store.ssd->dir, error);
+      if (error) {
+        return UnavailableError("cannot create SSD directory {}: {}", options_.store.ssd->dir,
+                                error.message());
+      }
+      table = options_.store.ssd->dir + "/namespaces";
+    }
+    KVSTASH_ASSIGN_OR_RETURN(registry_, NamespaceRegistry::Open(table, options_.max_namespaces));
     KVSTASH_RETURN_IF_ERROR(SetUpQuotas());
+    if (options_.store.ssd) {
+      options_.store.ssd->keep_namespace = [registry = registry_.get()](NamespaceId ns) {
+        return registry->Known(ns);
+      };
+    }
     KVSTASH_ASSIGN_OR_RETURN(store_, store::TieredStore::Create(options_.store));
     return Status::OK();
   }
 
-  NamespaceId BeginRequest(uint64_t connection, std::string_view key_namespace) {
-    auto [it, added] = sessions_.try_emplace(connection);
-    Session& session = it->second;
-    if (added) {
-      session.ns = NamespaceIdOf(key_namespace);
-      session.name = std::string(key_namespace);
-      NoteNamespace(session.ns, session.name);
+  Status AdmitNamespace(std::string_view name) { return registry_->Register(name).status(); }
+
+  Result<NamespaceId> BeginRequest(uint64_t connection, std::string_view key_namespace) {
+    auto it = sessions_.find(connection);
+    if (it == sessions_.end()) {
+      KVSTASH_ASSIGN_OR_RETURN(const NamespaceId ns, registry_->Register(key_namespace));
+      it = sessions_.try_emplace(connection).first;
+      it->second.ns = ns;
+      it->second.name = std::string(key_namespace);
+      NoteNamespace(ns, it->second.name);
     }
+    Session& session = it->second;
     session.last_seen = options_.clock();
     return session.ns;
   }
@@ -250,7 +270,9 @@ class NodeService::Impl {
       }
       std::sort(out.begin(), out.end(),
                 [](const NamespaceStats& a, const NamespaceStats& b) { return a.name < b.name; });
-      for (size_t i = 0; i < out.size(); ++i) row[NamespaceIdOf(out[i].name)] = i;
+      for (size_t i = 0; i < out.size(); ++i) {
+        if (std::optional<NamespaceId> ns = registry_->Find(out[i].name)) row[*ns] = i;
+      }
       if (other_used_) {
         NamespaceStats& other = out.emplace_back();
         other.name = kOtherNamespaces;
@@ -322,12 +344,7 @@ class NodeService::Impl {
         return InvalidArgumentError(
             "namespace name '{}' is reserved: the metrics sum unnamed namespaces under it", name);
       }
-      const NamespaceId ns = NamespaceIdOf(name);
-      if (auto it = names_.find(ns); it != names_.end()) {
-        // They would share blocks too: a client's keys are (namespace id, block hash).
-        return InvalidArgumentError("namespaces '{}' and '{}' have the same id {}; rename one",
-                                    it->second.name, name, ns);
-      }
+      KVSTASH_ASSIGN_OR_RETURN(const NamespaceId ns, registry_->Register(name));
       quotas.blocks[ns] = blocks;
       names_[ns].name = name;
     }
@@ -386,6 +403,8 @@ class NodeService::Impl {
   }
 
   NodeServiceOptions options_;
+  // Before the store: the store's options hold a pointer to it while it opens.
+  std::unique_ptr<NamespaceRegistry> registry_;
   std::unique_ptr<store::TieredStore> store_;
   std::unordered_map<uint64_t, Session> sessions_;  // by connection
   NodeCounters counters_;
@@ -412,7 +431,8 @@ Result<std::unique_ptr<NodeService>> NodeService::Create(NodeServiceOptions opti
 NodeService::NodeService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NodeService::~NodeService() = default;
 
-NamespaceId NodeService::BeginRequest(uint64_t connection, std::string_view key_namespace) {
+Status NodeService::AdmitNamespace(std::string_view name) { return impl_->AdmitNamespace(name); }
+Result<NamespaceId> NodeService::BeginRequest(uint64_t connection, std::string_view key_namespace) {
   return impl_->BeginRequest(connection, key_namespace);
 }
 std::vector<LookupResult> NodeService::Lookup(std::span<const BlockKey> keys) {

@@ -361,7 +361,9 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options) 
                         DecodeRecord({it->value().data(), it->value().size()}, &slot, &record) &&
                         record.length <= options.block_bytes;
       if (good) max_seq = std::max(max_seq, record.seq);
-      if (!good || slot >= capacity_blocks) {
+      const bool kept =
+          good && (!options.keep_namespace || options.keep_namespace(key.namespace_id));
+      if (!kept || slot >= capacity_blocks) {
         drop.Delete(it->key());
         ++impl->dropped_records;
         continue;
@@ -379,8 +381,8 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options) 
   }
   if (drop.Count() > 0) {
     KVSTASH_LOG_WARN(
-        "SSD tier {}: dropping {} index records (damaged, duplicate slot, or beyond "
-        "the capacity of {} blocks)",
+        "SSD tier {}: dropping {} index records (damaged, duplicate slot, beyond "
+        "the capacity of {} blocks, or of a namespace the node no longer names)",
         options.dir, drop.Count(), capacity_blocks);
     KVSTASH_RETURN_IF_ERROR(FromRocks(db.Write(impl->WriteOpts(), &drop),
                                       fmt::format("cannot clean SSD index in {}", options.dir)));

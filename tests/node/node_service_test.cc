@@ -51,7 +51,9 @@ class NodeServiceTest : public ::testing::Test {
 
   // Begins a request of `connection` in namespace `name`: the key of k there.
   BlockKey Begin(uint64_t connection, uint64_t k, const char* name = "tenant") {
-    return Key(k, service_->BeginRequest(connection, name));
+    Result<NamespaceId> ns = service_->BeginRequest(connection, name);
+    EXPECT_TRUE(ns.ok()) << ns.status().ToString();
+    return Key(k, ns.ok() ? *ns : 0);
   }
 
   // A whole store of block k (pattern k) by `connection`: BeginPut, the bytes, EndPut.

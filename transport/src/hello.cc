@@ -36,4 +36,11 @@ Status CheckHelloToken(const ServerOptions& options, std::string_view key_namesp
   return Status::OK();
 }
 
+Status CheckHello(const ServerOptions& options, std::string_view key_namespace,
+                  std::string_view token) {
+  KVSTASH_RETURN_IF_ERROR(CheckHelloToken(options, key_namespace, token));
+  if (options.admit_namespace) return options.admit_namespace(key_namespace);
+  return Status::OK();
+}
+
 }  // namespace kvstash::transport

@@ -14,4 +14,8 @@ namespace kvstash::transport {
 Status CheckHelloToken(const ServerOptions& options, std::string_view key_namespace,
                        std::string_view token);
 
+// CheckHelloToken, then the server's own say on the namespace (ServerOptions::admit_namespace).
+Status CheckHello(const ServerOptions& options, std::string_view key_namespace,
+                  std::string_view token);
+
 }  // namespace kvstash::transport

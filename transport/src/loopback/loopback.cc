@@ -109,7 +109,7 @@ class LoopbackNetwork::Impl {
     }
     const std::shared_ptr<ServerState>& server = it->second;
     const Status hello =
-        CheckHelloToken(server->options, client->options.key_namespace, client->options.auth_token);
+        CheckHello(server->options, client->options.key_namespace, client->options.auth_token);
     if (!hello.ok()) {
       return Status(hello.code(), fmt::format("loopback port {} refused the connection: {}", port,
                                               hello.message()));

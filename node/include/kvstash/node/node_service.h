@@ -48,6 +48,10 @@ struct NodeServiceOptions {
   // the CPU tier's capacity. They bound the CPU tier only: the SSD tier holds what it cascades.
   std::map<std::string, size_t> namespace_quota_blocks;
   std::optional<size_t> default_namespace_quota_blocks;
+  // The most namespaces (distinct names given at hello or in quotas) the node serves; a hello
+  // naming one more is refused. Each name holds its id in the store's keys for the node's life
+  // (docs/semantics.md §1: ids are the node's, by exact name).
+  size_t max_namespaces = 65536;
   // The time leases are measured in; empty: std::chrono::steady_clock. Tests give their own.
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -60,10 +64,6 @@ inline constexpr size_t kMaxNamedNamespaces = 256;
 // may name it.
 inline constexpr std::string_view kOtherNamespaces = "other";
 
-// A client namespace's id in the store's keys: the low 32 bits of xxh3-64 of its name, so the
-// same name maps to the same id across restarts (blocks on SSD stay with their namespace).
-NamespaceId NamespaceIdOf(std::string_view name);
-
 // One namespace as the node's metrics show it.
 struct NamespaceStats {
   std::string name;         // kOtherNamespaces: namespaces past kMaxNamedNamespaces
@@ -74,19 +74,26 @@ struct NamespaceStats {
 
 class NodeService {
  public:
-  // Checks the quotas and opens the store. InvalidArgument naming a quota outside 1..the CPU
-  // tier's capacity, the reserved name kOtherNamespaces, or two names with one id; the store's
-  // errors.
+  // Reads the namespace table (in the SSD directory), checks the quotas and opens the store.
+  // InvalidArgument naming a quota outside 1..the CPU tier's capacity or the reserved name
+  // kOtherNamespaces, or a damaged namespace table; the store's errors.
   static Result<std::unique_ptr<NodeService>> Create(NodeServiceOptions options);
   // Ends every session (undoing its pins and unfinished stores), then closes the store.
   ~NodeService();
   NodeService(const NodeService&) = delete;
   NodeService& operator=(const NodeService&) = delete;
 
+  // A client names `name` at hello: the node gives the name its id now, if new, so that a hello
+  // the node cannot serve is refused at once. InvalidArgument (an empty name or one over 256
+  // bytes), ResourceExhausted (max_namespaces names already), Unavailable (the namespace table
+  // on disk cannot be written).
+  Status AdmitNamespace(std::string_view name);
+
   // The start of every request of `connection`, whose client named `key_namespace` at hello:
   // makes its session at its first request and renews its lease. The namespace's id, which the
-  // request's keys carry.
-  NamespaceId BeginRequest(uint64_t connection, std::string_view key_namespace);
+  // request's keys carry; AdmitNamespace's errors when the name has no id yet and cannot get
+  // one.
+  Result<NamespaceId> BeginRequest(uint64_t connection, std::string_view key_namespace);
 
   // Each key's result, in order; counted.
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys);

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -38,6 +39,10 @@ struct SsdTierOptions {
   // fdatasync the slot file and sync RocksDB's log before a store returns. Off: a committed
   // block survives a process crash (kill -9) but not a power loss.
   bool sync = false;
+  // Which namespaces' blocks Create keeps when it rebuilds the index; the others' are dropped
+  // (counted in dropped_records). Empty: all. A node keeps only namespaces its table still
+  // names, so an id never reaches a namespace other than the one that stored the block.
+  std::function<bool(NamespaceId)> keep_namespace;
 };
 
 // Counters since Create. Monotonic; read without a lock.

@@ -32,6 +32,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -167,6 +168,9 @@ struct TransportStats {
   uint64_t late_replies = 0;      // replies for calls already completed (deadline, cancel)
   uint64_t mapped_payloads = 0;   // payloads copied through the server's shared memory
   uint64_t refused = 0;           // server: hellos refused for a wrong auth token
+  uint64_t bad_hellos = 0;        // server: hellos refused as malformed (bytes, UCX address)
+  uint64_t foreign_frames = 0;    // server: frames naming a connection not of their endpoint
+  uint64_t accept_pauses = 0;     // server: accepts that failed (no descriptors) and paused
 };
 
 // The client end of a connection as a client of a service uses it: calls with deadlines and
@@ -352,6 +356,10 @@ struct ServerOptions {
   uint64_t block_bytes = 0;
   uint32_t max_keys_per_request = 4096;
   std::chrono::milliseconds hello_timeout{5000};
+  // Called on the progress thread at each hello whose token passed, with the namespace the
+  // client named; a refusal is the hello's answer (the node gives the name its id here, and
+  // refuses one it cannot serve). Empty: every namespace.
+  std::function<Status(std::string_view key_namespace)> admit_namespace;
 };
 
 // The server end of a transport as a service uses it: handlers by method, the end of each
