@@ -85,6 +85,15 @@ const MetricFamilyDef kMemory{"kvstash_cpu_memory_bytes", MetricType::Gauge,
                               "serves at once and faults its memory in in the background)"};
 const MetricFamilyDef kMalformed{"kvstash_malformed_frames_total", MetricType::Counter,
                                  "Malformed frames received"};
+const MetricFamilyDef kBadHellos{"kvstash_bad_hellos_total", MetricType::Counter,
+                                 "Connections refused for a malformed hello (its bytes, or a UCX "
+                                 "worker address this node's UCX cannot take)"};
+const MetricFamilyDef kForeignFrames{"kvstash_foreign_frames_total", MetricType::Counter,
+                                     "Frames refused for naming a connection other than the one "
+                                     "bound to the endpoint they came on"};
+const MetricFamilyDef kAcceptPauses{"kvstash_accept_pauses_total", MetricType::Counter,
+                                    "Failed accepts (no file descriptors or memory) after which "
+                                    "the node paused accepting"};
 
 using N = NodeCounter;
 
@@ -155,6 +164,9 @@ const std::vector<CounterDef>& Defs() {
       {"transport.refused", KVSTASH_TRANSPORT(stats.refused), &kRefusals, {}},
       {"transport.malformed_frames", KVSTASH_TRANSPORT(stats.malformed_frames), &kMalformed, {}},
       {"transport.mapped_payloads", KVSTASH_TRANSPORT(stats.mapped_payloads), nullptr, {}},
+      {"transport.bad_hellos", KVSTASH_TRANSPORT(stats.bad_hellos), &kBadHellos, {}},
+      {"transport.foreign_frames", KVSTASH_TRANSPORT(stats.foreign_frames), &kForeignFrames, {}},
+      {"transport.accept_pauses", KVSTASH_TRANSPORT(stats.accept_pauses), &kAcceptPauses, {}},
       // The CPU tier's memory.
       {"cpu.memory_bytes", KVSTASH_MEMORY(total), &kMemory, {{"state", "total"}}},
       {"cpu.faulted_bytes", KVSTASH_MEMORY(faulted), &kMemory, {{"state", "faulted"}}},

@@ -33,6 +33,7 @@ constexpr uint16_t kEcho = 1;
 constexpr uint16_t kPut = 2;
 constexpr uint16_t kGet = 3;
 constexpr uint16_t kHold = 4;
+constexpr uint16_t kCount = 9;  // RpcFuzzTest: counts the calls it serves
 
 Bytes AsBytes(const std::string& s) { return std::as_bytes(std::span(s)); }
 
@@ -318,6 +319,10 @@ class RpcFuzzTest : public ::testing::TestWithParam<std::string> {
     server_ = std::move(*server);
     memory_ = std::vector<std::byte>(1 << 20);
     server_->Handle(kEcho, [](ServerCall call) { call.Reply(call.request()); });
+    server_->Handle(kCount, [this](ServerCall call) {
+      ++counted_;
+      call.Reply({});
+    });
     server_->Handle(kPut, [this](ServerCall call) {
       auto shared = std::make_shared<ServerCall>(std::move(call));
       shared->ReceivePayload(memory_, nullptr, [shared](Status s) {
@@ -361,6 +366,7 @@ class RpcFuzzTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<RpcServer> server_;
   std::unique_ptr<RpcClient> client_;
   std::vector<std::byte> memory_;
+  std::atomic<int> counted_{0};  // kCount calls served
 };
 
 TEST_P(RpcFuzzTest, RandomFramesNeverCrashTheServer) {
@@ -424,6 +430,42 @@ TEST_P(RpcFuzzTest, BadFramesNamingTheConnectionGetAnErrorReply) {
   }
   EXPECT_EQ(client_->stats().late_replies, late_before + 2);
   EXPECT_EQ(server_->stats().malformed_frames, 2u);
+}
+
+// A connection is its endpoint: a frame naming another client's connection id is refused and
+// counted (before, the server took the connection, and its namespace, from the header), and so
+// is a bind to it without its token. The other client's calls go on.
+TEST_P(RpcFuzzTest, AFrameNamingAnotherConnectionIsRefused) {
+  std::atomic<int>& served = counted_;
+  ClientOptions options;
+  options.port = server_->port();
+  options.transport = TransportFor(GetParam());
+  auto other = RpcClient::Create(options);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE((*other)->Connect().ok());
+  ASSERT_NE((*other)->connection_id(), client_->connection_id());
+  const uint64_t foreign_before = server_->stats().foreign_frames;
+  std::vector<std::byte> frame = ValidFrame(kCount, "x");
+  FrameHeader header;
+  std::memcpy(&header, frame.data(), kFrameHeaderBytes);
+  header.connection_id = (*other)->connection_id();
+  std::memcpy(frame.data(), &header, kFrameHeaderBytes);
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(client_->SendRawForTesting(frame, {}).ok());
+  header.kind = FrameKind::kBind;  // a bind to the other connection, with a guessed token
+  header.method = 0;
+  header.message_bytes = 0;
+  header.request_id = 12345;
+  std::vector<std::byte> bind(kFrameHeaderBytes);
+  WriteFrame(header, {}, bind);
+  ASSERT_TRUE(client_->SendRawForTesting(bind, {}).ok());
+  ExpectServerHealthy();  // after the forged frames, on the same endpoint
+  EXPECT_EQ(served.load(), 0);
+  EXPECT_EQ(server_->stats().foreign_frames, foreign_before + 11);
+  EXPECT_TRUE((*other)->CallSync(kEcho, AsBytes("mine"), Within(5s), nullptr).ok());
+  // Its own frames, named right, still serve.
+  ASSERT_TRUE(client_->SendRawForTesting(ValidFrame(kCount, "x"), {}).ok());
+  for (int i = 0; i < 400 && served.load() == 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(served.load(), 1);
 }
 
 TEST_P(RpcFuzzTest, OversizedMessageAndPayloadAreRefused) {

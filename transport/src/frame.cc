@@ -22,7 +22,7 @@ Result<FrameView> ParseFrame(std::span<const std::byte> am_header, std::span<con
     return InvalidArgumentError("frame version {} is not the supported {}", h.version,
                                 kFrameVersion);
   }
-  if (h.kind < FrameKind::kRequest || h.kind > FrameKind::kAck) {
+  if (h.kind < FrameKind::kRequest || h.kind > FrameKind::kBind) {
     return InvalidArgumentError("unknown frame kind {}", static_cast<int>(h.kind));
   }
   if ((h.flags & ~kKnownFrameFlags) != 0) {
@@ -93,7 +93,8 @@ Result<FrameView> ParseFrame(std::span<const std::byte> am_header, std::span<con
     view.payload_bytes = data_length;
   }
   const bool control = h.kind == FrameKind::kCancel || h.kind == FrameKind::kPullDone ||
-                       h.kind == FrameKind::kAck || h.kind == FrameKind::kPull;
+                       h.kind == FrameKind::kAck || h.kind == FrameKind::kPull ||
+                       h.kind == FrameKind::kBind;
   if (control && (h.message_bytes != 0 || (h.kind != FrameKind::kPull && data_length != 0))) {
     return InvalidArgumentError("frame kind {} with a message or payload",
                                 static_cast<int>(h.kind));

@@ -143,6 +143,7 @@ void RpcClient::Impl::Send(PendingCall* call) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     param.memh = static_cast<ucp_mem_h>(call->send_region->handle());
   }
+  FromThisEndpoint(&param);
   call->sent = true;
   ucs_status_ptr_t request = ucp_am_send_nbx(ep_.get(), kRpcAmId, call->frame.data(), header_bytes,
                                              data, data_bytes, &param);

@@ -157,8 +157,15 @@ void RpcClient::Impl::OnHelloReply(uint64_t attempt, Status status, const std::s
   params.err_handler.cb = &Impl::OnEndpointError;
   params.err_handler.arg = this;
   ucp_ep_h ep = nullptr;
+  // The node's way of handling a dead peer, whatever this client's own default: a TCP-only
+  // client of a node that also has shared memory takes peer-failure mode, and the reverse.
+  std::optional<bool> peer_failure;
+  if (reply.error_handling() != wire::UCX_ERROR_HANDLING_UNSPECIFIED) {
+    peer_failure = reply.error_handling() == wire::UCX_ERROR_HANDLING_PEER;
+  }
   const Status created = worker_->CreateEndpoint(
-      &params, &ep, fmt::format("opening a UCX endpoint to {}:{}", options_.host, options_.port));
+      &params, &ep, fmt::format("opening a UCX endpoint to {}:{}", options_.host, options_.port),
+      peer_failure);
   if (!created.ok()) {
     FailConnect(created);
     return;
@@ -174,6 +181,8 @@ void RpcClient::Impl::OnHelloReply(uint64_t attempt, Status status, const std::s
     return;
   }
   connection_id_ = reply.connection_id();
+  // The endpoint's first frame binds it to the connection (frames after it arrive after it).
+  SendControl(FrameKind::kBind, reply.bind_token());
   {
     // The server's limits, within this client's own (a larger message or payload would be
     // refused here before it is sent).

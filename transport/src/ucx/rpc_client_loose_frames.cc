@@ -44,6 +44,7 @@ void RpcClient::Impl::SendLoose(LooseSend send) {
   };
   param.user_data = owned;
   param.datatype = ucp_dt_make_contig(1);
+  FromThisEndpoint(&param);
   ucs_status_ptr_t request =
       ucp_am_send_nbx(ep_.get(), kRpcAmId, owned->header.data(), owned->header.size(),
                       owned->data.data(), owned->data.size(), &param);

@@ -139,6 +139,7 @@ void RpcClient::Impl::OnPull(const FrameView& frame) {
   WriteFrame(header, {}, call->payload_header);
   ucp_request_param_t param = ContigParam(call, call->send_region);
   param.cb.send = &Impl::OnDataSent;
+  FromThisEndpoint(&param);
   ucs_status_ptr_t request =
       ucp_am_send_nbx(ep_.get(), kRpcAmId, call->payload_header.data(), call->payload_header.size(),
                       call->send_payload.data(), call->send_payload.size(), &param);

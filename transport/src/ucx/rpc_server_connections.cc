@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cstring>
 #include <random>
 #include <string_view>
@@ -14,6 +15,7 @@
 #include "kvstash/proto/wire.pb.h"
 #include "rpc_server_impl.h"
 #include "worker.h"
+#include "worker_address.h"
 
 namespace kvstash::transport {
 
@@ -38,9 +40,19 @@ std::string PeerOf(const asio::ip::tcp::socket& socket) {
 // ---- connections -----------------------------------------------------------------------------
 
 RpcServer::Impl::Impl(ServerOptions options, std::shared_ptr<Worker> worker)
-    : options_(std::move(options)), worker_(std::move(worker)), acceptor_(worker_->io()) {
-  std::random_device random;
-  epoch_ = (uint64_t{random()} << 32);
+    : options_(std::move(options)),
+      worker_(std::move(worker)),
+      acceptor_(worker_->io()),
+      accept_pause_(worker_->io()) {
+  std::random_device seed;
+  random_.seed((uint64_t{seed()} << 32) | seed());
+}
+
+uint64_t RpcServer::Impl::RandomId() {
+  for (;;) {
+    const uint64_t id = random_();
+    if (id != 0 && !connections_.contains(id)) return id;
+  }
 }
 
 Status RpcServer::Impl::Start() {
@@ -80,11 +92,12 @@ Status RpcServer::Impl::Start() {
 void RpcServer::Impl::Accept() {
   acceptor_.async_accept([this](const asio::error_code& error, asio::ip::tcp::socket socket) {
     if (error) {
-      if (error != asio::error::operation_aborted) {
-        KVSTASH_LOG_WARN("accept: {}", error.message());
-        Accept();
-      }
+      if (error != asio::error::operation_aborted) PauseAccepting(error);
       return;
+    }
+    if (accept_failures_ != 0) {
+      KVSTASH_LOG_WARN("accepting connections again, after {} failed accept(s)", accept_failures_);
+      accept_failures_ = 0;
     }
     asio::error_code ignored;
     socket.set_option(asio::ip::tcp::no_delay(true), ignored);
@@ -105,8 +118,23 @@ void RpcServer::Impl::Accept() {
   });
 }
 
-Status RpcServer::Impl::CheckToken(const wire::Hello& hello) const {
-  return CheckHelloToken(options_, hello.namespace_(), hello.auth_token());
+void RpcServer::Impl::PauseAccepting(const asio::error_code& error) {
+  // Out of file descriptors (EMFILE, ENFILE) or memory, accept fails at once for as long as it
+  // lasts: retrying at once spins a core and floods the log (2.3 million lines in 12 s were
+  // seen). The connections open are served meanwhile; the pending ones wait in the backlog.
+  const auto pause =
+      std::chrono::milliseconds(std::min(50u << std::min(accept_failures_, 4u), 1000u));
+  if (accept_failures_++ == 0) {
+    KVSTASH_LOG_WARN(
+        "accept: {}; serving the {} open connection(s) and trying again every {} ms at most "
+        "until it works",
+        error.message(), connections_.size(), 1000);
+  }
+  accept_pauses_.fetch_add(1, std::memory_order_relaxed);
+  accept_pause_.expires_after(pause);
+  accept_pause_.async_wait([this](const asio::error_code& e) {
+    if (!e) Accept();
+  });
 }
 
 void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
@@ -124,14 +152,29 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
   reply.set_max_payload_bytes(worker_->options().max_payload_bytes);
   Status refused;
   if (!hello.ParseFromString(body)) {
+    bad_hellos_.fetch_add(1, std::memory_order_relaxed);
     refused = InvalidArgumentError("unparseable hello of {} bytes", body.size());
   } else if (hello.protocol_version() != wire::PROTOCOL_VERSION_CURRENT) {
     refused = FailedPreconditionError("protocol version {} is not the node's {}",
                                       hello.protocol_version(),
                                       static_cast<int>(wire::PROTOCOL_VERSION_CURRENT));
-  } else {
-    refused = CheckToken(hello);
-    if (!refused.ok()) refusals_.fetch_add(1, std::memory_order_relaxed);
+  } else if (refused = CheckHelloToken(options_, hello.namespace_(), hello.auth_token());
+             !refused.ok()) {
+    refusals_.fetch_add(1, std::memory_order_relaxed);
+  } else if (options_.admit_namespace) {
+    refused = options_.admit_namespace(hello.namespace_());
+  }
+  // The client's address goes to UCX only once checked: UCX 1.13 reads it unchecked and aborts
+  // on bytes it does not expect (worker_address.h).
+  if (refused.ok()) {
+    const std::string_view own = worker_->address();
+    refused = CheckPeerWorkerAddress(std::as_bytes(std::span(hello.worker_address())),
+                                     std::as_bytes(std::span(own.data(), own.size())));
+    if (!refused.ok()) {
+      bad_hellos_.fetch_add(1, std::memory_order_relaxed);
+      refused = Status(refused.code(),
+                       fmt::format("the client's UCX worker address: {}", refused.message()));
+    }
   }
   ucp_ep_h ep = nullptr;
   if (refused.ok()) {
@@ -146,10 +189,14 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
   if (!refused.ok()) {
     // Who was refused, so an operator can find the misconfigured engine: the name and
     // namespace the client gave (escaped and cut short: they are the client's bytes) and
-    // where it connected from. Never the token it sent.
-    KVSTASH_LOG_WARN("refused a client: {} (client {:?}, namespace {:?}, from {})",
-                     refused.ToString(), Printable(hello.client_name()),
-                     Printable(hello.namespace_()), PeerOf(connection->socket));
+    // where it connected from. Never the token it sent. A flood of bad hellos must not fill
+    // the disk: the 1st, 2nd, 4th, 8th ... are said.
+    if (std::has_single_bit(++hellos_refused_)) {
+      KVSTASH_LOG_WARN(
+          "refused a client: {} (client {:?}, namespace {:?}, from {}; {} refused so far)",
+          refused.ToString(), Printable(hello.client_name()), Printable(hello.namespace_()),
+          PeerOf(connection->socket), hellos_refused_);
+    }
     reply.mutable_error()->set_code(internal::ToWire(refused.code()));
     reply.mutable_error()->set_message(std::string(refused.message()));
     AsyncWriteMessage(connection->socket, reply, [connection](Status) {
@@ -159,7 +206,10 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
     return;
   }
   connection->ep = UcpEndpoint(ep);
-  connection->id = epoch_ | ++next_connection_;
+  // Ids are random, not a counter: one client's id says nothing of another's. Frames are taken
+  // from the endpoint the connection bound (kBind), never from the id alone.
+  connection->id = RandomId();
+  connection->bind_token = random_();
   connection->key_namespace = hello.namespace_();
   connection->client_name = hello.client_name();
   connections_[connection->id] = connection;
@@ -167,6 +217,9 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
   connects_.fetch_add(1, std::memory_order_relaxed);
   open_connections_.fetch_add(1, std::memory_order_relaxed);
   reply.set_connection_id(connection->id);
+  reply.set_bind_token(connection->bind_token);
+  reply.set_error_handling(worker_->peer_failure_mode() ? wire::UCX_ERROR_HANDLING_PEER
+                                                        : wire::UCX_ERROR_HANDLING_NONE);
   reply.set_worker_address(std::string(worker_->address()));
   if (probe_.size() != 0 && worker_->options().mapped_payloads) {
     wire::SharedRegion* probe = reply.mutable_mapped_probe();
@@ -209,6 +262,7 @@ void RpcServer::Impl::Close(std::shared_ptr<ServerConnection> connection, const 
   if (!connection->open) return;
   connection->open = false;
   KVSTASH_LOG_INFO("closing connection {}: {}", connection->id, why.ToString());
+  if (connection->bound_ep != nullptr) bound_.erase(connection->bound_ep);
   open_connections_.fetch_sub(1, std::memory_order_relaxed);
   disconnects_.fetch_add(1, std::memory_order_relaxed);
   connections_.erase(connection->id);
@@ -232,6 +286,7 @@ void RpcServer::Impl::Close(std::shared_ptr<ServerConnection> connection, const 
 
 void RpcServer::Impl::Shutdown() {
   asio::error_code ignored;
+  accept_pause_.cancel();
   acceptor_.close(ignored);
   auto all = connections_;
   for (auto& [id, connection] : all) Close(connection, CancelledError("server stopping"));

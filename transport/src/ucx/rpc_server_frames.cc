@@ -1,6 +1,9 @@
 // RpcServer::Impl: frames from clients (progress thread): validated, then a request dispatched
 // to its handler, a cancel flagged on its call, or a control frame passed to the replies.
 
+#include <fmt/format.h>
+
+#include <bit>
 #include <cstring>
 
 #include "kvstash/common/logging.h"
@@ -14,20 +17,71 @@ namespace kvstash::transport {
 
 ucs_status_t RpcServer::Impl::OnFrame(void* arg, const void* header, size_t header_length,
                                       void* data, size_t length, const ucp_am_recv_param_t* param) {
+  ucp_ep_h from =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
   return static_cast<Impl*>(arg)->Dispatch(
       Bytes(static_cast<const std::byte*>(header), header_length), data, length,
-      (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+      (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, from);
 }
 
-ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, bool rndv) {
+std::shared_ptr<ServerConnection> RpcServer::Impl::ConnectionOf(const FrameHeader& h,
+                                                                ucp_ep_h from) {
+  auto bound = from != nullptr ? bound_.find(from) : bound_.end();
+  if (bound != bound_.end() && bound->second == h.connection_id) {
+    auto it = connections_.find(h.connection_id);
+    if (it != connections_.end()) return it->second;
+  }
+  // A frame naming a connection that is not its endpoint's (another tenant's, or one not bound
+  // yet): refused, and said once per connection it named.
+  foreign_frames_.fetch_add(1, std::memory_order_relaxed);
+  auto named = connections_.find(h.connection_id);
+  if (named != connections_.end()) {
+    if (named->second->foreign_frames++ == 0) {
+      KVSTASH_LOG_WARN(
+          "refused a frame naming connection {} ({}) from {}: a connection's frames come on the "
+          "endpoint it bound",
+          h.connection_id, named->second->client_name,
+          bound != bound_.end() ? fmt::format("connection {}'s endpoint", bound->second)
+                                : std::string("an endpoint of no connection"));
+    }
+  } else if (bound != bound_.end()) {
+    auto own = connections_.find(bound->second);
+    if (own != connections_.end() && own->second->foreign_frames++ == 0) {
+      KVSTASH_LOG_WARN("refused a frame from connection {} ({}) naming unknown connection {:#x}",
+                       bound->second, own->second->client_name, h.connection_id);
+    }
+  }
+  return nullptr;
+}
+
+void RpcServer::Impl::Bind(const FrameHeader& h, ucp_ep_h from) {
+  auto it = connections_.find(h.connection_id);
+  const bool good = from != nullptr && it != connections_.end() &&
+                    it->second->bound_ep == nullptr && !bound_.contains(from) &&
+                    it->second->bind_token == h.request_id;
+  if (!good) {
+    foreign_frames_.fetch_add(1, std::memory_order_relaxed);
+    KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
+                     from == nullptr                   ? "no reply endpoint"
+                     : it == connections_.end()        ? "no such connection"
+                     : it->second->bound_ep != nullptr ? "bound already"
+                     : bound_.contains(from)           ? "its endpoint is bound to another"
+                                                       : "a wrong token");
+    return;
+  }
+  it->second->bound_ep = from;
+  bound_[from] = h.connection_id;
+}
+
+ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, bool rndv,
+                                       ucp_ep_h from) {
   // An unwanted rendezvous payload is drained; one beyond the payload limit closes the
-  // connection it came on (which releases it).
+  // connection it came on (which releases it), never one it merely names.
   auto release = [&] {
     if (!rndv || worker_->DiscardRendezvous(data, length)) return;
-    if (header.size() < kFrameHeaderBytes) return;
-    FrameHeader h;
-    std::memcpy(&h, header.data(), kFrameHeaderBytes);
-    auto it = connections_.find(h.connection_id);
+    auto bound = from != nullptr ? bound_.find(from) : bound_.end();
+    if (bound == bound_.end()) return;
+    auto it = connections_.find(bound->second);
     if (it != connections_.end()) {
       Close(it->second, ResourceExhaustedError("payload of {} bytes beyond the limit of {}", length,
                                                worker_->options().max_payload_bytes));
@@ -36,31 +90,40 @@ ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, 
   const Bytes eager = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
   auto frame = ParseFrame(header, eager, length, !rndv, worker_->options().max_message_bytes);
   if (!frame.ok()) {
-    malformed_.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t malformed = malformed_.fetch_add(1, std::memory_order_relaxed) + 1;
     release();
-    // The error goes back when the frame names a live connection and a request.
+    // The error goes back when the frame names its own endpoint's live connection and a
+    // request.
     if (header.size() >= kFrameHeaderBytes) {
       FrameHeader h;
       std::memcpy(&h, header.data(), kFrameHeaderBytes);
-      auto it = connections_.find(h.connection_id);
-      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && it != connections_.end()) {
-        auto state = NewState(it->second, h);
-        state->replied = true;
-        ReplyStatus(state, frame.status());
+      auto bound = from != nullptr ? bound_.find(from) : bound_.end();
+      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && bound != bound_.end() &&
+          bound->second == h.connection_id) {
+        auto it = connections_.find(h.connection_id);
+        if (it != connections_.end()) {
+          auto state = NewState(it->second, h);
+          state->replied = true;
+          ReplyStatus(state, frame.status());
+        }
       }
     }
-    KVSTASH_LOG_WARN("malformed frame: {}", frame.status().ToString());
+    // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.
+    if (std::has_single_bit(malformed)) {
+      KVSTASH_LOG_WARN("malformed frame ({} so far): {}", malformed, frame.status().ToString());
+    }
     return UCS_OK;
   }
   const FrameHeader& h = frame->header;
-  auto it = connections_.find(h.connection_id);
-  if (it == connections_.end()) {
-    malformed_.fetch_add(1, std::memory_order_relaxed);
-    release();
-    KVSTASH_LOG_WARN("frame for unknown connection {:#x}", h.connection_id);
+  if (h.kind == FrameKind::kBind) {
+    Bind(h, from);
     return UCS_OK;
   }
-  const std::shared_ptr<ServerConnection>& connection = it->second;
+  const std::shared_ptr<ServerConnection> connection = ConnectionOf(h, from);
+  if (connection == nullptr) {
+    release();
+    return UCS_OK;
+  }
   if (h.kind == FrameKind::kCancel) {
     auto call = active_.find({h.connection_id, h.request_id});
     if (call != active_.end()) {

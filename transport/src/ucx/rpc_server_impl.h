@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -45,6 +46,9 @@ struct PendingPull {
 // that arrived on it (a reply keeps it alive while it is sent). Progress-thread state.
 struct ServerConnection {
   uint64_t id = 0;
+  uint64_t bind_token = 0;      // the secret its kBind must carry (HelloReply.bind_token)
+  ucp_ep_h bound_ep = nullptr;  // the endpoint its frames come on, once bound; identity only
+  uint64_t foreign_frames = 0;  // frames that named it from another endpoint
   std::string key_namespace;
   std::string client_name;
   asio::ip::tcp::socket socket;
@@ -149,6 +153,9 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
     s.malformed_frames = malformed_.load();
     s.mapped_payloads = mapped_.load();
     s.refused = refusals_.load();
+    s.bad_hellos = bad_hellos_.load();
+    s.foreign_frames = foreign_frames_.load();
+    s.accept_pauses = accept_pauses_.load();
     return s;
   }
   size_t connection_count() const { return open_connections_.load(); }
@@ -202,8 +209,11 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   // ---- connections: rpc_server_connections.cc ----------------------------------------------
 
   void Accept();
-  // The hello's token against the namespace's own token, else the node's.
-  Status CheckToken(const wire::Hello& hello) const;
+  // Accept failed (no file descriptors, no memory): tries again after a pause, saying so once
+  // per episode.
+  void PauseAccepting(const asio::error_code& error);
+  // A connection id no open connection has; random.
+  uint64_t RandomId();
   void OnHello(const std::shared_ptr<ServerConnection>& connection, Status status,
                const std::string& body);
   void Watch(const std::shared_ptr<ServerConnection>& connection);
@@ -215,7 +225,15 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
 
   static ucs_status_t OnFrame(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param);
-  ucs_status_t Dispatch(Bytes header, void* data, size_t length, bool rndv);
+  // `from`: the endpoint the frame came on (UCX's reply endpoint; the client sends every frame
+  // with UCP_AM_SEND_FLAG_REPLY), null when UCX gave none.
+  ucs_status_t Dispatch(Bytes header, void* data, size_t length, bool rndv, ucp_ep_h from);
+  // The open connection whose frames come on `from` and which `h` names; null (and counted)
+  // when the frame names a connection that is not `from`'s.
+  std::shared_ptr<ServerConnection> ConnectionOf(const FrameHeader& h, ucp_ep_h from);
+  // A kBind frame: binds the connection it names to `from` when it carries the connection's
+  // token.
+  void Bind(const FrameHeader& h, ucp_ep_h from);
   std::shared_ptr<UcxCall> NewState(const std::shared_ptr<ServerConnection>& connection,
                                     const FrameHeader& h);
 
@@ -228,18 +246,22 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   ServerOptions options_;
   std::shared_ptr<Worker> worker_;
   asio::ip::tcp::acceptor acceptor_;
+  asio::steady_timer accept_pause_;
+  unsigned accept_failures_ = 0;  // in a row, since the last accept that worked
+  uint64_t hellos_refused_ = 0;   // for the log, which says the 1st, 2nd, 4th, ...
+  std::mt19937_64 random_;        // connection ids and bind tokens (seeded from random_device)
   uint16_t port_ = 0;
-  uint64_t epoch_ = 0;
-  uint64_t next_connection_ = 0;
   MemoryRegion probe_;
   uint64_t cookie_ = 0;
   std::unordered_map<uint16_t, Handler> handlers_;
   std::function<void(uint64_t)> on_disconnect_;
   std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
   std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
+  std::unordered_map<ucp_ep_h, uint64_t>
+      bound_;  // the endpoint each bound connection's frames come on
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<UcxCall>, PairHash> active_;
   std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0},
-      refusals_{0};
+      refusals_{0}, bad_hellos_{0}, foreign_frames_{0}, accept_pauses_{0};
   std::atomic<size_t> open_connections_{0};
 };
 

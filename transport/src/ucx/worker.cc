@@ -44,9 +44,11 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
   }
 }
 
-Status Worker::CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what) {
+Status Worker::CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what,
+                              std::optional<bool> peer_failure) {
   params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  params->err_mode = tcp_only_ ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+  params->err_mode =
+      peer_failure.value_or(!tcp_only_) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   return FromUcs(ucp_ep_create(worker_.get(), params, ep), what);
 }
 
@@ -115,11 +117,19 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
   // UCX 1.13's posix and sysv shared-memory transports can detect a dead peer but only
   // advertise it when asked. Without it, peer-failure mode refuses shared memory; and without
   // peer-failure mode, a transfer from a killed peer aborts the process (cma). The option is
-  // read from the environment only (ucp_config_modify rejects it), so it is set there, unless
-  // the user set it.
+  // read from the environment only (ucp_config_modify rejects it), so it is set there, over
+  // whatever the environment said: both ends must agree on it, or the node's UCX aborts when the
+  // client's endpoint reaches it with other lanes than the node chose ("endpoint
+  // reconfiguration not supported yet"), which `UCX_POSIX_ERROR_HANDLING=n kvstash put` did.
   if (!self->tcp_only_) {
-    ::setenv("UCX_POSIX_ERROR_HANDLING", "y", /*overwrite=*/0);
-    ::setenv("UCX_SYSV_ERROR_HANDLING", "y", /*overwrite=*/0);
+    for (const char* variable : {"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING"}) {
+      const char* set = std::getenv(variable);
+      if (set != nullptr && std::string_view(set) != "y") {
+        KVSTASH_LOG_WARN("{}={} in the environment is overridden: kvstash runs UCX with it 'y'",
+                         variable, set);
+      }
+      ::setenv(variable, "y", /*overwrite=*/1);
+    }
   }
   ucp_config_t* config = nullptr;
   KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,6 +36,13 @@ inline ucp_request_param_t ContigParam(void* user_data, const MemoryRegion* regi
     param.memh = static_cast<ucp_mem_h>(region->handle());
   }
   return param;
+}
+
+// Marks a send to a server as coming from its endpoint: the server reads the endpoint a frame
+// came on (UCX's reply endpoint) and takes a connection's frames from its bound endpoint only.
+inline void FromThisEndpoint(ucp_request_param_t* param) {
+  param->op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+  param->flags |= UCP_AM_SEND_FLAG_REPLY;
 }
 
 // Owns a ucp_context_h. Move-only.
@@ -164,7 +172,12 @@ class Worker : public std::enable_shared_from_this<Worker> {
 
   // ucp_ep_create with UCX peer-failure mode (errors, not aborts, when a peer dies), except
   // over TCP alone (see Create); the bootstrap socket detects a dead peer either way.
-  Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what);
+  Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what,
+                        std::optional<bool> peer_failure = std::nullopt);
+  // Whether this worker's endpoints detect a dead peer (UCX peer-failure mode): all but TCP
+  // alone. A server states it at hello, and its clients open their endpoints the same way (UCX
+  // fails an endpoint whose two ends differ: "error handling level mismatch").
+  bool peer_failure_mode() const { return !tcp_only_; }
 
   // Drops a rendezvous payload the receiver does not want. UCX 1.13's ucp_am_data_release of a
   // rendezvous descriptor trips an assertion in the sender over shared memory, so the bytes are

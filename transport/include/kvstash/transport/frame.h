@@ -12,6 +12,10 @@
 // the copy is done). A response with a trailer names a payload in the server's shared memory,
 // which the client copies out and acknowledges (kAck) so the server may reuse it.
 //
+// A connection is its endpoint: the client's first frame, kBind, carries the secret token of its
+// hello reply, and the server then takes every frame of that connection from that UCX endpoint
+// only (a frame naming another connection is refused), never from the id a header names.
+//
 // Both ends run on the same architecture (little-endian, checked at compile time): UCX
 // connects hosts of one cluster, and the fields are read with memcpy, never cast.
 
@@ -39,6 +43,7 @@ enum class FrameKind : uint8_t {
   kPullDone = 5,  // client -> server: the pulled payload is in place (status: or why not)
   kPayload = 6,   // client -> server: the held payload, as active-message data
   kAck = 7,       // client -> server: the mapped reply payload was copied out
+  kBind = 8,      // client -> server, first on its endpoint: request_id carries the bind token
 };
 
 enum FrameFlags : uint16_t {
