@@ -129,7 +129,8 @@ class Client:
                                   tls, etcd, cluster, int(replicas))
 
     def lookup(self, keys):
-        """Each key's KeyState, in order. Keys of an unreachable node are MISS (counted)."""
+        """Each key's KeyState, in order. Keys of an unreachable node are MISS (counted); a node
+        that refuses the call (a wrong token, a namespace it does not serve) raises."""
         return [KeyState(s) for s in self._c.lookup(_keys(keys))]
 
     def prefix_lookup(self, keys):

@@ -268,11 +268,18 @@ class Client {
     client_ = std::shared_ptr<connector::NodeClient>(std::move(*client));
   }
 
+  // A node's refusal (a wrong token, a namespace it does not serve) raises, as every other call
+  // does; keys of a node that cannot be reached read as misses (counted in stats()).
   std::vector<LookupResult> Results(const py::sequence& keys) {
     const std::vector<BlockKey> k = KeysOf(keys);
     const std::shared_ptr<connector::NodeClient> client = Get();
-    py::gil_scoped_release release;
-    return client->Lookup(k);
+    Result<std::vector<LookupResult>> results = InternalError("not run");
+    {
+      py::gil_scoped_release release;
+      results = client->LookupStrict(k);
+    }
+    if (!results.ok()) Raise(results.status());
+    return std::move(*results);
   }
 
   // The connector's scans (kvstash/common/block_key.h) over one batched lookup: a number of

@@ -135,6 +135,20 @@ def test_wrong_token_is_unauthenticated_and_a_namespace_token_is_checked(start_n
         assert client.block_bytes() == BLOCK
 
 
+def test_a_lookup_with_a_wrong_token_raises_not_misses(start_node, tmp_path):
+    # It answered MISS for every key: a misconfigured engine looked like a cold cache.
+    secured = start_node("--auth-token", "node-token")
+    with kvstash.Client(secured.address, token="node-token") as good:
+        good.put([b"k" * 8], [bytes(BLOCK)])
+        assert good.lookup([b"k" * 8]) == [kvstash.KeyState.HIT]
+    with kvstash.Client(secured.address, token="wrong") as client:
+        with pytest.raises(kvstash.Unauthenticated, match="token"):
+            client.lookup([b"k" * 8])
+        with pytest.raises(kvstash.Unauthenticated):
+            client.prefix_lookup([b"k" * 8])
+        assert client.stats()["client"]["refused"] >= 1
+
+
 def _write(path, text):
     path.write_text(text)
     return path
