@@ -12,6 +12,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -174,6 +175,52 @@ TEST(NodeAttacksTest, AClientsUcxEnvironmentCannotAbortTheNode) {
   EXPECT_EQ(get->exit_code, 0) << get->err;
   std::ifstream read_back(out, std::ios::binary);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(read_back), {}), std::string(kBlock, 'k'));
+  ASSERT_TRUE(Alive(daemon));
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
+// A client under another user id than the node's, on the node's host (docs/semantics.md §13):
+// the node's shared memory is not its to map, so it reaches the node over TCP, and its blocks
+// move by UCX rendezvous, never through the node's memory. Without --tls tcp it is told why it
+// cannot connect. Needs root (to run the client as `nobody`).
+TEST(NodeAttacksTest, AClientOfAnotherUserOnTheNodesHostWorksOverTcpOnly) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run a client as another user";
+  const std::vector<std::string> as_nobody = {"setpriv", "--reuid=nobody", "--regid=nogroup",
+                                              "--clear-groups"};
+  auto run = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = as_nobody;
+    argv.push_back(testing::CliPath());
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProgram(argv, RunOptions{.timeout = 30s});
+  };
+  auto help = run({"--help"});
+  if (!help.ok() || help->exit_code != 0) {
+    GTEST_SKIP() << "user nobody cannot run " << testing::CliPath()
+                 << " (a build directory other users cannot enter)";
+  }
+  Daemon daemon({});
+  ASSERT_NE(daemon.port(), 0);
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+  const std::string in = dir / "block.in";
+  std::ofstream(in, std::ios::binary) << std::string(kBlock, 'u');
+  ASSERT_EQ(::chmod(in.c_str(), 0644), 0);
+  const std::string node = "127.0.0.1:" + std::to_string(daemon.port());
+  auto refused = run({"put", "--node", node, "--key", "5", "--file", in});
+  ASSERT_TRUE(refused.ok());
+  EXPECT_NE(refused->exit_code, 0);
+  EXPECT_THAT(refused->err, HasSubstr("--tls tcp"));
+  auto put = run({"put", "--tls", "tcp", "--node", node, "--key", "5", "--file", in});
+  ASSERT_TRUE(put.ok());
+  EXPECT_EQ(put->exit_code, 0) << put->err;
+  const std::string out = dir / "block.out";
+  auto get = run({"get", "--tls", "tcp", "--node", node, "--key", "5", "--out", out});
+  ASSERT_TRUE(get.ok());
+  EXPECT_EQ(get->exit_code, 0) << get->err;
+  std::ifstream read_back(out, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(read_back), {}), std::string(kBlock, 'u'));
+  NodeTestClient own(daemon.port(), "default", "", "", kBlock);
+  EXPECT_EQ(NodeCounter(own, "transport.mapped_payloads"), 0u);
   ASSERT_TRUE(Alive(daemon));
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
 }

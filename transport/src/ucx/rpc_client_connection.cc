@@ -167,6 +167,16 @@ void RpcClient::Impl::OnHelloReply(uint64_t attempt, Status status, const std::s
       &params, &ep, fmt::format("opening a UCX endpoint to {}:{}", options_.host, options_.port),
       peer_failure);
   if (!created.ok()) {
+    // UCX's shared-memory transports refuse a process of another user (shmat: permission
+    // denied): such a client reaches a node on its host over TCP only.
+    if (created.message().find("Shared memory error") != std::string_view::npos) {
+      FailConnect(Status(created.code(),
+                         fmt::format("{} (the node's shared memory belongs to another user: run "
+                                     "this client as the node's user, or over TCP: --tls tcp, "
+                                     "UCX_TLS=tcp)",
+                                     created.message())));
+      return;
+    }
     FailConnect(created);
     return;
   }
