@@ -19,8 +19,10 @@
 #include <thread>
 
 #include "daemon_process.h"
+#include "node_test_client.h"
 #include "private_namespaces.h"
 #include "subprocess.h"
+#include "temp_dir.h"
 
 namespace kvstash {
 namespace {
@@ -30,7 +32,9 @@ using ::kvstash::testing::EnterPrivateNamespaces;
 using ::kvstash::testing::EntriesUnder;
 using ::kvstash::testing::kKvstashd;
 using ::kvstash::testing::MountTmpfs;
+using ::kvstash::testing::NodeTestClient;
 using ::kvstash::testing::SetShmmax;
+using ::kvstash::testing::TempDir;
 using ::kvstash::testing::UsedBytes;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -214,6 +218,64 @@ TEST(KvstashdResourcesTest, SigtermWhileTheTierIsFilledStopsTheStartUp) {
     EXPECT_THAT(outcome.output, Not(HasSubstr("listening")));
     EXPECT_THAT(EntriesUnder(kShm), IsEmpty());
     EXPECT_LT(UsedBytes(kShm), kMiB);
+  }
+}
+
+// Issue 29: restarted on a full SSD disk, the node aborted (exit 134, 4 of 4) in an assertion of
+// Debian's RocksDB build: its info log (a LOG file on that disk) wrote again after a failed
+// write. RocksDB's errors must come back as a Status: every restart on the full disk either
+// serves or fails with exit 1 naming the full disk, and never dies of a signal.
+TEST(KvstashdResourcesTest, RestartsOnAFullSsdDiskNeverAbort) {
+  std::string why;
+  if (!EnterPrivateNamespaces(&why)) GTEST_SKIP() << why;
+  TempDir dir;
+  const std::string disk = dir / "disk";
+  ASSERT_EQ(mkdir(disk.c_str(), 0755), 0);
+  if (!MountTmpfs(disk, 4 * kMiB, &why)) GTEST_SKIP() << why;
+  struct Unmount {
+    std::string path;
+    ~Unmount() { umount2(path.c_str(), MNT_DETACH); }
+  } unmount{disk};
+  const std::vector<std::string> ssd = {"--cpu-bytes", "4MiB",        "--ssd-dir",
+                                        disk + "/ssd", "--ssd-bytes", "64MiB"};
+  {
+    // A tier of 64 MiB on a disk of 4: write-through fills the disk to the brim.
+    testing::Daemon node({"--ssd-dir", disk + "/ssd", "--ssd-bytes", "64MiB"});
+    ASSERT_NE(node.port(), 0);
+    NodeTestClient client(node.port(), "tenant", "", "", 64 * 1024);
+    ASSERT_TRUE(client.ok());
+    std::vector<uint64_t> keys;
+    for (uint64_t k = 1; k <= 96; ++k) keys.push_back(k);
+    client.Store(keys);
+    const auto deadline = Clock::now() + 10s;
+    while (UsedBytes(disk) < 4 * kMiB && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    ASSERT_EQ(UsedBytes(disk), 4 * kMiB) << "the SSD tier did not fill its disk";
+    EXPECT_EQ(node.process().Kill(SIGTERM), 0);
+  }
+  for (int restart = 1; restart <= 4; ++restart) {
+    SCOPED_TRACE("restart " + std::to_string(restart));
+    const auto started = Clock::now();
+    std::unique_ptr<ChildProcess> node = StartNode(ssd);
+    ASSERT_NE(node, nullptr);
+    std::string output;
+    bool listening = false;
+    while (!listening && Clock::now() < started + 10s) {
+      if (std::optional<std::string> line = node->ReadLine(10)) {
+        output += *line + "\n";
+        listening = line->find("kvstashd listening") != std::string::npos;
+      } else if (node->Exited()) {
+        break;
+      }
+    }
+    if (listening) {
+      EXPECT_EQ(node->Kill(SIGTERM), 0) << output;
+      continue;
+    }
+    const Outcome outcome = Finish(*node, started, 10s);
+    output += outcome.output;
+    ASSERT_TRUE(outcome.exited) << output;
+    EXPECT_EQ(outcome.status, 1) << output;
+    EXPECT_THAT(output, HasSubstr("No space left on device"));
   }
 }
 
