@@ -193,8 +193,8 @@ class Up : public prometheus::Collectable {
 //     room, so a flood of slow clients cannot keep a prober out;
 //   - bodies are made on kThreads threads, so a slow scrape of /metrics does not hold /healthz;
 //   - accept failures for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) are
-//     logged once per episode and retried every kAcceptBackoff, while the connections already
-//     open are served.
+//     retried every kAcceptBackoff, while the connections already open are served, and logged
+//     once per episode (its start, and its end once accepts have not failed for kEpisodeEnd).
 // Each answer closes its connection (HTTP/1.1 with Connection: close; Prometheus reconnects).
 //
 // Owns its threads and sockets; the destructor stops them. port() is thread-safe.
@@ -208,6 +208,7 @@ class HttpEndpoint {
   static constexpr std::chrono::milliseconds kRequestTimeout{5000};
   static constexpr std::chrono::milliseconds kWriteTimeout{10000};
   static constexpr std::chrono::milliseconds kAcceptBackoff{100};
+  static constexpr std::chrono::milliseconds kEpisodeEnd{1000};
 
   // Listens on `address` (HOST:PORT, port 0: any free one; HOST may be bracketed IPv6).
   // Unavailable naming the address when it cannot listen there.
@@ -234,7 +235,11 @@ class HttpEndpoint {
   using tcp = asio::ip::tcp;
 
   explicit HttpEndpoint(std::map<std::string, Route> routes)
-      : routes_(std::move(routes)), acceptor_(io_), backoff_(io_) {}
+      : routes_(std::move(routes)),
+        accept_strand_(asio::make_strand(io_)),
+        acceptor_(accept_strand_),
+        backoff_(accept_strand_),
+        quiet_(accept_strand_) {}
 
   Status Listen(const std::string& address) {
     const size_t colon = address.rfind(':');
@@ -269,14 +274,7 @@ class HttpEndpoint {
         const int e = ec.value();
         if (ec.category() == asio::error::get_system_category() &&
             (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM)) {
-          if (!starved_) {
-            starved_ = true;
-            starved_since_ = std::chrono::steady_clock::now();
-            KVSTASH_LOG_WARN(
-                "metrics endpoint {}: cannot accept connections ({}); retrying every {} ms, "
-                "serving the {} open meanwhile",
-                address_, ec.message(), kAcceptBackoff.count(), open_connections());
-          }
+          Starved(ec);
           backoff_.expires_after(kAcceptBackoff);
           backoff_.async_wait([this](asio::error_code waited) {
             if (!waited) Accept();
@@ -286,15 +284,48 @@ class HttpEndpoint {
         Accept();  // that one connection failed (reset before it was taken, ...)
         return;
       }
-      if (starved_) {
-        starved_ = false;
-        KVSTASH_LOG_WARN("metrics endpoint {}: accepting connections again after {} ms", address_,
-                         std::chrono::duration_cast<std::chrono::milliseconds>(
-                             std::chrono::steady_clock::now() - starved_since_)
-                             .count());
-      }
+      if (starved_ && !quiet_pending_) AwaitEpisodeEnd(kEpisodeEnd);
       Serve(std::move(peer));
       Accept();
+    });
+  }
+
+  // An accept failed for want of descriptors or memory: logged at the start of an episode only.
+  void Starved(const asio::error_code& ec) {
+    const auto now = std::chrono::steady_clock::now();
+    last_failure_ = now;
+    ++failures_;
+    if (starved_) return;
+    starved_ = true;
+    starved_since_ = now;
+    failures_ = 1;
+    KVSTASH_LOG_WARN(
+        "metrics endpoint {}: cannot accept connections ({}); retrying every {} ms, serving the "
+        "{} open meanwhile",
+        address_, ec.message(), kAcceptBackoff.count(), open_connections());
+  }
+
+  // Accepts succeed again: the episode ends once none has failed for kEpisodeEnd (a connection
+  // closing frees one descriptor, and the next accept may fail again: the same episode).
+  void AwaitEpisodeEnd(std::chrono::steady_clock::duration after) {
+    quiet_pending_ = true;
+    quiet_.expires_after(after);
+    quiet_.async_wait([this](asio::error_code ec) {
+      quiet_pending_ = false;
+      if (ec || !starved_) return;
+      const auto quiet_for = std::chrono::steady_clock::now() - last_failure_;
+      if (quiet_for < kEpisodeEnd) {
+        AwaitEpisodeEnd(kEpisodeEnd - quiet_for);
+        return;
+      }
+      starved_ = false;
+      KVSTASH_LOG_WARN(
+          "metrics endpoint {}: accepting connections again ({} ms without descriptors, {} "
+          "accepts retried)",
+          address_,
+          std::chrono::duration_cast<std::chrono::milliseconds>(last_failure_ - starved_since_)
+              .count(),
+          failures_);
     });
   }
 
@@ -341,13 +372,19 @@ class HttpEndpoint {
 
   const std::map<std::string, Route> routes_;
   asio::io_context io_;  // first: destroyed last, with the handlers that hold connections
+  // The acceptor's handlers and its timers', one at a time.
+  asio::strand<asio::io_context::executor_type> accept_strand_;
   tcp::acceptor acceptor_;
   asio::steady_timer backoff_;
+  asio::steady_timer quiet_;
   std::string address_;
   uint16_t port_ = 0;
-  // Touched only by the accept handler, one at a time.
+  // An episode without descriptors; on accept_strand_.
   bool starved_ = false;
+  bool quiet_pending_ = false;
   std::chrono::steady_clock::time_point starved_since_;
+  std::chrono::steady_clock::time_point last_failure_;
+  uint64_t failures_ = 0;
   std::mutex mu_;
   // Open connections by accept order, and whether each still waits for its request.
   struct Open {
