@@ -147,6 +147,7 @@ TEST(KvstashdResourcesTest, CpuBytesBeyondTheMachinesMemoryIsRefusedAtStart) {
   ASSERT_TRUE(outcome.exited) << outcome.output;
   EXPECT_EQ(outcome.status, 2) << outcome.output;
   EXPECT_LT(outcome.took, 1000ms) << outcome.output;
+  std::cout << "refused in " << outcome.took.count() << " ms\n";
   EXPECT_THAT(outcome.output, HasSubstr(std::to_string(cpu_gib) + " GiB"));
   EXPECT_THAT(outcome.output, HasSubstr("of memory available (MemAvailable"));
   EXPECT_THAT(outcome.output, Not(HasSubstr("listening")));
@@ -167,6 +168,7 @@ TEST(KvstashdResourcesTest, CpuBytesBeyondASmallDevShmIsRefusedNamingBothSizes) 
   ASSERT_TRUE(outcome.exited) << outcome.output;
   EXPECT_EQ(outcome.status, 2) << outcome.output;
   EXPECT_LT(outcome.took, 1000ms) << outcome.output;
+  std::cout << "refused in " << outcome.took.count() << " ms\n";
   EXPECT_THAT(outcome.output, HasSubstr("128 MiB does not fit in shared memory: 64 MiB free in "
                                         "/dev/shm/kvstashd-"));
   EXPECT_THAT(outcome.output, HasSubstr("System V segment holds at most 32 MiB"));
@@ -213,6 +215,7 @@ TEST(KvstashdResourcesTest, SigtermWhileTheTierIsFilledStopsTheStartUp) {
     const Outcome outcome = Finish(*node, signalled, 10s);
     ASSERT_TRUE(outcome.exited) << outcome.output;
     EXPECT_LT(outcome.took, 2000ms) << outcome.output;
+    std::cout << "stopped " << outcome.took.count() << " ms after the signal\n";
     EXPECT_EQ(outcome.status, 0) << outcome.output;
     EXPECT_THAT(outcome.output, HasSubstr("while starting"));
     EXPECT_THAT(outcome.output, Not(HasSubstr("listening")));
