@@ -184,25 +184,37 @@ int main(int argc, char** argv) {
 
   // The node's own shared-memory directory, made after the leftovers of dead nodes are gone
   // (they hold memory the check below counts as taken).
-  Result<std::unique_ptr<node::ShmDirectory>> shm_dir = node::ShmDirectory::Create(flags.shm_dir);
-  if (!shm_dir.ok()) return errors.Fail(kExitFailure, shm_dir.status().message());
   // Declared after `signals` and destroyed before it; cleared from it first.
   struct ClearCleanup {
     node::StopSignals& signals;
     ~ClearCleanup() { signals.SetCleanup(nullptr); }
   };
-  std::unique_ptr<node::ShmDirectory> shm = std::move(*shm_dir);
-  signals.SetCleanup(shm.get());
+  std::unique_ptr<node::ShmDirectory> shm;
   const ClearCleanup clear_cleanup{signals};
-  if (shm->stale_files() > 0) {
-    KVSTASH_LOG_WARN("removed {} shared-memory file(s) of {} left by nodes that died",
-                     shm->stale_files(), FormatBytes(shm->stale_bytes()));
+  if (Result<std::unique_ptr<node::ShmDirectory>> made = node::ShmDirectory::Create(flags.shm_dir);
+      made.ok()) {
+    shm = std::move(*made);
+    signals.SetCleanup(shm.get());
+    if (shm->stale_files() > 0) {
+      KVSTASH_LOG_WARN("removed {} shared-memory file(s) of {} left by nodes that died",
+                       shm->stale_files(), FormatBytes(shm->stale_bytes()));
+    }
+    options->server.transport.shm_dir = shm->path();
+  } else if (flags.shm_dir == node::DaemonFlags().shm_dir) {
+    // The default: a host without a usable /dev/shm (or where another user took
+    // kvstashd-<uid> there) still serves, from System V segments.
+    KVSTASH_LOG_WARN(
+        "{}; UCX's shared-memory files go where it puts them, and a node killed while it makes "
+        "one leaves it behind",
+        made.status().message());
+  } else {
+    return errors.Fail(kExitFailure, made.status().message());
   }
-  options->server.transport.shm_dir = shm->path();
   {
     Result<size_t> cpu_bytes = store::CpuMemoryBytes(options->store);
     if (!cpu_bytes.ok()) return errors.Fail(cpu_bytes.status());
-    Result<node::HostMemory> host = node::ReadHostMemory(shm->path(), flags.tls);
+    Result<node::HostMemory> host =
+        node::ReadHostMemory(shm ? shm->path() : flags.shm_dir, flags.tls);
     if (!host.ok()) return errors.Fail(kExitFailure, host.status().message());
     if (Status fits = node::CheckCpuTierFits(*cpu_bytes, *host); !fits.ok()) {
       return errors.Fail(fits);

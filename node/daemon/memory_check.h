@@ -32,9 +32,9 @@ struct HostMemory {
   std::optional<uint64_t> memlock_bytes;
 };
 
-// Reads the limits for a tier whose posix files go to `shm_dir`, served over UCX transports
-// `tls` (as --tls; empty: UCX_TLS or UCX's choice). Unavailable when /proc/meminfo or
-// `shm_dir` cannot be read.
+// Reads the limits for a tier whose posix files go to `shm_dir` (no free space there when it
+// cannot be read), served over UCX transports `tls` (as --tls; empty: UCX_TLS or UCX's choice).
+// Unavailable when /proc/meminfo cannot be read.
 Result<HostMemory> ReadHostMemory(const std::string& shm_dir, const std::string& tls);
 
 // OK when a tier of `cpu_bytes` fits `host`; else InvalidArgument naming both sizes and the
