@@ -30,9 +30,20 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "Size of every block this node stores (clients learn it at hello); 4KiB..1GiB")
       ->capture_default_str();
   app.add_option("--cpu-bytes", flags.cpu_bytes,
-                 "Memory for the CPU tier; it holds cpu-bytes / block-bytes blocks")
+                 "Memory for the CPU tier; it holds cpu-bytes / block-bytes blocks. Checked "
+                 "before anything is allocated: more than MemAvailable, than shared memory can "
+                 "hold (a System V segment, else --shm-dir's free space) or than RLIMIT_MEMLOCK "
+                 "(where an InfiniBand device pins it) is refused with exit status 2")
       ->capture_default_str();
   app.add_option("--cpu-policy", flags.cpu_policy, "Eviction policy of the CPU tier: lru or arc")
+      ->capture_default_str();
+  app.add_option("--shm-dir", flags.shm_dir,
+                 "Directory (a tmpfs) where the CPU tier's shared memory is created when UCX "
+                 "makes it a file (its posix allocator: where no System V segment can hold the "
+                 "tier). The node works in a subdirectory kvstashd-UID/node-PID-* of its own, "
+                 "locked while it lives; a node starting removes those of nodes that died. "
+                 "--cpu-bytes must fit in its free space, or in a System V segment, and in "
+                 "MemAvailable, or the node refuses to start")
       ->capture_default_str();
   app.add_option("--ssd-dir", flags.ssd_dir,
                  "Directory of the SSD tier (created if missing; its blocks survive restarts). "

@@ -1,11 +1,15 @@
 // `kvstashd`: the kvstash offload node daemon. Serves one node's tiered store (CPU, optionally
 // SSD) to engine workers over UCX until SIGTERM or SIGINT, then stops accepting, ends every
-// session, flushes the store and exits 0.
+// session, flushes the store and exits 0. A signal during start-up abandons it (see StopSignals).
 
 #include <signal.h>
+#include <unistd.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <iostream>
+#include <mutex>
+#include <thread>
 
 #include "daemon_config.h"
 #include "kvstash/common/byte_units.h"
@@ -13,6 +17,118 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/node/metrics.h"
 #include "kvstash/node/node_server.h"
+#include "memory_check.h"
+#include "shm_directory.h"
+
+namespace kvstash::node {
+namespace {
+
+// SIGTERM and SIGINT, taken from the first line of main by a thread of their own (sigwait, never
+// a handler: the mask is set before any other thread starts, so every thread inherits it and
+// only this thread takes them).
+//
+// While the node starts, a signal abandons the start-up: main sees stop_requested() between
+// its steps and unwinds. A step can take long (UCX writes a posix shared-memory file of the
+// whole tier before it returns; a store prefaults its memory) and cannot be interrupted, so
+// if main has not returned within kStartGrace the thread removes the node's shared-memory
+// directory (the file being filled is there) and ends the process: nothing else a start-up
+// makes outlives it (System V segments are removed as they are made, the SSD index recovers
+// as after a crash). Once serving, a signal only wakes WaitForStop.
+//
+// Thread-safe.
+class StopSignals {
+ public:
+  static constexpr std::chrono::milliseconds kStartGrace{500};
+
+  // Call before any other thread starts.
+  StopSignals() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGTERM);
+    sigaddset(&set_, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~StopSignals() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    // Wakes its sigwait: a signal sent to that thread is taken there, and closing_ says why.
+    pthread_kill(thread_.native_handle(), SIGTERM);
+    thread_.join();
+  }
+
+  // What an abandoned start-up removes; null: nothing. The caller clears it before it destroys
+  // `dir`.
+  void SetCleanup(ShmDirectory* dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cleanup_ = dir;
+  }
+  bool stop_requested() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return signal_ != 0;
+  }
+  // The node serves: a signal no longer ends the process from the signal thread.
+  void Serving() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      serving_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until a signal came; its number.
+  int WaitForStop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return signal_ != 0; });
+    return signal_;
+  }
+  int signal_number() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return signal_;
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      int got = 0;
+      const int waited = sigwait(&set_, &got);
+      std::unique_lock<std::mutex> lock(mu_);
+      if (closing_) return;
+      if (waited != 0 || signal_ != 0) continue;
+      signal_ = got;
+      cv_.notify_all();
+      if (serving_) continue;
+      KVSTASH_LOG_WARN("{} while starting: abandoning the start-up", Name(got));
+      // Main returns (closing_) or reaches the serving loop, which stops the node as usual.
+      if (cv_.wait_for(lock, kStartGrace, [this] { return closing_ || serving_; })) {
+        if (closing_) return;
+        continue;
+      }
+      // Main is inside a step that does not return soon.
+      if (cleanup_ != nullptr) cleanup_->RemoveNow();
+      const std::string line = fmt::format("kvstashd: stopped by {} while starting\n", Name(got));
+      (void)!::write(STDERR_FILENO, line.data(), line.size());
+      ::_exit(cli::kExitOk);
+    }
+  }
+
+  static const char* Name(int signal_number) {
+    return signal_number == SIGTERM ? "SIGTERM" : "SIGINT";
+  }
+
+  sigset_t set_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int signal_ = 0;  // the first signal taken; 0: none yet
+  bool serving_ = false;
+  bool closing_ = false;
+  ShmDirectory* cleanup_ = nullptr;
+  std::thread thread_;
+};
+
+}  // namespace
+}  // namespace kvstash::node
 
 int main(int argc, char** argv) {
   using namespace kvstash;
@@ -20,6 +136,15 @@ int main(int argc, char** argv) {
   using cli::kExitOk;
   using cli::kExitUsage;
   const cli::ErrorReporter errors("kvstashd");
+  // Before anything else: a signal at any point of the start-up stops it.
+  node::StopSignals signals;
+  signal(SIGPIPE, SIG_IGN);
+  const auto abandoned = [&] {
+    std::cerr << "kvstashd: stopped by "
+              << (signals.signal_number() == SIGTERM ? "SIGTERM" : "SIGINT") << " while starting"
+              << std::endl;
+    return kExitOk;
+  };
   CLI::App app(
       "kvstashd: the kvstash offload node. Keeps KV-cache blocks for engine workers in a CPU "
       "tier (and optionally an SSD tier), answers prefix and sliding-window lookups, and moves "
@@ -29,8 +154,10 @@ int main(int argc, char** argv) {
   node::DaemonFlags flags;
   node::AddDaemonFlags(app, flags);
   app.footer(
-      "Exit status: 0 after a clean stop, 1 if the node cannot start or flush, 2 for bad "
-      "settings. On start it prints one line `kvstashd listening on ADDRESS:PORT` on stdout.");
+      "Exit status: 0 after a clean stop (a SIGTERM or SIGINT during start-up abandons it and "
+      "stops within a second), 1 if the node cannot start or flush, 2 for bad settings (a "
+      "--cpu-bytes this machine cannot give among them). On start it prints one line "
+      "`kvstashd listening on ADDRESS:PORT` on stdout.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -53,20 +180,57 @@ int main(int argc, char** argv) {
     return errors.Fail(kExitUsage, registration_options.status().message());
   }
 
-  // The signals are taken by sigwait below, never by a handler: block them before any thread
-  // starts so every thread inherits the mask.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  if (signals.stop_requested()) return abandoned();
+
+  // The node's own shared-memory directory, made after the leftovers of dead nodes are gone
+  // (they hold memory the check below counts as taken).
+  // Declared after `signals` and destroyed before it; cleared from it first.
+  struct ClearCleanup {
+    node::StopSignals& signals;
+    ~ClearCleanup() { signals.SetCleanup(nullptr); }
+  };
+  std::unique_ptr<node::ShmDirectory> shm;
+  const ClearCleanup clear_cleanup{signals};
+  if (Result<std::unique_ptr<node::ShmDirectory>> made = node::ShmDirectory::Create(flags.shm_dir);
+      made.ok()) {
+    shm = std::move(*made);
+    signals.SetCleanup(shm.get());
+    if (shm->stale_files() > 0) {
+      KVSTASH_LOG_WARN("removed {} shared-memory file(s) of {} left by nodes that died",
+                       shm->stale_files(), FormatBytes(shm->stale_bytes()));
+    }
+    options->server.transport.shm_dir = shm->path();
+  } else if (flags.shm_dir == node::DaemonFlags().shm_dir) {
+    // The default: a host without a usable /dev/shm (or where another user took
+    // kvstashd-<uid> there) still serves, from System V segments.
+    KVSTASH_LOG_WARN(
+        "{}; UCX's shared-memory files go where it puts them, and a node killed while it makes "
+        "one leaves it behind",
+        made.status().message());
+  } else {
+    return errors.Fail(kExitFailure, made.status().message());
+  }
+  {
+    Result<size_t> cpu_bytes = store::CpuMemoryBytes(options->store);
+    if (!cpu_bytes.ok()) return errors.Fail(cpu_bytes.status());
+    Result<node::HostMemory> host =
+        node::ReadHostMemory(shm ? shm->path() : flags.shm_dir, flags.tls);
+    if (!host.ok()) return errors.Fail(kExitFailure, host.status().message());
+    if (Status fits = node::CheckCpuTierFits(*cpu_bytes, *host); !fits.ok()) {
+      return errors.Fail(fits);
+    }
+  }
+  if (signals.stop_requested()) return abandoned();
 
   Result<std::unique_ptr<node::NodeServer>> started = node::NodeServer::Create(*options);
   if (!started.ok()) {
     return errors.Fail(kExitFailure, fmt::format("cannot start: {}", started.status().ToString()));
   }
   std::unique_ptr<node::NodeServer> server = std::move(*started);
+  if (signals.stop_requested()) {
+    (void)server->Shutdown();
+    return abandoned();
+  }
   const auto& store = options->store;
   KVSTASH_LOG_INFO(
       "kvstashd listening on {}:{}: blocks of {}, CPU tier {} blocks ({}, {}{}), SSD tier {}, "
@@ -122,8 +286,8 @@ int main(int argc, char** argv) {
               << std::endl;
   }
 
-  int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  signals.Serving();
+  const int signal_number = signals.WaitForStop();
   KVSTASH_LOG_INFO("{}: stopping (no new connections; sessions end; store flushes)",
                    signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
   // Leaves the cluster first, so clients stop placing blocks here while it stops.

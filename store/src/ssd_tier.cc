@@ -29,6 +29,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -231,7 +233,46 @@ struct SsdTier::Impl {
 
 namespace {
 
-rocksdb::Options IndexOptions() {
+// RocksDB's messages, in kvstash's log instead of a LOG file in the index directory.
+//
+// RocksDB's own info log (EnvLogger, RocksDB 7.8) writes to a file on the SSD tier's disk, and
+// after a failed write (a full disk) it writes again; Debian's librocksdb is built with
+// assertions, where WritableFileWriter::AssertFalseAndGetStatusForPrevError then aborts the
+// process. DB::Open logs its build version first, so a node restarted on a full disk died in
+// DB::Open (exit 134) instead of getting "No space left" as a Status. A logger that writes no
+// file has no such error, and the messages reach the operator with the node's own.
+//
+// Thread-safe (RocksDB logs from its background threads; spdlog serializes).
+class IndexLogger : public rocksdb::Logger {
+ public:
+  explicit IndexLogger(std::string path)
+      : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL), path_(std::move(path)) {}
+
+  // RocksDB calls this overload for INFO lines of the default implementation; every
+  // overload must be ours (the base one asserts).
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    // The header (build version, options) is for LOG files.
+    if (level < GetInfoLogLevel() || level == rocksdb::InfoLogLevel::HEADER_LEVEL) return;
+    char line[1024];
+    std::vsnprintf(line, sizeof line, format, ap);
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
+      KVSTASH_LOG_ERROR("SSD index {}: RocksDB: {}", path_, line);
+    } else if (level == rocksdb::InfoLogLevel::WARN_LEVEL) {
+      KVSTASH_LOG_WARN("SSD index {}: RocksDB: {}", path_, line);
+    } else {
+      KVSTASH_LOG_DEBUG("SSD index {}: RocksDB: {}", path_, line);
+    }
+  }
+  void LogHeader(const char*, va_list) override {}
+
+ private:
+  const std::string path_;
+};
+
+rocksdb::Options IndexOptions(const std::string& path) {
   rocksdb::Options o;
   o.create_if_missing = true;
   // The index is small (36-byte values): small memtables, no compression, few files.
@@ -240,9 +281,8 @@ rocksdb::Options IndexOptions() {
   o.max_total_wal_size = 64 << 20;
   o.compression = rocksdb::kNoCompression;
   o.max_open_files = 64;
-  o.keep_log_file_num = 2;
-  o.max_log_file_size = 1 << 20;
   o.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  o.info_log = std::make_shared<IndexLogger>(path);
   o.paranoid_checks = true;
   // No multi-megabyte preallocation of the log and manifest: the index stays small, and a
   // nearly full disk should fail block writes, not the index.
@@ -253,7 +293,11 @@ rocksdb::Options IndexOptions() {
 }
 
 Result<std::unique_ptr<rocksdb::DB>> OpenIndex(const std::string& path) {
-  const rocksdb::Options options = IndexOptions();
+  const rocksdb::Options options = IndexOptions(path);
+  // RocksDB makes the directory itself, but reads it first for its file summary, which (with
+  // no LOG file to make it) would log a missing directory as an error.
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
   if (s.IsCorruption()) {
@@ -265,7 +309,10 @@ Result<std::unique_ptr<rocksdb::DB>> OpenIndex(const std::string& path) {
     if (!r.ok()) return FromRocks(r, fmt::format("repair of SSD index {}", path));
     s = rocksdb::DB::Open(options, path, &raw);
   }
-  if (!s.ok()) return FromRocks(s, fmt::format("cannot open SSD index {}", path));
+  if (!s.ok()) {
+    return FromRocks(s, fmt::format("cannot open SSD index {}{}", path,
+                                    s.IsNoSpace() ? " (its file system is full)" : ""));
+  }
   return std::unique_ptr<rocksdb::DB>(raw);
 }
 

@@ -18,6 +18,7 @@
 
 #include "daemon_process.h"
 #include "node_test_client.h"
+#include "private_namespaces.h"
 #include "subprocess.h"
 #include "temp_dir.h"
 
@@ -456,6 +457,7 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
                            "--block-bytes",
                            "--cpu-bytes",
                            "--cpu-policy",
+                           "--shm-dir",
                            "--ssd-dir",
                            "--ssd-bytes",
                            "--ssd-policy",
@@ -472,6 +474,27 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
                            "SIGTERM"}) {
     EXPECT_THAT(r.out, HasSubstr(flag));
   }
+}
+
+// --cpu-bytes is checked against what the machine can give, but where a System V segment holds
+// the tier (UCX's first choice) /dev/shm's size does not matter: a container's 64 MiB /dev/shm
+// serves a larger tier. Run with a 64 MiB tmpfs on /dev/shm in private namespaces (then taken
+// away again for the tests after this one in the same process).
+TEST(KvstashdTest, ATierASystemVSegmentHoldsStartsWhateverTheSizeOfDevShm) {
+  std::string why;
+  if (!::kvstash::testing::EnterPrivateNamespaces(&why) ||
+      !::kvstash::testing::MountTmpfs("/dev/shm", 64 << 20, &why)) {
+    GTEST_SKIP() << why;
+  }
+  struct Unmount {
+    ~Unmount() { umount2("/dev/shm", MNT_DETACH); }
+  } unmount;
+  {
+    Daemon daemon({"--cpu-bytes", "128MiB"}, /*sizes=*/false);
+    EXPECT_NE(daemon.port(), 0);
+    EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+  }
+  EXPECT_THAT(::kvstash::testing::EntriesUnder("/dev/shm"), ::testing::IsEmpty());
 }
 
 }  // namespace

@@ -138,6 +138,13 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
     status = FromUcs(ucp_config_modify(config, "TLS", options.tls.c_str()),
                      fmt::format("UCX_TLS={}", options.tls));
   }
+  // UCX 1.13 hands keys it does not know to its transports' settings, and there the posix
+  // allocator's UCX_POSIX_DIR is "DIR" (no other transport has one); "POSIX_DIR" would be kept
+  // and never applied. A directory other than /dev/shm makes UCX use open(2), not shm_open.
+  if (status.ok() && !options.shm_dir.empty()) {
+    status = FromUcs(ucp_config_modify(config, "DIR", options.shm_dir.c_str()),
+                     fmt::format("UCX_POSIX_DIR={}", options.shm_dir));
+  }
   ucp_context_h context = nullptr;
   if (status.ok()) {
     ucp_params_t params{};

@@ -3,7 +3,9 @@
 // Prometheus metrics of a node, served over HTTP at /metrics (and /healthz, which answers 200
 // with `kvstash_up 1` while the daemon runs). The values are read from the node's counters and
 // latency histograms at every scrape, so the request path pays only for the relaxed atomic adds
-// that keep them.
+// that keep them. The HTTP server (metrics.cc) keeps answering under slow or silent clients and
+// when the process runs out of file descriptors: requests have deadlines, waiting connections
+// hold no thread, and accept backs off.
 
 #include <memory>
 #include <string>
@@ -14,6 +16,8 @@
 
 namespace kvstash::node {
 
+// Owns the HTTP server and its threads; destroying it stops them (within one handler's
+// time). port() is thread-safe.
 class MetricsEndpoint {
  public:
   // Serves `node`'s metrics on `address` ("HOST:PORT"; port 0 picks a free one), and those of

@@ -58,6 +58,12 @@ struct TransportOptions {
   // Copy payloads straight from and into the server's shared memory when both ends are on
   // one host (see above). Off: payloads always go by UCX rendezvous.
   bool mapped_payloads = true;
+  // Where this context's UCX posix allocator creates its shared-memory files (UCX_POSIX_DIR,
+  // for this context only: other contexts in the process keep theirs). A file lives there
+  // while UCX fills it, until it is unlinked, so a process killed meanwhile leaves it behind:
+  // the node gives a directory of its own that a later node cleans (kvstashd). Empty: UCX's
+  // setting (by default /dev/shm through shm_open).
+  std::string shm_dir;
 };
 
 class Worker;
