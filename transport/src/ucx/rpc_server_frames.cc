@@ -24,32 +24,29 @@ ucs_status_t RpcServer::Impl::OnFrame(void* arg, const void* header, size_t head
       (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, from);
 }
 
+std::shared_ptr<ServerConnection> RpcServer::Impl::BoundConnection(ucp_ep_h from) const {
+  auto bound = from != nullptr ? bound_.find(from) : bound_.end();
+  if (bound == bound_.end()) return nullptr;
+  auto it = connections_.find(bound->second);
+  return it != connections_.end() ? it->second : nullptr;
+}
+
 std::shared_ptr<ServerConnection> RpcServer::Impl::ConnectionOf(const FrameHeader& h,
                                                                 ucp_ep_h from) {
-  auto bound = from != nullptr ? bound_.find(from) : bound_.end();
-  if (bound != bound_.end() && bound->second == h.connection_id) {
-    auto it = connections_.find(h.connection_id);
-    if (it != connections_.end()) return it->second;
-  }
+  std::shared_ptr<ServerConnection> own = BoundConnection(from);
+  if (own != nullptr && own->id == h.connection_id) return own;
   // A frame naming a connection that is not its endpoint's (another tenant's, or one not bound
-  // yet): refused, and said once per connection it named.
+  // yet): refused, and said once per connection it named or came from.
   foreign_frames_.fetch_add(1, std::memory_order_relaxed);
   auto named = connections_.find(h.connection_id);
-  if (named != connections_.end()) {
-    if (named->second->foreign_frames++ == 0) {
-      KVSTASH_LOG_WARN(
-          "refused a frame naming connection {} ({}) from {}: a connection's frames come on the "
-          "endpoint it bound",
-          h.connection_id, named->second->client_name,
-          bound != bound_.end() ? fmt::format("connection {}'s endpoint", bound->second)
-                                : std::string("an endpoint of no connection"));
-    }
-  } else if (bound != bound_.end()) {
-    auto own = connections_.find(bound->second);
-    if (own != connections_.end() && own->second->foreign_frames++ == 0) {
-      KVSTASH_LOG_WARN("refused a frame from connection {} ({}) naming unknown connection {:#x}",
-                       bound->second, own->second->client_name, h.connection_id);
-    }
+  ServerConnection* said = named != connections_.end() ? named->second.get() : own.get();
+  if (said != nullptr && said->foreign_frames++ == 0) {
+    KVSTASH_LOG_WARN(
+        "refused a frame naming connection {:#x} from {}: a connection's frames come "
+        "on the endpoint it bound",
+        h.connection_id,
+        own != nullptr ? fmt::format("connection {} ({})", own->id, own->client_name)
+                       : std::string("an endpoint of no connection"));
   }
   return nullptr;
 }
@@ -60,13 +57,15 @@ void RpcServer::Impl::Bind(const FrameHeader& h, ucp_ep_h from) {
                     it->second->bound_ep == nullptr && !bound_.contains(from) &&
                     it->second->bind_token == h.request_id;
   if (!good) {
-    foreign_frames_.fetch_add(1, std::memory_order_relaxed);
-    KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
-                     from == nullptr                   ? "no reply endpoint"
-                     : it == connections_.end()        ? "no such connection"
-                     : it->second->bound_ep != nullptr ? "bound already"
-                     : bound_.contains(from)           ? "its endpoint is bound to another"
-                                                       : "a wrong token");
+    // Said 1st, 2nd, 4th ... time: a peer may send any number.
+    if (std::has_single_bit(foreign_frames_.fetch_add(1, std::memory_order_relaxed) + 1)) {
+      KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
+                       from == nullptr                   ? "no reply endpoint"
+                       : it == connections_.end()        ? "no such connection"
+                       : it->second->bound_ep != nullptr ? "bound already"
+                       : bound_.contains(from)           ? "its endpoint is bound to another"
+                                                         : "a wrong token");
+    }
     return;
   }
   it->second->bound_ep = from;
@@ -79,12 +78,9 @@ ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, 
   // connection it came on (which releases it), never one it merely names.
   auto release = [&] {
     if (!rndv || worker_->DiscardRendezvous(data, length)) return;
-    auto bound = from != nullptr ? bound_.find(from) : bound_.end();
-    if (bound == bound_.end()) return;
-    auto it = connections_.find(bound->second);
-    if (it != connections_.end()) {
-      Close(it->second, ResourceExhaustedError("payload of {} bytes beyond the limit of {}", length,
-                                               worker_->options().max_payload_bytes));
+    if (std::shared_ptr<ServerConnection> own = BoundConnection(from)) {
+      Close(own, ResourceExhaustedError("payload of {} bytes beyond the limit of {}", length,
+                                        worker_->options().max_payload_bytes));
     }
   };
   const Bytes eager = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
@@ -97,15 +93,12 @@ ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, 
     if (header.size() >= kFrameHeaderBytes) {
       FrameHeader h;
       std::memcpy(&h, header.data(), kFrameHeaderBytes);
-      auto bound = from != nullptr ? bound_.find(from) : bound_.end();
-      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && bound != bound_.end() &&
-          bound->second == h.connection_id) {
-        auto it = connections_.find(h.connection_id);
-        if (it != connections_.end()) {
-          auto state = NewState(it->second, h);
-          state->replied = true;
-          ReplyStatus(state, frame.status());
-        }
+      std::shared_ptr<ServerConnection> own = BoundConnection(from);
+      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && own != nullptr &&
+          own->id == h.connection_id) {
+        auto state = NewState(own, h);
+        state->replied = true;
+        ReplyStatus(state, frame.status());
       }
     }
     // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.

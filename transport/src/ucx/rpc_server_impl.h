@@ -228,6 +228,8 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   // `from`: the endpoint the frame came on (UCX's reply endpoint; the client sends every frame
   // with UCP_AM_SEND_FLAG_REPLY), null when UCX gave none.
   ucs_status_t Dispatch(Bytes header, void* data, size_t length, bool rndv, ucp_ep_h from);
+  // The open connection bound to `from`, or null.
+  std::shared_ptr<ServerConnection> BoundConnection(ucp_ep_h from) const;
   // The open connection whose frames come on `from` and which `h` names; null (and counted)
   // when the frame names a connection that is not `from`'s.
   std::shared_ptr<ServerConnection> ConnectionOf(const FrameHeader& h, ucp_ep_h from);
