@@ -360,6 +360,33 @@ TEST(ServeHardeningTest, AStreamWhoseClientLeavesIsCancelled) {
   EXPECT_EQ(worker.Terminate(seconds(15)).second, 0);
 }
 
+// A stream still running when the stop's grace (--stop-grace-ms) runs out ends with an error
+// event and [DONE], and the worker exits 0.
+TEST(ServeHardeningTest, SigtermEndsAStreamPastTheGraceWithAnErrorEvent) {
+  Worker worker({"--model", "builtin:tiny-hybrid", "--stop-grace-ms", "200"});
+  ASSERT_NE(worker.port(), 0);
+  const int fd = Connect(worker.port());
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(
+      fd,
+      PostRequest(json{{"prompt", {1, 2, 3}}, {"max_tokens", 20000}, {"stream", true}}.dump())));
+  ASSERT_TRUE(
+      WaitFor([&] { return StatOf(Stats(worker.port()), "running_requests") == 1; }, seconds(10)));
+  const Clock::time_point start = Clock::now();
+  ::kill(worker.pid(), SIGTERM);
+  const Received stream = ReadAll(fd, seconds(10));
+  const double ended_ms = MillisSince(start);
+  ::close(fd);
+  EXPECT_TRUE(stream.closed);
+  EXPECT_LT(ended_ms, kSigtermBoundMs);
+  EXPECT_EQ(StatusOf(stream.data), 200);
+  const std::string tail =
+      stream.data.substr(stream.data.size() - std::min<size_t>(600, stream.data.size()));
+  EXPECT_NE(tail.find("the worker stopped before the request finished"), std::string::npos) << tail;
+  EXPECT_NE(tail.find("data: [DONE]"), std::string::npos) << tail;
+  EXPECT_EQ(worker.Terminate(seconds(15)).second, 0);
+}
+
 // 64 connections sending their headers a byte a second hold no thread: /health stays quick
 // and SIGTERM ends the worker at once.
 TEST(ServeHardeningTest, SlowlorisConnectionsLeaveHealthAndSigtermQuick) {
