@@ -111,6 +111,43 @@ Result<RequestId> Engine::AddRequest(std::vector<uint32_t> prompt, size_t max_ne
   return id;
 }
 
+Status Engine::CheckFits(size_t num_prompt_tokens, size_t max_new_tokens) const {
+  if (num_prompt_tokens == 0 || max_new_tokens == 0) return Status::OK();  // AddRequest refuses
+  const size_t pool = kv_cache_.num_blocks() - 1;  // block 0 is the null block
+  const size_t at_prompt = kv_cache_.MinBlocksHeldAt(num_prompt_tokens - 1);
+  if (at_prompt > pool) {
+    return OutOfRangeError(
+        "a prompt of {} tokens needs {} KV-cache blocks of {} tokens at its last token, more "
+        "than the pool's {}",
+        num_prompt_tokens, at_prompt, layout().block_size, pool);
+  }
+  // The last generated token is sampled, never computed: the last computed position is the
+  // one before it.
+  const size_t peak =
+      kv_cache_.MinBlocksToCompute(num_prompt_tokens - 1, num_prompt_tokens + max_new_tokens - 2);
+  if (peak > pool) {
+    return OutOfRangeError(
+        "a prompt of {} tokens and {} new tokens need {} KV-cache blocks of {} tokens at their "
+        "peak, more than the pool's {}",
+        num_prompt_tokens, max_new_tokens, peak, layout().block_size, pool);
+  }
+  return Status::OK();
+}
+
+Status Engine::Abort(RequestId id) {
+  std::unique_ptr<Request> r = scheduler_.Remove(id);
+  if (r == nullptr) return NotFoundError("no request {} in the engine", id);
+  if (r->state == Request::State::kFinished || r->state == Request::State::kFailed) {
+    return Status::OK();  // its blocks and transfers were let go when it ended
+  }
+  runner_.ReleaseRequest(id);
+  if (offload_) {
+    offload_->RequestFinished(id);
+    finished_since_step_.push_back(id);
+  }
+  return Status::OK();
+}
+
 std::vector<RequestId> Engine::Step() {
   SchedulerOutput out = scheduler_.Schedule();
   counters_.preemptions += out.preempted.size();

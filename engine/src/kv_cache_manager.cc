@@ -180,6 +180,34 @@ size_t KvCacheManager::NumBlocksToAllocate(RequestId id, size_t num_computed_tok
   return n;
 }
 
+size_t KvCacheManager::MinBlocksHeldAt(size_t position) const {
+  size_t n = 0;
+  for (const AttentionSpec& spec : options_.groups) {
+    if (spec.ring) continue;
+    // An allocation computing [computed, end) with computed <= position < end holds its
+    // table from the skipped blocks at `computed` up to `end`: at least this much.
+    const size_t required = CeilDiv(position + 1, spec.block_size);
+    n += required - std::min(required, NumSkippedTokens(spec, position) / spec.block_size);
+  }
+  return n;
+}
+
+size_t KvCacheManager::MinBlocksToCompute(size_t first, size_t last) const {
+  // The other groups' share repeats with this period (a sliding window's once the window is
+  // full; below that it is smaller), while full attention's only grows: the peak is in the
+  // last period.
+  size_t period = 1;
+  for (const AttentionSpec& spec : options_.groups) {
+    period = std::lcm(period, size_t{spec.block_size});
+    if (spec.kind == Kind::kChunkedLocal) period = std::lcm(period, size_t{spec.chunk});
+  }
+  size_t peak = 0;
+  for (size_t p = last - std::min(last - first, period - 1); p <= last; ++p) {
+    peak = std::max(peak, MinBlocksHeldAt(p));
+  }
+  return peak;
+}
+
 bool KvCacheManager::AllocateSlots(RequestId id, std::span<const BlockHash> hashes,
                                    size_t num_tokens, size_t num_computed_tokens,
                                    size_t num_new_tokens, const ComputedBlocks* new_computed,

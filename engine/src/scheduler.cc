@@ -39,6 +39,20 @@ std::unique_ptr<Request> Scheduler::Take(RequestId id) {
   return r;
 }
 
+std::unique_ptr<Request> Scheduler::Remove(RequestId id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return nullptr;
+  Request* r = it->second.get();
+  if (r->state != Request::State::kFinished && r->state != Request::State::kFailed) {
+    kv_cache_->Free(id);
+    std::erase(waiting_, r);
+    std::erase(running_, r);
+  }
+  std::unique_ptr<Request> removed = std::move(it->second);
+  requests_.erase(it);
+  return removed;
+}
+
 void Scheduler::Preempt(Request* request) {
   kv_cache_->Free(request->id);
   request->num_computed_tokens = 0;
@@ -60,13 +74,19 @@ SchedulerOutput Scheduler::Schedule() {
   // Running requests, oldest first; the newest gives way when the pool runs out.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
-    const size_t n = std::min(r->tokens.size() - r->num_computed_tokens, budget);
+    size_t n = std::min(r->tokens.size() - r->num_computed_tokens, budget);
     r->hasher->Update(r->tokens);
     bool allocated = false;
     while (!allocated) {
       allocated = kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(),
                                            r->num_computed_tokens, n);
       if (allocated) break;
+      // Alone, a shorter prefill chunk may fit where this one does not (a window frees only
+      // behind what is computed): down to one token before giving up.
+      if (running_.size() == 1 && n > 1) {
+        n = (n + 1) / 2;
+        continue;
+      }
       Request* victim = running_.back();
       running_.pop_back();
       out.preempted.push_back(victim->id);
@@ -168,8 +188,14 @@ SchedulerOutput Scheduler::Schedule() {
       }
       continue;
     }
-    const size_t n = std::min(r->tokens.size() - hit.tokens, budget);
-    if (!kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(), 0, n, &hit)) {
+    size_t n = std::min(r->tokens.size() - hit.tokens, budget);
+    bool allocated = false;
+    while (!(allocated = kv_cache_->AllocateSlots(r->id, r->hasher->hashes(), r->tokens.size(), 0,
+                                                  n, &hit)) &&
+           running_.empty() && out.seqs.empty() && n > 1) {
+      n = (n + 1) / 2;  // alone: a shorter first chunk may fit
+    }
+    if (!allocated) {
       if (running_.empty() && out.seqs.empty()) {
         r->state = Request::State::kFailed;
         r->error = ResourceExhaustedError(

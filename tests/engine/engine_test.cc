@@ -103,6 +103,24 @@ TEST_P(EngineModelTest, PreemptionAndResumeGiveTheSameTokens) {
   EXPECT_EQ(tight->kv_cache().num_free_blocks(), o.num_blocks - 1);  // everything came back
 }
 
+// MinBlocksHeldAt is exact: a request computing one token per step (the least any schedule
+// holds at a position) holds exactly that many blocks after each step, for every attention
+// type (windows, chunks and states free what they no longer need).
+TEST_P(EngineModelTest, MinBlocksHeldAtIsWhatAOneTokenStepHolds) {
+  EngineOptions o;
+  o.prefix_caching = false;  // freed blocks are free at once
+  o.scheduler.max_num_batched_tokens = 1;
+  auto e = Make(GetParam(), o);
+  ASSERT_TRUE(e->AddRequest(Tokens(150, 4), 30).ok());
+  for (size_t position = 0; e->HasUnfinished(); ++position) {
+    if (!e->Step().empty()) break;  // the last step frees everything
+    EXPECT_EQ(o.num_blocks - 1 - e->kv_cache().num_free_blocks(),
+              e->kv_cache().MinBlocksHeldAt(position))
+        << "position " << position;
+  }
+  EXPECT_FALSE(e->HasUnfinished());
+}
+
 INSTANTIATE_TEST_SUITE_P(Builtins, EngineModelTest, BuiltinModels(), BuiltinModelName);
 
 // "cpu-staged" keeps the pool, the weights and the scratch in memory apart from what the
@@ -201,6 +219,106 @@ TEST(EngineTest, RequestLargerThanThePoolFailsInsteadOfSpinning) {
     }
   }
   EXPECT_EQ(e->kv_cache().num_free_blocks(), 4u);
+}
+
+// CheckFits refuses exactly the requests whose last prompt token or last computed token needs
+// more blocks than the pool: 4 full-attention groups of 16-token blocks in 12 blocks hold 48
+// positions. The largest request it lets through runs to its end; one token more fails in the
+// engine as well.
+TEST(EngineTest, CheckFitsRefusesExactlyWhatThePoolCanNeverHold) {
+  EngineOptions o;
+  o.num_blocks = 13;
+  auto e = Make("tiny-full", o);
+  EXPECT_TRUE(e->CheckFits(40, 9).ok());  // positions 0..47: the 48th token is only sampled
+  EXPECT_TRUE(e->CheckFits(48, 1).ok());
+  const Status longer = e->CheckFits(40, 10);
+  EXPECT_EQ(longer.code(), StatusCode::kOutOfRange);
+  EXPECT_NE(longer.message().find("a prompt of 40 tokens and 10 new tokens need 16 KV-cache "
+                                  "blocks of 16 tokens at their peak, more than the pool's 12"),
+            std::string::npos)
+      << longer.ToString();
+  const Status prompt = e->CheckFits(49, 1);
+  EXPECT_EQ(prompt.code(), StatusCode::kOutOfRange);
+  EXPECT_NE(prompt.message().find("a prompt of 49 tokens needs 16 KV-cache blocks"),
+            std::string::npos)
+      << prompt.ToString();
+  EXPECT_EQ(e->CheckFits(1000000, 1).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(e->CheckFits(1, size_t{1} << 20).code(), StatusCode::kOutOfRange);
+
+  auto fits = e->Generate({Tokens(40, 5)}, 9);
+  ASSERT_TRUE(fits.ok()) << fits.status().ToString();
+  EXPECT_EQ((*fits)[0]->num_output_tokens(), 9u);
+  auto over = e->Generate({Tokens(40, 5)}, 10);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+}
+
+// A sliding-window model needs only its windows: CheckFits lets a request far longer than the
+// pool through, and it runs.
+TEST(EngineTest, CheckFitsCountsOnlyTheWindowOfASlidingWindowModel) {
+  EngineOptions o;
+  o.num_blocks = 17;  // 16 blocks: 256 tokens of one group, 64 of the model's four
+  o.scheduler.max_num_batched_tokens = 16;
+  auto e = Make("tiny-swa", o);
+  EXPECT_TRUE(e->CheckFits(400, 200).ok());
+  EXPECT_TRUE(e->CheckFits(100000, size_t{1} << 20).ok());
+  auto r = e->Generate({Tokens(400, 6)}, 200);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)[0]->num_output_tokens(), 200u);
+}
+
+// In a hybrid pool too small for a whole prefill chunk past the windows, the largest request
+// CheckFits lets through runs alone (the scheduler shortens its chunks), and one more token is
+// refused.
+TEST(EngineTest, CheckFitsLetsThroughWhatRunsAloneInAHybridModel) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = Make("tiny-hybrid", o);
+  const size_t prompt = 300;
+  size_t most = 0;  // the largest max_new_tokens that fits after the prompt
+  while (e->CheckFits(prompt, most + 1).ok()) ++most;
+  ASSERT_GT(most, 10u);
+  EXPECT_EQ(e->CheckFits(prompt, most + 1).code(), StatusCode::kOutOfRange);
+  auto r = e->Generate({Tokens(prompt, 11)}, most);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)[0]->num_output_tokens(), most);
+  auto over = e->Generate({Tokens(prompt, 12)}, most + 1);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().ToString();
+}
+
+// Abort drops a running or a waiting request: its blocks go back, the engine forgets it, and
+// the request left generates what it generates alone.
+TEST(EngineTest, AbortFreesARequestsBlocksAndLeavesTheOthersAlone) {
+  EngineOptions o;
+  o.scheduler.max_num_seqs = 2;
+  auto alone = Make("tiny-hybrid", o);
+  const Outputs want = GenerateAll(*alone, {Tokens(70, 8)}, 40);
+  auto e = Make("tiny-hybrid", o);
+  auto kept = e->AddRequest(Tokens(70, 8), 40);
+  auto running = e->AddRequest(Tokens(300, 9), 500);
+  auto waiting = e->AddRequest(Tokens(50, 10), 500);
+  ASSERT_TRUE(kept.ok() && running.ok() && waiting.ok());
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(e->Step().empty());
+  ASSERT_NE(e->Find(*running), nullptr);
+  ASSERT_GT(e->Find(*running)->num_computed_tokens, 0u);
+  const size_t free_before = e->kv_cache().num_free_blocks();
+  EXPECT_TRUE(e->Abort(*running).ok());
+  EXPECT_GT(e->kv_cache().num_free_blocks(), free_before);
+  EXPECT_EQ(e->Find(*running), nullptr);
+  EXPECT_EQ(e->TakeResult(*running), nullptr);
+  EXPECT_EQ(e->Abort(*running).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(e->Abort(*waiting).ok());
+  std::unique_ptr<Request> result;
+  while (e->HasUnfinished()) {
+    for (RequestId id : e->Step()) {
+      EXPECT_EQ(id, *kept);
+      result = e->TakeResult(id);
+    }
+  }
+  ASSERT_NE(result, nullptr);
+  EXPECT_EQ(std::vector<uint32_t>(result->output().begin(), result->output().end()), want[0]);
+  EXPECT_EQ(e->kv_cache().num_free_blocks(), o.num_blocks - 1);
 }
 
 TEST(EngineTest, UnknownOrMissingDevicesAreRefusedAtCreate) {

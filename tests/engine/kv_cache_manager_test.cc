@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <utility>
 
@@ -146,6 +147,35 @@ TEST(KvCacheManagerTest, K5NumBlocksToAllocate) {
 
 // §12.K6: a hit block sitting unreferenced in the free queue counts against the free blocks,
 // but only the truly new block is allocated.
+// The blocks any schedule holds while computing a position are a fresh allocation of that one
+// position (nothing before it skipped is held), for every attention type; the peak over a
+// range, looked up over one period, is the peak of every position in it.
+TEST(KvCacheManagerTest, MinBlocksHeldAtAndItsPeakOverARange) {
+  const std::vector<std::vector<AttentionSpec>> models = {
+      {Full()},
+      {Sliding(32)},
+      {Full(), Sliding(40, 8), Chunked(48, 16)},
+      {Full(), State(), Sliding(17, 4)},
+      {Chunked(64, 16), Sliding(100, 16)},
+  };
+  for (size_t m = 0; m < models.size(); ++m) {
+    const KvCacheManager manager = Manager(models[m], 100000);
+    std::vector<size_t> held;
+    for (size_t p = 0; p < 600; ++p) {
+      held.push_back(manager.MinBlocksHeldAt(p));
+      ASSERT_EQ(held[p], manager.NumBlocksToAllocate(7, p, 1, nullptr))
+          << "model " << m << " position " << p;
+    }
+    for (size_t first = 0; first < 250; first += 7) {
+      for (size_t last = first; last < held.size(); last += 5) {
+        ASSERT_EQ(manager.MinBlocksToCompute(first, last),
+                  *std::max_element(held.begin() + first, held.begin() + last + 1))
+            << "model " << m << " positions " << first << ".." << last;
+      }
+    }
+  }
+}
+
 TEST(KvCacheManagerTest, K6EvictableHitBlockIsNotAllocatedTwice) {
   auto m = Manager({Sliding(4, 2)}, 100);
   ComputedBlocks hit{{{1}}, 2};

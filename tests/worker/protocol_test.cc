@@ -210,14 +210,18 @@ TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {
   WorkerTotals t;
   uint64_t v = 1;
   // Distinct values, so a field read from another's name shows.
-  for (uint64_t* field : {&t.requests,          &t.failed_requests,  &t.prompt_tokens,
-                          &t.generation_tokens, &t.local_hit_tokens, &t.node_tokens,
-                          &t.computed_tokens,   &t.running_requests, &t.steps,
-                          &t.prefill_tokens,    &t.decode_tokens,    &t.preemptions,
-                          &t.load_failures,     &t.loaded_bytes,     &t.stored_bytes,
-                          &t.blocks_loaded,     &t.blocks_stored,    &t.node_unreachable,
-                          &t.node_refusals,     &t.touched_keys,     &t.node_unserved_keys,
-                          &t.members_joined,    &t.members_left}) {
+  for (uint64_t* field : {&t.requests,           &t.failed_requests,
+                          &t.cancelled_requests, &t.prompt_tokens,
+                          &t.generation_tokens,  &t.local_hit_tokens,
+                          &t.node_tokens,        &t.computed_tokens,
+                          &t.running_requests,   &t.steps,
+                          &t.prefill_tokens,     &t.decode_tokens,
+                          &t.preemptions,        &t.load_failures,
+                          &t.loaded_bytes,       &t.stored_bytes,
+                          &t.blocks_loaded,      &t.blocks_stored,
+                          &t.node_unreachable,   &t.node_refusals,
+                          &t.touched_keys,       &t.node_unserved_keys,
+                          &t.members_joined,     &t.members_left}) {
     *field = 1000 + v++;
   }
   const Result<WorkerTotals> back = ParseTotals(Dump(TotalsJson(t)));

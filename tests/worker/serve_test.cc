@@ -437,9 +437,10 @@ TEST(ServeTest, ConcurrentRequestsAreBatchedAndEachAnsweredWithItsOwnResult) {
 }
 
 // SIGTERM mid-stream (after the first event, with most tokens still to generate): the stream
-// runs to its end, then the worker exits 0.
+// runs to its end within --stop-grace-ms (here more than a busy machine needs), then the worker
+// exits 0.
 TEST(ServeTest, SigtermFinishesTheStreamInFlightThenExitsZero) {
-  Worker worker({"--model", "builtin:tiny-hybrid"});
+  Worker worker({"--model", "builtin:tiny-hybrid", "--stop-grace-ms", "60000"});
   ASSERT_NE(worker.port(), 0);
   constexpr size_t kTokens = 2000;  // about 150 ms of decoding here
   httplib::Client client("127.0.0.1", worker.port());

@@ -1,18 +1,21 @@
 #include "kvstash/worker/server.h"
 
 #include <httplib.h>
-#include <sys/socket.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <atomic>
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "http_front.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "protocol_json.h"
@@ -24,6 +27,19 @@ using Clock = std::chrono::steady_clock;
 using engine::Engine;
 using engine::Request;
 using engine::RequestId;
+
+// How often a thread waiting on the engine for a client looks whether the client has left.
+constexpr std::chrono::milliseconds kClientCheck{20};
+// Bodies from this size on are given back to the system once parsed: glibc keeps freed memory
+// in the arena of the thread that used it, and a few 100 MB bodies would otherwise stay
+// resident for good.
+constexpr size_t kTrimAfterBytes = size_t{1} << 20;
+
+void GiveBackMemory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
 
 double Millis(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -85,19 +101,21 @@ struct Call {
   CondVar changed;                       // admitted, done, or (streams) more tokens
   bool admitted GUARDED_BY(mu) = false;  // the engine took it (or refused it: done)
   bool done GUARDED_BY(mu) = false;
+  bool cancelled GUARDED_BY(mu) = false;        // its client left: the engine drops it
   Status status GUARDED_BY(mu);                 // done and failed: why
   std::vector<uint32_t> tokens GUARDED_BY(mu);  // generated so far (streams: as they come)
   CompletionUsage usage GUARDED_BY(mu);         // done
 
   // The engine thread's own.
-  size_t published = 0;  // tokens handed to a stream
+  RequestId engine_id = 0;  // once admitted
+  size_t published = 0;     // tokens handed to a stream
   double ttft_ms = -1;
 };
 
-// WorkerServer on cpp-httplib. Owns its httplib::Server (and through it the HTTP threads, which
-// run only inside Serve); borrows the engine, which only the thread in Serve touches. The state
-// the HTTP threads and the engine thread share is under mu_ (the queue, stopping, the totals)
-// or each Call's own mutex; Stop is safe from any thread.
+// WorkerServer on cpp-httplib behind an HttpFront. Owns the front (and through it the HTTP
+// threads, which run only inside Serve); borrows the engine, which only the thread in Serve
+// touches. The state the HTTP threads and the engine thread share is under mu_ (the queues,
+// stopping, the totals) or each Call's own mutex; Stop is safe from any thread.
 class HttpWorkerServer final : public WorkerServer {
  public:
   HttpWorkerServer(Engine* engine, const ServerOptions& options, WorkerInfo info)
@@ -109,7 +127,7 @@ class HttpWorkerServer final : public WorkerServer {
                                                 std::chrono::system_clock::now().time_since_epoch())
                                                 .count())) {}
 
-  Status Bind();
+  Status Bind(const FrontOptions& front);
   uint16_t port() const override { return port_; }
   Status Serve() override;
   void Stop() override;
@@ -121,16 +139,26 @@ class HttpWorkerServer final : public WorkerServer {
                         const httplib::ContentReader& reader);
   void StartStream(httplib::Response& res, std::shared_ptr<Call> call, std::string id);
   // Writes what `call` has produced since `sent` tokens; blocks until there is something.
-  bool StreamMore(Call& call, const std::string& id, size_t& sent, httplib::DataSink& sink);
+  bool StreamMore(const std::shared_ptr<Call>& call, const std::string& id, size_t& sent,
+                  httplib::DataSink& sink);
   httplib::Server::HandlerResponse HandleError(const httplib::Request& req, httplib::Response& res);
   // Unavailable once stopping.
   Status Submit(std::shared_ptr<Call> call);
+  // The client of `call` left: the engine thread drops it. Idempotent; nothing once done.
+  void Cancel(const std::shared_ptr<Call>& call);
+  // Waits for `ready` (under call.mu) while the client is there; false when it left (the call
+  // is cancelled then).
+  template <typename Ready>
+  bool WaitWhileClientStays(const std::shared_ptr<Call>& call, Ready ready);
   // Totals as of now: the engine thread takes them between two steps.
   WorkerTotals FreshTotals();
 
   // The engine thread.
   void EngineLoop();
   void Admit(const std::shared_ptr<Call>& call);
+  // Drops a call from the engine (its client left, or the stop's grace ran out) and answers
+  // it with `status`.
+  void Drop(const std::shared_ptr<Call>& call, Status status);
   // Streams get the tokens the step generated; every request its time to first token.
   void Publish(Clock::time_point now);
   void Finish(RequestId id, Clock::time_point step_end);
@@ -142,7 +170,7 @@ class HttpWorkerServer final : public WorkerServer {
   const int64_t created_;
   const std::string id_prefix_;
   std::atomic<uint64_t> next_id_{0};
-  httplib::Server http_;
+  std::unique_ptr<HttpFront> front_;
   uint16_t port_ = 0;
 
   Mutex mu_;
@@ -150,68 +178,68 @@ class HttpWorkerServer final : public WorkerServer {
   CondVar totals_changed_;  // totals_version_ moved on, or the engine thread ended
   CondVar state_changed_;   // open_streams_ fell, or the HTTP server ended
   std::deque<std::shared_ptr<Call>> inbox_ GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Call>> cancels_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
+  Clock::time_point stop_time_ GUARDED_BY(mu_);
   bool totals_wanted_ GUARDED_BY(mu_) = false;
   uint64_t totals_version_ GUARDED_BY(mu_) = 0;
   WorkerTotals totals_ GUARDED_BY(mu_);
   bool engine_done_ GUARDED_BY(mu_) = false;
   size_t open_streams_ GUARDED_BY(mu_) = 0;  // streaming responses not yet written out
-  bool http_done_ GUARDED_BY(mu_) = false;
-  bool http_stopped_ GUARDED_BY(mu_) = false;  // Serve stopped it (else it failed)
+  Status http_failure_ GUARDED_BY(mu_);      // the front failed on its own
 
   // The engine thread's own.
   std::unordered_map<RequestId, std::shared_ptr<Call>> running_;
   WorkerTotals served_;  // the completions' figures, summed
 };
 
-Status HttpWorkerServer::Bind() {
-  // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, with which a second worker on a
-  // taken port would start and share it instead of failing.
-  http_.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  });
-  http_.set_tcp_nodelay(true);  // a stream's events leave as they are written
-  http_.set_payload_max_length(options_.max_body_bytes);
-  http_.set_keep_alive_timeout(options_.keep_alive_seconds);
-  const size_t threads = options_.http_threads;
-  // httplib takes ownership of the queue it is given.
-  http_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+Status HttpWorkerServer::Bind(const FrontOptions& front) {
+  FrontOptions o = front;
+  o.classify = [](std::string_view method, std::string_view path) {
+    if (method != "GET" && method != "HEAD") return Lane::kRequests;
+    if (path == "/health") return Lane::kHealth;
+    if (path == "/v1/models" || path == "/metrics" || path == "/kvstash/stats") return Lane::kInfo;
+    return Lane::kRequests;
+  };
+  o.error_body = [](int status, std::string_view code, std::string_view message) {
+    return Dump(ErrorJson(status, code, message));
+  };
+  o.on_failure = [this](const Status& failure) {
+    {
+      MutexLock lock(&mu_);
+      http_failure_ = failure;
+    }
+    Stop();
+  };
+  KVSTASH_ASSIGN_OR_RETURN(front_, HttpFront::Create(std::move(o)));
+  httplib::Server& http = front_->router();
+  http.set_payload_max_length(options_.max_body_bytes);
   Route();
-  int port = -1;
-  if (options_.port == 0) {
-    port = http_.bind_to_any_port(options_.listen);
-  } else if (http_.bind_to_port(options_.listen, options_.port)) {
-    port = options_.port;
-  }
-  if (port <= 0) {
-    return UnavailableError("cannot listen on {}:{} (the port is taken, or no such address here)",
-                            options_.listen, options_.port);
-  }
-  port_ = static_cast<uint16_t>(port);
+  port_ = front_->port();
   return Status::OK();
 }
 
 void HttpWorkerServer::Route() {
-  http_.Post("/v1/completions",
-             [this](const httplib::Request& req, httplib::Response& res,
-                    const httplib::ContentReader& reader) { HandleCompletion(req, res, reader); });
-  http_.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  httplib::Server& http = front_->router();
+  http.Post("/v1/completions",
+            [this](const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& reader) { HandleCompletion(req, res, reader); });
+  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(Dump(ModelsJson(info_, created_)), "application/json");
   });
-  http_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     MutexLock lock(&mu_);
     res.status = stopping_ ? 503 : 200;
     res.set_content(stopping_ ? R"({"status":"stopping"})" : R"({"status":"ok"})",
                     "application/json");
   });
-  http_.Get("/kvstash/stats", [this](const httplib::Request&, httplib::Response& res) {
+  http.Get("/kvstash/stats", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(Dump(TotalsJson(FreshTotals())), "application/json");
   });
-  http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(FreshTotals(), info_), "text/plain; version=0.0.4; charset=utf-8");
   });
-  http_.set_error_handler(httplib::Server::HandlerWithResponse(
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
       [this](const httplib::Request& req, httplib::Response& res) {
         return HandleError(req, res);
       }));
@@ -256,6 +284,18 @@ void HttpWorkerServer::HandleCompletion(const httplib::Request& req, httplib::Re
                                         const httplib::ContentReader& reader) {
   const Clock::time_point arrival = Clock::now();
   std::string body;
+  // Read into its final size at once: growing by doubling would hold up to twice the body.
+  body.reserve(std::min<uint64_t>(req.get_header_value<uint64_t>("Content-Length"),
+                                  options_.max_body_bytes));
+  // A large body's memory goes back to the system once it is parsed (or refused).
+  struct Trim {
+    std::string& body;
+    ~Trim() {
+      if (body.capacity() < kTrimAfterBytes) return;
+      std::string().swap(body);
+      GiveBackMemory();
+    }
+  } trim{body};
   bool too_large = false;
   const bool read = reader([&](const char* data, size_t n) {
     if (n > options_.max_body_bytes - body.size()) {
@@ -275,11 +315,22 @@ void HttpWorkerServer::HandleCompletion(const httplib::Request& req, httplib::Re
   }
   if (!read) {
     res.set_header("Connection", "close");
+    if (HttpFront::ReadTimedOut()) {
+      return SendError(
+          res, 408, "request_timeout",
+          fmt::format("the request body did not arrive within {} ms", options_.read_timeout_ms));
+    }
     return SendError(res, 400, "invalid_body", "the request body could not be read");
   }
+  // Read: from here on it waits only on the engine, and a stopping worker lets it answer.
+  HttpFront::Answering();
 
   std::string param;
   Result<CompletionRequest> parsed = ParseCompletionRequest(body, &param);
+  if (body.capacity() >= kTrimAfterBytes) {
+    std::string().swap(body);
+    GiveBackMemory();
+  }
   if (!parsed.ok()) {
     return SendError(res, 400, param.empty() ? "invalid_json" : "invalid_" + param,
                      parsed.status().message(), param);
@@ -289,6 +340,21 @@ void HttpWorkerServer::HandleCompletion(const httplib::Request& req, httplib::Re
                      fmt::format("the model '{}' is not served here: this worker serves '{}'",
                                  *parsed->model, info_.model),
                      "model");
+  }
+  // What the pool can never hold is refused now, not after the prompt's work.
+  const size_t prompt_tokens = parsed->prompt.size();
+  const size_t max_new = options_.role == Role::kPrefill ? 1 : parsed->max_tokens;
+  if (Status fits = engine_->CheckFits(prompt_tokens, max_new); !fits.ok()) {
+    const bool prompt_alone = !engine_->CheckFits(prompt_tokens, 1).ok();
+    if (prompt_alone) {
+      return SendError(res, 400, "invalid_prompt", fits.message(), "prompt");
+    }
+    return SendError(
+        res, 400, "invalid_max_tokens",
+        fmt::format("max_tokens {} is more than this worker's KV-cache pool can hold after a "
+                    "prompt of {} tokens: {}",
+                    parsed->max_tokens, prompt_tokens, fits.message()),
+        "max_tokens");
   }
   auto call = std::make_shared<Call>(std::move(parsed).value(), arrival);
   if (Status s = Submit(call); !s.ok()) {
@@ -300,9 +366,16 @@ void HttpWorkerServer::HandleCompletion(const httplib::Request& req, httplib::Re
 
   Completion completion;
   Status status;
+  if (!WaitWhileClientStays(call, [](Call& c) {
+        c.mu.AssertHeld();
+        return c.done;
+      })) {
+    // Nobody reads the answer; the connection closes after it.
+    res.set_header("Connection", "close");
+    return SendError(res, 503, "client_gone", "the client closed its connection");
+  }
   {
     MutexLock lock(&call->mu);
-    while (!call->done) call->changed.Wait(&call->mu);
     status = call->status;
     completion.tokens = call->tokens;
     completion.usage = call->usage;
@@ -321,9 +394,15 @@ void HttpWorkerServer::StartStream(httplib::Response& res, std::shared_ptr<Call>
                                    std::string id) {
   // A request the engine refuses (a token past the vocabulary) is still an ordinary error
   // reply: the events start once the engine has taken it.
+  if (!WaitWhileClientStays(call, [](Call& c) {
+        c.mu.AssertHeld();
+        return c.admitted;
+      })) {
+    res.set_header("Connection", "close");
+    return SendError(res, 503, "client_gone", "the client closed its connection");
+  }
   {
     MutexLock lock(&call->mu);
-    while (!call->admitted) call->changed.Wait(&call->mu);
     if (call->done && !call->status.ok()) {
       const auto [http_status, code] = HttpErrorOf(call->status);
       return SendError(res, http_status, code, call->status.message(),
@@ -338,29 +417,36 @@ void HttpWorkerServer::StartStream(httplib::Response& res, std::shared_ptr<Call>
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, call, id = std::move(id), sent = size_t{0}](size_t, httplib::DataSink& sink) mutable {
-        return StreamMore(*call, id, sent, sink);
+        return StreamMore(call, id, sent, sink);
       },
       // Runs once the response is written (or abandoned): Serve waits for it before closing.
-      [this](bool) {
+      // A stream that ended early (its client left, or stopped reading) is cancelled.
+      [this, call](bool success) {
+        if (!success) Cancel(call);
         MutexLock lock(&mu_);
         --open_streams_;
         state_changed_.SignalAll();
       });
 }
 
-bool HttpWorkerServer::StreamMore(Call& call, const std::string& id, size_t& sent,
-                                  httplib::DataSink& sink) {
+bool HttpWorkerServer::StreamMore(const std::shared_ptr<Call>& call, const std::string& id,
+                                  size_t& sent, httplib::DataSink& sink) {
   std::vector<uint32_t> fresh;
   bool done = false;
   Status status;
   CompletionUsage usage;
+  if (!WaitWhileClientStays(call, [sent](Call& c) {
+        c.mu.AssertHeld();
+        return c.tokens.size() > sent || c.done;
+      })) {
+    return false;  // the client left: the response ends, and the call was cancelled
+  }
   {
-    MutexLock lock(&call.mu);
-    while (call.tokens.size() <= sent && !call.done) call.changed.Wait(&call.mu);
-    if (call.tokens.size() > sent) fresh.assign(call.tokens.begin() + sent, call.tokens.end());
-    done = call.done;
-    status = call.status;
-    usage = call.usage;
+    MutexLock lock(&call->mu);
+    if (call->tokens.size() > sent) fresh.assign(call->tokens.begin() + sent, call->tokens.end());
+    done = call->done;
+    status = call->status;
+    usage = call->usage;
   }
   std::string out;
   auto event = [&out](const json& data) { out += "data: " + Dump(data) + "\n\n"; };
@@ -392,6 +478,35 @@ Status HttpWorkerServer::Submit(std::shared_ptr<Call> call) {
   return Status::OK();
 }
 
+void HttpWorkerServer::Cancel(const std::shared_ptr<Call>& call) {
+  {
+    MutexLock lock(&call->mu);
+    if (call->done || call->cancelled) return;
+    call->cancelled = true;
+  }
+  MutexLock lock(&mu_);
+  cancels_.push_back(call);
+  work_.Signal();
+}
+
+template <typename Ready>
+bool HttpWorkerServer::WaitWhileClientStays(const std::shared_ptr<Call>& call, Ready ready) {
+  {
+    MutexLock lock(&call->mu);
+    // The engine wakes this at once when it is ready; the client is looked at in between.
+    Clock::time_point next_check = Clock::now() + kClientCheck;
+    while (!ready(*call)) {
+      call->changed.WaitFor(&call->mu, kClientCheck);
+      if (ready(*call) || Clock::now() < next_check) continue;
+      if (HttpFront::ClientGone()) break;
+      next_check = Clock::now() + kClientCheck;
+    }
+    if (ready(*call)) return true;
+  }
+  Cancel(call);
+  return false;
+}
+
 WorkerTotals HttpWorkerServer::FreshTotals() {
   MutexLock lock(&mu_);
   const uint64_t seen = totals_version_;
@@ -406,56 +521,74 @@ WorkerTotals HttpWorkerServer::FreshTotals() {
 void HttpWorkerServer::Stop() {
   MutexLock lock(&mu_);
   if (!stopping_) {
-    KVSTASH_LOG_INFO("kvstash worker: stopping (finishing the requests in flight first)");
+    KVSTASH_LOG_INFO(
+        "kvstash worker: stopping (the requests in flight get {} ms to finish, then are "
+        "cancelled)",
+        options_.stop_grace_ms);
+    stop_time_ = Clock::now();
+    if (front_) front_->Closing();
   }
   stopping_ = true;
   work_.Signal();
 }
 
 Status HttpWorkerServer::Serve() {
-  std::thread http([this] {
-    const bool ok = http_.listen_after_bind();
-    MutexLock lock(&mu_);
-    if (!http_stopped_) {
-      KVSTASH_LOG_ERROR("kvstash worker: the HTTP server stopped on its own ({})",
-                        ok ? "no error" : "accept failed");
-    }
-    http_done_ = true;
-    stopping_ = true;
-    work_.Signal();
-    state_changed_.SignalAll();
-  });
+  front_->Start();
   EngineLoop();
-  bool failed = false;
+  Status failure;
+  Clock::time_point flushed;
   {
     MutexLock lock(&mu_);
-    // Every call has its answer; streams may still be writing theirs.
-    while (open_streams_ > 0 && !http_done_) state_changed_.Wait(&mu_);
-    failed = http_done_ && !http_stopped_;
-    http_stopped_ = true;
-    // stop() does nothing until the server runs: asked again until the thread says it ended.
-    while (!http_done_) {
-      http_.stop();
-      state_changed_.WaitFor(&mu_, std::chrono::milliseconds(20));
+    // Every call has its answer; streams and others may still be writing theirs (a client
+    // slow to read them is cut off half a second past the stop's grace).
+    flushed = std::max(stop_time_ + std::chrono::milliseconds(options_.stop_grace_ms + 500),
+                       Clock::now() + std::chrono::milliseconds(100));
+    while (open_streams_ > 0 && Clock::now() < flushed) {
+      state_changed_.WaitFor(&mu_, std::chrono::milliseconds(10));
     }
+    failure = http_failure_;
   }
-  http.join();
-  if (failed) return UnavailableError("the HTTP server on port {} stopped on its own", port_);
+  front_->Shutdown(flushed);
+  if (!failure.ok()) {
+    return UnavailableError("the HTTP server on port {} stopped on its own: {}", port_,
+                            failure.ToString());
+  }
   return Status::OK();
 }
 
 void HttpWorkerServer::EngineLoop() {
+  std::optional<Clock::time_point> grace_end;
   for (;;) {
     std::deque<std::shared_ptr<Call>> calls;
+    std::deque<std::shared_ptr<Call>> cancels;
     const bool busy = engine_->HasUnfinished();
     {
       MutexLock lock(&mu_);
-      while (!busy && inbox_.empty() && !totals_wanted_ && !stopping_) work_.Wait(&mu_);
+      while (!busy && inbox_.empty() && cancels_.empty() && !totals_wanted_ && !stopping_) {
+        work_.Wait(&mu_);
+      }
       if (!busy && inbox_.empty() && stopping_) break;
+      if (stopping_ && !grace_end) {
+        grace_end = stop_time_ + std::chrono::milliseconds(options_.stop_grace_ms);
+      }
       calls.swap(inbox_);
+      cancels.swap(cancels_);
       totals_wanted_ = false;
     }
+    for (const std::shared_ptr<Call>& call : cancels) {
+      Drop(call, CancelledError("the client closed its connection"));
+    }
     for (const std::shared_ptr<Call>& call : calls) Admit(call);
+    if (grace_end && Clock::now() >= *grace_end && !running_.empty()) {
+      // Stopping, and the grace is over: what is still running is cancelled.
+      std::vector<std::shared_ptr<Call>> left;
+      for (const auto& [id, call] : running_) left.push_back(call);
+      for (const std::shared_ptr<Call>& call : left) {
+        Drop(call, UnavailableError("the worker stopped before the request finished (it gives "
+                                    "the requests in flight {} ms)",
+                                    options_.stop_grace_ms));
+      }
+    }
     if (engine_->HasUnfinished()) {
       const std::vector<RequestId> done = engine_->Step();
       const Clock::time_point now = Clock::now();
@@ -474,18 +607,40 @@ void HttpWorkerServer::EngineLoop() {
 }
 
 void HttpWorkerServer::Admit(const std::shared_ptr<Call>& call) {
+  {
+    MutexLock lock(&call->mu);
+    if (call->cancelled) return;  // its client left before the engine saw it
+  }
   // A prefill worker computes the prompt and its first token, and pushes every full block for
   // the decode worker that continues it.
   const bool prefill = options_.role == Role::kPrefill;
   Result<RequestId> id = engine_->AddRequest(call->prompt, prefill ? 1 : call->max_tokens,
                                              /*do_remote_decode=*/prefill);
-  if (id.ok()) running_[*id] = call;
+  if (id.ok()) {
+    running_[*id] = call;
+    call->engine_id = *id;
+  }
   MutexLock lock(&call->mu);
   call->admitted = true;
   if (!id.ok()) {
     call->done = true;
     call->status = id.status();
   }
+  call->changed.SignalAll();
+}
+
+void HttpWorkerServer::Drop(const std::shared_ptr<Call>& call, Status status) {
+  if (call->engine_id != 0 && running_.erase(call->engine_id) > 0) {
+    if (Status aborted = engine_->Abort(call->engine_id); !aborted.ok()) {
+      KVSTASH_LOG_WARN("kvstash worker: {}", aborted.ToString());
+    }
+  }
+  MutexLock lock(&call->mu);
+  if (call->done) return;
+  ++served_.cancelled_requests;
+  call->admitted = true;
+  call->done = true;
+  call->status = std::move(status);
   call->changed.SignalAll();
 }
 
@@ -578,6 +733,9 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::Create(Engine* engine,
   if (options.keep_alive_seconds < 1) {
     return InvalidArgumentError("keep-alive of {} s: at least 1", options.keep_alive_seconds);
   }
+  if (options.stop_grace_ms < 0) {
+    return InvalidArgumentError("a stop grace of {} ms: at least 0", options.stop_grace_ms);
+  }
   WorkerInfo info;
   info.model = engine->config().name;
   info.fingerprint = engine->fingerprint();
@@ -585,8 +743,18 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::Create(Engine* engine,
   info.attn_pack = engine->layout().attn_pack;
   info.role = options.role;
   info.nodes = options.num_nodes;
+  FrontOptions front;
+  front.listen = options.listen;
+  front.port = options.port;
+  front.backlog = options.listen_backlog;
+  front.request_threads = options.http_threads;
+  front.max_connections = options.max_connections;
+  front.header_timeout = std::chrono::milliseconds(options.header_timeout_ms);
+  front.read_timeout = std::chrono::milliseconds(options.read_timeout_ms);
+  front.write_timeout = std::chrono::milliseconds(options.write_timeout_ms);
+  front.keep_alive = std::chrono::seconds(options.keep_alive_seconds);
   auto server = std::make_unique<HttpWorkerServer>(engine, options, std::move(info));
-  KVSTASH_RETURN_IF_ERROR(server->Bind());
+  KVSTASH_RETURN_IF_ERROR(server->Bind(front));
   return std::unique_ptr<WorkerServer>(std::move(server));
 }
 

@@ -200,8 +200,10 @@ int main(int argc, char** argv) {
       "[DONE]. GET /v1/models: the model, its fingerprint, block size and role; GET "
       "/kvstash/stats: running totals (also as Prometheus counters at GET /metrics); GET "
       "/health. Requests in flight run batched; an answer is sent once the request's blocks "
-      "are on the nodes. Prints `kvstash-engine serving MODEL (role ROLE) on HOST:PORT` when "
-      "ready; on SIGTERM or SIGINT finishes the requests in flight and exits 0.");
+      "are on the nodes; a request whose client closes its connection is cancelled. Prints "
+      "`kvstash-engine serving MODEL (role ROLE) on HOST:PORT` when ready; on SIGTERM or SIGINT "
+      "gives the requests in flight --stop-grace-ms to finish, cancels the rest (503) and "
+      "exits 0.");
   AddModelFlags(serve, serve_model_flags);
   serve->add_option("--listen", serve_flags.listen, "address to listen on")->capture_default_str();
   serve->add_option("--port", serve_flags.port, "port to listen on (0: any free port)")
@@ -214,10 +216,47 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(size_t{64}, size_t{1} << 30));
   serve
       ->add_option("--http-threads", serve_flags.http_threads,
-                   "connections served at once (the requests in flight at most); more wait for "
-                   "a thread")
+                   "requests served at once (the completions in flight at most); more wait for "
+                   "a thread. /health and the other GETs have threads of their own, and a "
+                   "connection takes a thread only once its request's headers are in")
       ->capture_default_str()
       ->check(CLI::Range(size_t{1}, size_t{4096}));
+  serve
+      ->add_option("--max-connections", serve_flags.max_connections,
+                   "connections open at once, idle ones included; past it new ones wait in the "
+                   "listen backlog (0: the open-files limit, RLIMIT_NOFILE, less 128 for the "
+                   "engine)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{0}, size_t{1} << 20));
+  serve
+      ->add_option("--listen-backlog", serve_flags.listen_backlog,
+                   "connections the kernel holds for the worker to accept (capped at "
+                   "net.core.somaxconn)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  serve
+      ->add_option("--header-timeout-ms", serve_flags.header_timeout_ms,
+                   "a request's line and headers must arrive within this (else 408 and the "
+                   "connection closed); no thread waits for them")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600000));
+  serve
+      ->add_option("--read-timeout-ms", serve_flags.read_timeout_ms,
+                   "a request's body must arrive within this of its headers (else 408)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600000));
+  serve
+      ->add_option("--write-timeout-ms", serve_flags.write_timeout_ms,
+                   "an answer its client leaves unread this long fails: the connection is "
+                   "closed and a stream's request cancelled")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 3600000));
+  serve
+      ->add_option("--stop-grace-ms", serve_flags.stop_grace_ms,
+                   "on SIGTERM or SIGINT, how long the requests in flight may take to finish "
+                   "before they are cancelled (answered 503)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 3600000));
   serve
       ->add_option("--role", serve_flags.role,
                    "both: requests run to completion here; prefill: compute the prompt, push "

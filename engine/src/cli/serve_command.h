@@ -18,9 +18,16 @@ struct ServeFlags {
   std::string role = "both";
   size_t max_body_bytes = size_t{16} << 20;
   size_t http_threads = 32;
+  size_t max_connections = 0;  // 0: RLIMIT_NOFILE's soft limit less 128
+  int listen_backlog = 4096;
+  int header_timeout_ms = 10000;
+  int read_timeout_ms = 30000;
+  int write_timeout_ms = 10000;
+  int stop_grace_ms = 1000;
 };
 
-// Runs until SIGTERM or SIGINT; then finishes the requests it has, lands their pushes, exits 0.
+// Runs until SIGTERM or SIGINT; then gives the requests it has --stop-grace-ms to finish,
+// cancels the rest, lands the pushes of those answered, exits 0.
 int RunServe(const ModelFlags& model, const ServeFlags& serve);
 
 struct RemoteChatFlags {

@@ -66,6 +66,20 @@ class Engine {
                                bool do_remote_decode = false);
   bool HasUnfinished() const { return scheduler_.HasUnfinished(); }
 
+  // Whether a request of `num_prompt_tokens` generating `max_new_tokens` can ever run in this
+  // pool: OutOfRange, naming the blocks needed and the pool's, when its last prompt token, or
+  // any position after it (computed one per step, as its generated tokens are), needs more
+  // blocks than the whole pool holds (KvCacheManager::MinBlocksHeldAt: a sliding window counts
+  // only its window, a state its snapshot). Its earlier prompt tokens are not counted: a prefix
+  // hit may spare them. Thread-safe: reads only what Create fixed.
+  Status CheckFits(size_t num_prompt_tokens, size_t max_new_tokens) const;
+
+  // Drops a queued, running or finished request whose result nobody will take (its client
+  // went away): its blocks go back to the pool (those the prefix cache holds stay cached), its
+  // stores to the offload nodes are fenced as a finished request's, and Find and TakeResult no
+  // longer know it. NotFound for an unknown or taken id. Between steps, as every call here.
+  Status Abort(RequestId id);
+
   // One step: schedule, run the model, sample. Returns the requests that finished (or failed)
   // in it; take their results with TakeResult.
   std::vector<RequestId> Step();

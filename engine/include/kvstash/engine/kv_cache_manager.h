@@ -69,6 +69,8 @@ class KvCacheManager {
   // lcm of the groups' block sizes: hits and cached lengths are multiples of it.
   uint32_t lcm_block_size() const;
   size_t num_free_blocks() const;
+  // The pool's blocks, the null block included. Fixed at construction: safe from any thread.
+  size_t num_blocks() const { return options_.num_blocks; }
   BlockPool& pool();
 
   // The longest prefix-cache hit of a request that has `num_tokens` tokens and these hashes (at
@@ -85,6 +87,21 @@ class KvCacheManager {
   // full block of its tokens, as the scheduler's do; AllocateSlots counts with the hashes given.
   size_t NumBlocksToAllocate(RequestId id, size_t num_computed_tokens, size_t num_new_tokens,
                              const ComputedBlocks* new_computed) const;
+
+  // The fewest blocks a request holds while the token at `position` is computed, whatever its
+  // schedule: any allocation that computes the position (a prefill chunk, a decode step, a
+  // resumed request's recompute, after any hit) holds at least, per group, the blocks from the
+  // first one the group still needs at the position (past a window, a chunk or a state's
+  // snapshot) to the one holding it. Ring groups count none: their KV lives outside the pool,
+  // and whether a position of theirs takes a block for the prefix cache depends on what the
+  // request cached before. Reads only the groups' specs, fixed at construction: safe from any
+  // thread.
+  size_t MinBlocksHeldAt(size_t position) const;
+  // The most MinBlocksHeldAt gives a position from `first` to `last` (what a request holds at
+  // its peak computing those positions one per step), looked up over at most one period of the
+  // groups' windows, chunks and blocks: past it only the full-attention groups' share grows.
+  // Safe from any thread.
+  size_t MinBlocksToCompute(size_t first, size_t last) const;
 
   // Makes the request's block tables cover num_computed_tokens (+ new_computed->tokens, a hit
   // from GetComputedBlocks given on the request's first allocation; ignored once the request

@@ -103,7 +103,9 @@ class Scheduler {
   size_t num_waiting() const { return waiting_.size(); }
 
   // Picks this step's work: running requests first (preempting the newest when blocks run
-  // out), then waiting ones while the budget, max_num_seqs and the pool allow.
+  // out; a request alone takes a shorter prefill chunk instead, down to one token, and fails
+  // only when even that does not fit), then waiting ones while the budget, max_num_seqs and
+  // the pool allow.
   SchedulerOutput Schedule();
 
   // After the forward pass of `out`: advances computed tokens; a request whose every known
@@ -113,6 +115,10 @@ class Scheduler {
 
   // Hands a finished or failed request to the caller (its entry is dropped).
   std::unique_ptr<Request> Take(RequestId id);
+  // Drops a request whatever its state (a running or waiting one gives its blocks back) and
+  // hands it to the caller; null for an unknown id. Not for a request whose load is in flight
+  // (kLoading): the engine finishes loads within the step that starts them.
+  std::unique_ptr<Request> Remove(RequestId id);
 
   // Waiting requests may load tokens from `source` (borrowed; null: none).
   void SetExternalSource(ExternalKvSource* source) { external_ = source; }

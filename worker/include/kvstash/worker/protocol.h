@@ -76,6 +76,9 @@ struct WorkerTotals {
   // their figures summed.
   uint64_t requests = 0;
   uint64_t failed_requests = 0;
+  // Completions dropped before their end: their client closed its connection, or the worker
+  // stopped before they finished.
+  uint64_t cancelled_requests = 0;
   uint64_t prompt_tokens = 0;
   uint64_t generation_tokens = 0;
   uint64_t local_hit_tokens = 0;
