@@ -134,9 +134,10 @@ TEST(KvstashdResourcesTest, CpuBytesBeyondTheMachinesMemoryIsRefusedAtStart) {
   overcommit >> mode;
   // A node that does not check would map the tier and fault it in: with overcommit always on,
   // the kernel would let it take the host down.
-  if (mode == 1)
+  if (mode == 1) {
     GTEST_SKIP() << "vm.overcommit_memory is 1: a node that does not check would "
                     "fault in more than this machine has";
+  }
   // Beyond memory and swap together: the kernel refuses to map it, whatever a node does.
   const uint64_t machine = Meminfo("MemTotal") + Meminfo("SwapTotal");
   const uint64_t cpu_gib = 2 * machine / kGiB + 1;

@@ -300,8 +300,9 @@ void RpcClient::Impl::Disconnect(Status status) {
   }
   waiting_.clear();
   mapped_.store(false);
-  for (auto& [id, region] : std::exchange(shared_regions_, {}))
+  for (auto& [id, region] : std::exchange(shared_regions_, {})) {
     RetireSharedRegion(std::move(region));
+  }
   for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
   if (ep_) {
     auto ep = std::make_shared<UcpEndpoint>(std::move(ep_));
