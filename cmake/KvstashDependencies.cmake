@@ -21,14 +21,16 @@ pkg_check_modules(PROTOBUF_LITE REQUIRED IMPORTED_TARGET protobuf-lite)
 find_program(KVSTASH_PROTOC protoc REQUIRED)
 # UCX (ucp + ucs), standalone Asio (header only).
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
-# Prometheus metrics of the node (prometheus-cpp; the pull part serves them over HTTP).
-pkg_check_modules(PROMETHEUS REQUIRED IMPORTED_TARGET prometheus-cpp-pull prometheus-cpp-core)
+# Prometheus metrics of the node (prometheus-cpp's core: the metric families and the text
+# format; kvstash::http serves them, not prometheus-cpp-pull's civetweb).
+pkg_check_modules(PROMETHEUS REQUIRED IMPORTED_TARGET prometheus-cpp-core)
 find_path(ASIO_INCLUDE_DIR asio.hpp REQUIRED)
-# cpp-httplib (the engine worker's HTTP server and client). Debian ships it compiled
-# (libcpp-httplib.so, built with CPPHTTPLIB_OPENSSL_SUPPORT, _ZLIB_SUPPORT and _BROTLI_SUPPORT)
-# with a header whose structs change layout with those macros: code that includes httplib.h must
-# compile with the package's own flags (pkg-config's), or it disagrees with the library about
-# httplib::Request. kvstash serves and calls plain HTTP only; TLS is never set up.
+# cpp-httplib (the request parsing and routing of kvstash's HTTP servers, kvstash::http; the
+# worker's and etcd's HTTP clients). Debian ships it compiled (libcpp-httplib.so, built with
+# CPPHTTPLIB_OPENSSL_SUPPORT, _ZLIB_SUPPORT and _BROTLI_SUPPORT) with a header whose structs
+# change layout with those macros: code that includes httplib.h must compile with the package's
+# own flags (pkg-config's), or it disagrees with the library about httplib::Request. kvstash
+# serves and calls plain HTTP only; TLS is never set up.
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 # OpenSSL's libcrypto (which cpp-httplib links anyway): base64 for etcd's JSON gateway.
 pkg_check_modules(LIBCRYPTO REQUIRED IMPORTED_TARGET libcrypto)

@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "http_front.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
+#include "kvstash/http/http_front.h"
 #include "protocol_json.h"
 
 namespace kvstash::worker {
@@ -27,6 +27,9 @@ using Clock = std::chrono::steady_clock;
 using engine::Engine;
 using engine::Request;
 using engine::RequestId;
+using http::FrontOptions;
+using http::HttpFront;
+using http::Lane;
 
 // How often a thread waiting on the engine for a client looks whether the client has left.
 constexpr std::chrono::milliseconds kClientCheck{20};
@@ -204,6 +207,7 @@ Status HttpWorkerServer::Bind(const FrontOptions& front) {
   o.error_body = [](int status, std::string_view code, std::string_view message) {
     return Dump(ErrorJson(status, code, message));
   };
+  o.error_content_type = "application/json";
   o.on_failure = [this](const Status& failure) {
     {
       MutexLock lock(&mu_);
@@ -744,6 +748,7 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::Create(Engine* engine,
   info.role = options.role;
   info.nodes = options.num_nodes;
   FrontOptions front;
+  front.name = "kvstash worker";
   front.listen = options.listen;
   front.port = options.port;
   front.backlog = options.listen_backlog;

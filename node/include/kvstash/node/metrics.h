@@ -3,9 +3,10 @@
 // Prometheus metrics of a node, served over HTTP at /metrics (and /healthz, which answers 200
 // with `kvstash_up 1` while the daemon runs). The values are read from the node's counters and
 // latency histograms at every scrape, so the request path pays only for the relaxed atomic adds
-// that keep them. The HTTP server (metrics.cc) keeps answering under slow or silent clients and
-// when the process runs out of file descriptors: requests have deadlines, waiting connections
-// hold no thread, and accept backs off.
+// that keep them. The HTTP server (kvstash::http's connection front; its bounds in metrics.cc)
+// keeps answering under slow or silent clients and when the process runs out of file
+// descriptors: requests have deadlines, waiting connections hold no thread, /healthz has a
+// thread no scrape can take, and accept backs off.
 
 #include <memory>
 #include <string>

@@ -1,12 +1,14 @@
 #pragma once
 
-// The worker's HTTP connections, in front of cpp-httplib's request parsing and routing: the
+// An HTTP server's connections, in front of cpp-httplib's request parsing and routing: the
 // listening socket (a real backlog), one I/O thread that accepts and reads each request's line
 // and headers without a thread of its own, and lanes of threads that httplib runs complete
 // requests on. httplib 0.11.4's own server gives each connection a pool thread from accept on,
 // so 32 clients sending a header byte a second hold all 32, and its accept loop stops the
 // server at ENFILE; here a connection takes a thread only once its request's head has arrived,
-// and /health has a lane of its own that no request can take.
+// and a health check has a lane of its own that no other request can take. Both of kvstash's
+// HTTP servers stand on it: the engine worker's API (kvstash::worker) and a node's /metrics and
+// /healthz (kvstash::node).
 
 #include <httplib.h>
 
@@ -20,23 +22,36 @@
 
 #include "kvstash/common/status.h"
 
-namespace kvstash::worker {
+namespace kvstash::http {
 
 // Which threads serve a request. kHealth and kInfo take only bodiless requests whose client
 // can take the answer at once (so that nothing there waits on a client), each lane its own
-// threads; everything else goes to kRequests.
+// threads; everything else goes to kRequests. The worker: /health, the informational GETs, and
+// completions; a node: /healthz, /metrics, and anything else.
 enum class Lane : uint8_t { kRequests, kInfo, kHealth };
 
+// What the I/O thread does with a new connection when max_connections are open.
+enum class AtLimit : uint8_t {
+  // Accepts no more until one closes: the others wait in the listen backlog.
+  kWait,
+  // Closes the oldest connection still waiting for a request (its line and headers, or its
+  // next one) to take the new one, so that a flood of slow clients cannot keep a prober out;
+  // waits as kWait when every open connection has its request.
+  kCloseOldestWaiting,
+};
+
 struct FrontOptions {
+  // Names the server in its log lines ("kvstash worker on port 8000: ...").
+  std::string name = "HTTP server";
   std::string listen = "127.0.0.1";
   uint16_t port = 0;   // 0: a free port
   int backlog = 4096;  // listen(2)'s; the kernel caps it at net.core.somaxconn
   size_t request_threads = 32;
   size_t info_threads = 2;
   size_t health_threads = 1;
-  // Connections open at once; past it the I/O thread accepts no more until one closes (the
-  // others wait in the listen backlog).
+  // Connections open at once; what happens past it is at_limit's.
   size_t max_connections = 1024;
+  AtLimit at_limit = AtLimit::kWait;
   // A request's line and headers must arrive within header_timeout of its first byte (of the
   // accept, for a connection's first request); its body within read_timeout of its headers. A
   // write that the client leaves unread for write_timeout fails.
@@ -45,13 +60,16 @@ struct FrontOptions {
   std::chrono::milliseconds write_timeout{10000};
   // How long an idle connection is kept for its client's next request.
   std::chrono::milliseconds keep_alive{2000};
+  // Requests served on one connection before its answer closes it (1: every answer does).
   size_t max_requests_per_connection = 100;
   size_t max_header_bytes = size_t{64} << 10;
   // The lane of a request with this method and path (without its query).
   std::function<Lane(std::string_view method, std::string_view path)> classify;
-  // The body of an error the I/O thread answers itself (408, 431), as the API spells errors.
+  // The body of an error the I/O thread answers itself (408, 431), as the API spells errors
+  // (unset: the message as plain text), and its Content-Type.
   std::function<std::string(int status, std::string_view code, std::string_view message)>
       error_body;
+  std::string error_content_type = "text/plain; charset=utf-8";
   // Called (once, from the I/O thread) if it fails and stops accepting for good.
   std::function<void(const Status&)> on_failure;
 };
@@ -73,7 +91,7 @@ class HttpFront {
 
   // Starts the I/O thread and the lanes.
   void Start();
-  // From now on every answer closes its connection (a stopping worker).
+  // From now on every answer closes its connection (a stopping server).
   void Closing();
   // Closes the port and every connection: idle ones at once; busy ones whose answer is being
   // written (Answering) get until `drain_until` to finish, the others are shut down so that
@@ -96,4 +114,4 @@ class HttpFront {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace kvstash::worker
+}  // namespace kvstash::http

@@ -1,4 +1,4 @@
-#include "http_front.h"
+#include "kvstash/http/http_front.h"
 
 #include <errno.h>
 #include <netdb.h>
@@ -27,7 +27,7 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 
-namespace kvstash::worker {
+namespace kvstash::http {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -54,7 +54,8 @@ struct Connection {
   bool waiting_writable = false;  // its head is in; it waits for room for the answer
   Clock::time_point deadline;     // when the I/O thread gives up on it
   Lane lane = Lane::kRequests;
-  size_t served = 0;  // requests answered on it
+  size_t served = 0;      // requests answered on it
+  uint64_t accepted = 0;  // its place in the accept order
   // The serving thread's, for its request.
   std::atomic<bool> answering{false};  // read by Shutdown
   Clock::time_point read_deadline;
@@ -294,6 +295,9 @@ class HttpFront::Impl {
   void RunIo();
   void AcceptAll(Clock::time_point now);
   void PauseAccepting(Clock::time_point now, int error);
+  // At the limit (AtLimit::kCloseOldestWaiting): closes the oldest connection waiting for a
+  // request; false when there is none.
+  bool CloseOldestWaiting();
   void ResumeAccepting();
   void Read(int fd, uint32_t events, Clock::time_point now);
   // The head of `c`'s next request is in (or not yet): hand it to its lane, or keep reading.
@@ -340,6 +344,7 @@ class HttpFront::Impl {
 
   // The I/O thread's own.
   std::unordered_map<int, std::unique_ptr<Connection>> idle_;
+  uint64_t accepted_ = 0;  // connections accepted so far
   bool paused_ = false;
   int pause_error_ = 0;   // why: accept's errno, or 0 for the connection limit
   bool episode_ = false;  // accepting failed (or hit the limit) since it last succeeded
@@ -369,7 +374,7 @@ Status HttpFront::Impl::Bind() {
       error = std::strerror(errno);
       continue;
     }
-    // SO_REUSEADDR only: with SO_REUSEPORT a second worker on a taken port would start and
+    // SO_REUSEADDR only: with SO_REUSEPORT a second server on a taken port would start and
     // share it instead of failing.
     int yes = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
@@ -470,8 +475,9 @@ void HttpFront::Impl::RunIo() {
     const int n = ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()),
                                static_cast<int>(kScanInterval.count()));
     if (n < 0 && errno != EINTR) {
-      const Status failed = InternalError("epoll_wait on port {}: {}", port_, std::strerror(errno));
-      KVSTASH_LOG_ERROR("kvstash worker: {}", failed.ToString());
+      const Status failed = InternalError("{}: epoll_wait on port {}: {}", options_.name, port_,
+                                          std::strerror(errno));
+      KVSTASH_LOG_ERROR("{}", failed.ToString());
       if (options_.on_failure) options_.on_failure(failed);
       break;
     }
@@ -520,18 +526,27 @@ void HttpFront::Impl::RunIo() {
 void HttpFront::Impl::AcceptAll(Clock::time_point now) {
   while (!paused_) {
     if (open_.load() >= options_.max_connections) {
-      PauseAccepting(now, 0);
-      return;
+      if (options_.at_limit == AtLimit::kCloseOldestWaiting) {
+        // Room is made only for a connection that is there to take.
+        pollfd p{listen_fd_, POLLIN, 0};
+        if (::poll(&p, 1, 0) != 1 || (p.revents & POLLIN) == 0) return;
+      }
+      if (options_.at_limit == AtLimit::kWait || !CloseOldestWaiting()) {
+        PauseAccepting(now, 0);
+        return;
+      }
     }
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       const int e = errno;
       if (e == EAGAIN || e == EWOULDBLOCK) {
-        // Every connection that waited has been taken: the episode is over.
+        // Every connection that waited has been taken: the episode is over (said at the level
+        // its start was, so that a log showing one shows the other).
         if (episode_) {
-          KVSTASH_LOG_INFO(
-              "kvstash worker: accepting connections again: those that waited were taken "
+          KVSTASH_LOG_WARN(
+              "{} on port {}: accepting connections again: those that waited were taken "
               "within {} ms",
+              options_.name, port_,
               std::chrono::duration_cast<milliseconds>(now - episode_start_).count());
           episode_ = false;
           backoff_ = milliseconds{0};
@@ -548,6 +563,7 @@ void HttpFront::Impl::AcceptAll(Clock::time_point now) {
     int yes = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &yes, sizeof yes);  // stream events leave at once
     auto c = std::make_unique<Connection>(fd);
+    c->accepted = accepted_++;
     c->deadline = now + options_.header_timeout;
     Watch(fd, EPOLLIN | EPOLLRDHUP, EPOLL_CTL_ADD);
     idle_[fd] = std::move(c);
@@ -567,18 +583,34 @@ void HttpFront::Impl::PauseAccepting(Clock::time_point now, int error) {
   episode_start_ = now;
   if (error == 0) {
     KVSTASH_LOG_WARN(
-        "kvstash worker: {} connections open, the limit (--max-connections): new ones wait in "
-        "the listen backlog until one closes",
-        open_.load());
+        "{} on port {}: {} connections open, its limit: new ones wait in the listen backlog "
+        "until one closes",
+        options_.name, port_, open_.load());
     return;
   }
   rlimit files{};
   ::getrlimit(RLIMIT_NOFILE, &files);
   KVSTASH_LOG_WARN(
-      "kvstash worker: cannot accept connections: {} ({} connections open, RLIMIT_NOFILE {}); "
+      "{} on port {}: cannot accept connections ({}): {} connections open, RLIMIT_NOFILE {}; "
       "new ones wait in the listen backlog, retried as connections close and at most {} ms "
-      "apart",
-      std::strerror(error), open_.load(), files.rlim_cur, kLastBackoff.count());
+      "apart, and the open ones are served",
+      options_.name, port_, std::strerror(error), open_.load(), files.rlim_cur,
+      kLastBackoff.count());
+}
+
+bool HttpFront::Impl::CloseOldestWaiting() {
+  // Connections waiting for room for their answer have their request: not theirs to lose.
+  int oldest = -1;
+  uint64_t oldest_accepted = 0;
+  for (const auto& [fd, c] : idle_) {
+    if (!c->waiting_writable && (oldest < 0 || c->accepted < oldest_accepted)) {
+      oldest = fd;
+      oldest_accepted = c->accepted;
+    }
+  }
+  if (oldest < 0) return false;
+  CloseIdle(oldest);
+  return true;
 }
 
 void HttpFront::Impl::ResumeAccepting() {
@@ -707,9 +739,9 @@ void HttpFront::Impl::Refuse(int fd, int status, std::string_view code,
   const std::string body =
       options_.error_body ? options_.error_body(status, code, message) : message;
   const std::string answer = fmt::format(
-      "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n"
+      "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n"
       "Connection: close\r\n\r\n{}",
-      status, Reason(status), body.size(), body);
+      status, Reason(status), options_.error_content_type, body.size(), body);
   [[maybe_unused]] const ssize_t n =
       ::send(fd, answer.data(), answer.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   CloseIdle(fd);
@@ -804,4 +836,4 @@ void HttpFront::Answering() {
   if (current != nullptr) current->answering = true;
 }
 
-}  // namespace kvstash::worker
+}  // namespace kvstash::http
