@@ -66,6 +66,29 @@ struct Connection {
 // The connection whose request this thread serves (a lane thread inside process_request).
 thread_local Connection* current = nullptr;
 
+// An answer that ends its connection before the request's body was read (a 413): the client may
+// still be sending that body, and closing a socket with unread bytes resets the connection, which
+// can make the client lose the answer it has not read yet (and, writing on, die of SIGPIPE). So
+// the front stops writing and drops what still comes for a moment before it closes, as HTTP
+// servers' "lingering close" does: at most kLingerTime and kLingerBytes, on the lane's thread.
+constexpr std::chrono::milliseconds kLingerTime{200};
+constexpr size_t kLingerBytes = size_t{1} << 20;
+
+void Linger(int fd) {
+  ::shutdown(fd, SHUT_WR);
+  const Clock::time_point until = Clock::now() + kLingerTime;
+  char dropped[16384];
+  for (size_t total = 0; total < kLingerBytes;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    pollfd readable{fd, POLLIN, 0};
+    if (left <= 0 || ::poll(&readable, 1, static_cast<int>(left)) <= 0) return;
+    const ssize_t n = ::recv(fd, dropped, sizeof(dropped), MSG_DONTWAIT);
+    if (n <= 0) return;  // the client finished (0) or reset
+    total += static_cast<size_t>(n);
+  }
+}
+
 bool IEquals(std::string_view a, std::string_view b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
            return std::tolower(static_cast<unsigned char>(x)) ==
@@ -768,6 +791,7 @@ void HttpFront::Impl::Serve(std::unique_ptr<Connection> c) {
   ++c->served;
   c->in.erase(0, c->used);
   c->used = 0;
+  if (c->close) Linger(c->fd);
   if (!ok || closed || last || c->close || closing_.load()) return CloseBusy(std::move(c));
   Return(std::move(c));
 }
