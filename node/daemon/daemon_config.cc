@@ -131,6 +131,18 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
       ->capture_default_str();
 }
 
+Status ParseDaemonConfig(std::string_view toml, DaemonFlags* flags) {
+  CLI::App app("kvstashd settings");
+  AddDaemonFlags(app, *flags);
+  std::istringstream in{std::string(toml)};
+  try {
+    app.parse_from_stream(in);
+  } catch (const CLI::Error& e) {
+    return InvalidArgumentError("config: {}", e.what());
+  }
+  return Status::OK();
+}
+
 Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const DaemonFlags& flags,
                                                                       const NodeOptions& options,
                                                                       uint16_t port) {

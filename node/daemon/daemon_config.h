@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -52,6 +53,12 @@ struct DaemonFlags {
 
 // Adds every flag (and --config) to `app`, bound to `flags`.
 void AddDaemonFlags(CLI::App& app, DaemonFlags& flags);
+
+// Reads settings from the text of a TOML config file into `flags` (those it does not name keep
+// their values), with the reader --config FILE uses: CLI11 reads the file as a stream and hands
+// its items to the same flags. For tests and the config's fuzz target. InvalidArgument with
+// CLI11's message for text it cannot read, an unknown setting or a bad value.
+Status ParseDaemonConfig(std::string_view toml, DaemonFlags* flags);
 
 // The metrics endpoint's HOST:PORT, or "" when it is off; InvalidArgument for anything else.
 Result<std::string> MetricsAddress(const DaemonFlags& flags);

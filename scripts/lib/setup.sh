@@ -7,7 +7,7 @@ KVSTASH_BUILD_DIR="${KVSTASH_BUILD_DIR:-$KVSTASH_ROOT/build}"
 
 # Every Debian package the build and the tests use. Keep in step with the README.
 KVSTASH_PACKAGES=(
-  build-essential cmake ninja-build pkg-config clang-format clang clang-tidy python3
+  build-essential cmake ninja-build pkg-config clang-format clang clang-tidy libclang-rt-dev python3
   libgtest-dev libgmock-dev libbenchmark-dev
   libspdlog-dev libfmt-dev libxxhash-dev libcli11-dev
   librocksdb-dev nlohmann-json3-dev fio util-linux

@@ -81,7 +81,7 @@ class PrefetchingWalk {
       index_.Prefetch(hash);
       if (policy_ != nullptr) policy_->Prefetch(hash);
     }
-    if (next_ + kEntryAhead < hashed_) {
+    if (entries_ != nullptr && next_ + kEntryAhead < hashed_) {  // a store's walk has none
       const uint32_t candidate = index_.FirstCandidate(ring_[(next_ + kEntryAhead) % kRing]);
       if (candidate != FlatIndex::kNone) __builtin_prefetch(&entries_[candidate]);
     }
