@@ -20,26 +20,16 @@
 #include <thread>
 #include <vector>
 
+#include "loopback_socket.h"
+
 namespace kvstash::http {
 namespace {
 
 using namespace std::chrono_literals;
+using ::kvstash::testing::ConnectLoopback;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using Clock = std::chrono::steady_clock;
-
-int Connect(uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
 
 // Reads from `fd` until its peer closes it, what came ends with `until` (unless empty), or
 // `limit` passes; what came.
@@ -73,7 +63,7 @@ bool ClosedSilently(int fd, std::chrono::milliseconds limit) {
 
 // A GET of `path` with Connection: close on a new connection; the answer ("" if none came).
 std::string Get(uint16_t port, const std::string& path, std::chrono::milliseconds limit = 5s) {
-  const int fd = Connect(port);
+  const int fd = ConnectLoopback(port);
   if (fd < 0) return "";
   const std::string request =
       "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
@@ -122,7 +112,7 @@ TEST(HttpFrontTest, AtTheLimitTheOldestWaitingConnectionIsClosedForANewOne) {
   // The listen backlog is in order: the front takes these four before any later connection.
   std::vector<int> silent;
   for (int i = 0; i < 4; ++i) {
-    silent.push_back(Connect(front->port()));
+    silent.push_back(ConnectLoopback(front->port()));
     ASSERT_GE(silent.back(), 0);
   }
   // Each probe is taken at once, and the oldest silent connection closed for it without a
@@ -131,7 +121,7 @@ TEST(HttpFrontTest, AtTheLimitTheOldestWaitingConnectionIsClosedForANewOne) {
   const std::string request = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
   std::vector<int> probes;
   for (size_t probe = 0; probe < 2; ++probe) {
-    probes.push_back(Connect(front->port()));
+    probes.push_back(ConnectLoopback(front->port()));
     ASSERT_GE(probes.back(), 0);
     ASSERT_EQ(::send(probes.back(), request.data(), request.size(), MSG_NOSIGNAL),
               static_cast<ssize_t>(request.size()));
@@ -155,12 +145,12 @@ TEST(HttpFrontTest, AtTheLimitNewConnectionsWaitUntilOneCloses) {
   options.at_limit = AtLimit::kWait;
   std::unique_ptr<HttpFront> front = StartFront(std::move(options));
   ASSERT_NE(front, nullptr);
-  const int first = Connect(front->port());
-  const int second = Connect(front->port());
+  const int first = ConnectLoopback(front->port());
+  const int second = ConnectLoopback(front->port());
   ASSERT_GE(first, 0);
   ASSERT_GE(second, 0);
   // Connected (the kernel completes it), but not taken: no answer while both are open.
-  const int third = Connect(front->port());
+  const int third = ConnectLoopback(front->port());
   ASSERT_GE(third, 0);
   const std::string request =
       "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
@@ -210,7 +200,7 @@ TEST(HttpFrontTest, AHeadLateBeyondItsTimeoutIs408InTheServersSpelling) {
   options.error_content_type = "application/json";
   std::unique_ptr<HttpFront> front = StartFront(std::move(options));
   ASSERT_NE(front, nullptr);
-  const int fd = Connect(front->port());
+  const int fd = ConnectLoopback(front->port());
   ASSERT_GE(fd, 0);
   const std::string part = "GET /health HTTP/1.1\r\nHost: 127.";
   ASSERT_EQ(::send(fd, part.data(), part.size(), MSG_NOSIGNAL), static_cast<ssize_t>(part.size()));

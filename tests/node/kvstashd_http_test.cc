@@ -29,12 +29,14 @@
 #include <thread>
 
 #include "daemon_process.h"
+#include "loopback_socket.h"
 #include "subprocess.h"
 
 namespace kvstash {
 namespace {
 
 using namespace std::chrono_literals;
+using ::kvstash::testing::ConnectLoopback;
 using ::kvstash::testing::kKvstashd;
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
@@ -86,19 +88,6 @@ Node StartNode() {
   return node;
 }
 
-int Connect(uint16_t port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 // Sends a GET of `path` on `fd` and reads the answer for up to `limit`; the answer ("" if none
 // came whole). Closes `fd`.
 std::string Get(int fd, const std::string& path, std::chrono::milliseconds limit) {
@@ -124,7 +113,7 @@ std::string Get(int fd, const std::string& path, std::chrono::milliseconds limit
 class Slowloris {
  public:
   Slowloris(uint16_t port, size_t connections) : port_(port), fds_(connections, -1) {
-    for (int& fd : fds_) fd = Connect(port_);
+    for (int& fd : fds_) fd = ConnectLoopback(port_);
     thread_ = std::thread([this] { Run(); });
   }
   ~Slowloris() {
@@ -142,7 +131,7 @@ class Slowloris {
     size_t sent = 0;
     while (!stop_) {
       for (int& fd : fds_) {
-        if (fd < 0) fd = Connect(port_);
+        if (fd < 0) fd = ConnectLoopback(port_);
         if (fd >= 0 && send(fd, &request[sent % request.size()], 1, MSG_NOSIGNAL) != 1) {
           close(fd);
           fd = -1;
@@ -164,10 +153,11 @@ class Slowloris {
 TEST(KvstashdHttpTest, ASilentConnectionDoesNotBlockHealthOrMetrics) {
   Node node = StartNode();
   ASSERT_NE(node.metrics_port, 0) << node.output();
-  const int silent = Connect(node.metrics_port);
+  const int silent = ConnectLoopback(node.metrics_port);
   ASSERT_GE(silent, 0);
-  EXPECT_THAT(Get(Connect(node.metrics_port), "/healthz", 2000ms), HasSubstr("kvstash_up 1"));
-  EXPECT_THAT(Get(Connect(node.metrics_port), "/metrics", 2000ms),
+  EXPECT_THAT(Get(ConnectLoopback(node.metrics_port), "/healthz", 2000ms),
+              HasSubstr("kvstash_up 1"));
+  EXPECT_THAT(Get(ConnectLoopback(node.metrics_port), "/metrics", 2000ms),
               HasSubstr("kvstash_blocks_stored_total 0"));
   close(silent);
   EXPECT_EQ(node.process->Kill(SIGTERM), 0);
@@ -184,7 +174,7 @@ TEST(KvstashdHttpTest, HealthAnswersUnderSlowlorisAndSigtermEndsTheNodeWithin2s)
   int failures = 0;
   for (int probe = 0; probe < 50 && failures < 3; ++probe) {
     const auto start = Clock::now();
-    const std::string answer = Get(Connect(node.metrics_port), "/healthz", 2000ms);
+    const std::string answer = Get(ConnectLoopback(node.metrics_port), "/healthz", 2000ms);
     ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     if (answer.find("kvstash_up 1") == std::string::npos) ++failures;
     // Spread over 5 s, so the probes meet the load as it goes on: bytes trickling in, the
@@ -242,15 +232,16 @@ TEST(KvstashdHttpTest, AtTheDescriptorLimitTheEndpointBacksOffAndKeepsServing) {
   Node node = StartNode();
   ASSERT_NE(node.metrics_port, 0) << node.output();
   const pid_t pid = node.process->pid();
-  ASSERT_THAT(Get(Connect(node.metrics_port), "/healthz", 2000ms), HasSubstr("kvstash_up 1"));
-  const int held = Connect(node.metrics_port);  // taken before the limit
+  ASSERT_THAT(Get(ConnectLoopback(node.metrics_port), "/healthz", 2000ms),
+              HasSubstr("kvstash_up 1"));
+  const int held = ConnectLoopback(node.metrics_port);  // taken before the limit
   ASSERT_GE(held, 0);
   rlimit before{};
   ASSERT_EQ(prlimit(pid, RLIMIT_NOFILE, nullptr, &before), 0);
   const rlimit tight{OpenDescriptors(pid) + 2, before.rlim_max};
   ASSERT_EQ(prlimit(pid, RLIMIT_NOFILE, &tight, nullptr), 0);
   std::vector<int> silent;
-  for (int i = 0; i < 8; ++i) silent.push_back(Connect(node.metrics_port));
+  for (int i = 0; i < 8; ++i) silent.push_back(ConnectLoopback(node.metrics_port));
 
   const auto wall_start = Clock::now();
   const auto cpu_start = CpuTime(pid);
@@ -266,7 +257,8 @@ TEST(KvstashdHttpTest, AtTheDescriptorLimitTheEndpointBacksOffAndKeepsServing) {
     if (fd >= 0) close(fd);
   }
   ASSERT_EQ(prlimit(pid, RLIMIT_NOFILE, &before, nullptr), 0);
-  EXPECT_THAT(Get(Connect(node.metrics_port), "/healthz", 2000ms), HasSubstr("kvstash_up 1"))
+  EXPECT_THAT(Get(ConnectLoopback(node.metrics_port), "/healthz", 2000ms),
+              HasSubstr("kvstash_up 1"))
       << OpenDescriptors(pid) << " descriptors open";
   EXPECT_TRUE(node.WaitForOutput("accepting connections again", 3000ms)) << node.output();
   EXPECT_EQ(node.Count("cannot accept connections"), 1u) << node.output();

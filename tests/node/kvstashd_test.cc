@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "daemon_process.h"
+#include "loopback_socket.h"
 #include "node_test_client.h"
 #include "private_namespaces.h"
 #include "subprocess.h"
@@ -54,15 +55,8 @@ TEST(KvstashdTest, ServesThenStopsCleanlyOnSigterm) {
 
 // GET http://127.0.0.1:port/path: the response body, or "" when the request fails.
 std::string HttpGet(uint16_t port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
+  const int fd = ::kvstash::testing::ConnectLoopback(port);
+  if (fd < 0) return "";
   const std::string request =
       "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   (void)!write(fd, request.data(), request.size());

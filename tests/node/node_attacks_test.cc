@@ -30,6 +30,7 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
+#include "loopback_socket.h"
 #include "node_test_client.h"
 #include "programs.h"
 #include "subprocess.h"
@@ -39,6 +40,7 @@ namespace kvstash {
 namespace {
 
 using namespace std::chrono_literals;
+using ::kvstash::testing::ConnectLoopback;
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::NodeTestClient;
 using ::kvstash::testing::TempDir;
@@ -47,27 +49,13 @@ using ::testing::HasSubstr;
 
 constexpr size_t kBlock = 64 << 10;
 
-// A TCP connection to 127.0.0.1:port, or -1.
-int Connect(uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval timeout{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  return fd;
-}
-
 // Sends `body` as one bootstrap message (a 4-byte length, then the bytes) and reads the reply
 // message; "" when the node closed the connection without one.
 std::string RawHello(uint16_t port, const std::string& body) {
-  const int fd = Connect(port);
+  const int fd = ConnectLoopback(port);
   if (fd < 0) return "";
+  timeval timeout{5, 0};  // a node that never answers fails the read, not the test run
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   std::string message(4, '\0');
   const uint32_t length = static_cast<uint32_t>(body.size());
   std::memcpy(message.data(), &length, 4);
@@ -392,7 +380,7 @@ TEST(NodeAttacksTest, AtItsDescriptorLimitTheNodeServesOnAndLogsOnce) {
   before.Store({1});
   std::vector<int> flood;
   for (int i = 0; i < 200; ++i) {
-    const int fd = Connect(port);  // accepted into the backlog even when the node cannot
+    const int fd = ConnectLoopback(port);  // accepted into the backlog even when the node cannot
     if (fd >= 0) flood.push_back(fd);
   }
   // Until the node has said it is out of descriptors (it says so once), bounded.

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kvstash/engine/engine.h"
+#include "loopback_socket.h"
 #include "programs.h"
 #include "subprocess.h"
 
@@ -43,6 +44,7 @@ namespace kvstash::worker {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using ::kvstash::testing::ConnectLoopback;
 using nlohmann::json;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
@@ -160,19 +162,6 @@ std::vector<uint32_t> Prompt(size_t n) {
 
 // --- Raw connections --------------------------------------------------------------------------
 
-int Connect(uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 bool SendAll(int fd, std::string_view data) {
   while (!data.empty()) {
     const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
@@ -258,7 +247,7 @@ class Waiters {
  public:
   Waiters(uint16_t port, const std::string& request, size_t n) : statuses_(n) {
     for (size_t i = 0; i < n; ++i) {
-      const int fd = Connect(port);
+      const int fd = ConnectLoopback(port);
       if (fd < 0 || !SendAll(fd, request)) {
         ADD_FAILURE() << "cannot send completion " << i;
         if (fd >= 0) ::close(fd);
@@ -295,7 +284,7 @@ TEST(ServeHardeningTest, AbandonedCompletionsAreCancelledWhileHealthAndSigtermSt
   const Clock::time_point sent = Clock::now();
   std::vector<int> clients;
   for (int i = 0; i < 33; ++i) {
-    const int fd = Connect(port);
+    const int fd = ConnectLoopback(port);
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(SendAll(fd, request));
     clients.push_back(fd);
@@ -335,7 +324,7 @@ TEST(ServeHardeningTest, AbandonedCompletionsAreCancelledWhileHealthAndSigtermSt
 TEST(ServeHardeningTest, AStreamWhoseClientLeavesIsCancelled) {
   Worker worker({"--model", "builtin:tiny-hybrid"});
   ASSERT_NE(worker.port(), 0);
-  const int fd = Connect(worker.port());
+  const int fd = ConnectLoopback(worker.port());
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(SendAll(
       fd,
@@ -365,7 +354,7 @@ TEST(ServeHardeningTest, AStreamWhoseClientLeavesIsCancelled) {
 TEST(ServeHardeningTest, SigtermEndsAStreamPastTheGraceWithAnErrorEvent) {
   Worker worker({"--model", "builtin:tiny-hybrid", "--stop-grace-ms", "200"});
   ASSERT_NE(worker.port(), 0);
-  const int fd = Connect(worker.port());
+  const int fd = ConnectLoopback(worker.port());
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(SendAll(
       fd,
@@ -398,7 +387,7 @@ TEST(ServeHardeningTest, SlowlorisConnectionsLeaveHealthAndSigtermQuick) {
   // while the test runs.
   std::vector<int> slow;
   for (int i = 0; i < 64; ++i) {
-    const int fd = Connect(worker.port());
+    const int fd = ConnectLoopback(worker.port());
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(SendAll(fd, head.substr(0, 1)));
     slow.push_back(fd);
@@ -430,9 +419,9 @@ TEST(ServeHardeningTest, SlowHeadersAndBodiesAreAnswered408) {
   Worker worker(
       {"--model", "builtin:tiny-hybrid", "--header-timeout-ms", "300", "--read-timeout-ms", "300"});
   ASSERT_NE(worker.port(), 0);
-  const int head = Connect(worker.port());
-  const int body = Connect(worker.port());
-  const int silent = Connect(worker.port());
+  const int head = ConnectLoopback(worker.port());
+  const int body = ConnectLoopback(worker.port());
+  const int silent = ConnectLoopback(worker.port());
   ASSERT_TRUE(head >= 0 && body >= 0 && silent >= 0);
   ASSERT_TRUE(SendAll(head, "GET /health HTTP/1.1\r\nHo"));
   const std::string post = PostRequest(json{{"prompt", {1, 2, 3}}}.dump());
@@ -606,7 +595,7 @@ TEST(ServeHardeningTest, AtTheDescriptorLimitAcceptBacksOffLogsOnceAndServes) {
   // the others wait in the backlog.
   std::vector<int> flood;
   for (int i = 0; i < 40; ++i) {
-    const int fd = Connect(port);
+    const int fd = ConnectLoopback(port);
     ASSERT_GE(fd, 0);
     flood.push_back(fd);
   }
@@ -685,7 +674,7 @@ TEST(ServeHardeningTest, LargeBodiesLeaveNoResidentMemoryBehind) {
   std::vector<int> statuses(2);
   for (int& status : statuses) {
     senders.emplace_back([&] {
-      const int fd = Connect(worker.port());
+      const int fd = ConnectLoopback(worker.port());
       if (fd < 0) return;
       if (SendAll(fd, request)) status = StatusOf(ReadAll(fd, seconds(60)).data);
       ::close(fd);
