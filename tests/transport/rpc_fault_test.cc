@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "block_pattern.h"
+#include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
 #include "subprocess.h"
@@ -466,6 +467,72 @@ TEST_P(RpcFuzzTest, AFrameNamingAnotherConnectionIsRefused) {
   ASSERT_TRUE(client_->SendRawForTesting(ValidFrame(kCount, "x"), {}).ok());
   for (int i = 0; i < 400 && served.load() == 0; ++i) std::this_thread::sleep_for(5ms);
   EXPECT_EQ(served.load(), 1);
+}
+
+// UCX pairs a client's endpoints with the server's by the order each side made them. A hello
+// whose client made no endpoint for it (it gave up, or another thread of the process connected
+// first) shifts the pairing: the next client of that worker is paired with the endpoint made
+// for the abandoned hello. When that hello's connection closes, the client paired with its
+// endpoint must go on (before, the server closed it, and the client's calls went unanswered
+// until UCX's keepalive reset the endpoint 20 s later).
+TEST_P(RpcFuzzTest, AHelloWithoutAnEndpointLeavesItsWorkersNextClientWorking) {
+  auto worker = ClientWorker::Create(TransportFor(GetParam()));
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  const size_t open_before = server_->connection_count();
+  // The hello alone, carrying the worker's address, over a socket kept open.
+  wire::Hello hello;
+  hello.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
+  hello.set_namespace_("default");
+  hello.set_worker_address((*worker)->AddressForTesting());
+  hello.set_client_name("abandoned");
+  const std::string body = hello.SerializeAsString();
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(server_->port());
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  std::string message(4, '\0');
+  const uint32_t length = static_cast<uint32_t>(body.size());
+  std::memcpy(message.data(), &length, 4);
+  message += body;
+  ASSERT_EQ(::send(fd, message.data(), message.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(message.size()));
+  timeval timeout{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  uint32_t reply_length = 0;
+  ASSERT_EQ(::recv(fd, &reply_length, 4, MSG_WAITALL), 4);
+  std::string reply_bytes(reply_length, '\0');
+  ASSERT_EQ(::recv(fd, reply_bytes.data(), reply_length, MSG_WAITALL),
+            static_cast<ssize_t>(reply_length));
+  wire::HelloReply reply;
+  ASSERT_TRUE(reply.ParseFromString(reply_bytes));
+  ASSERT_FALSE(reply.has_error()) << reply.error().message();
+  // A client of that worker: its endpoint is paired with the one the hello above made.
+  ClientOptions options;
+  options.port = server_->port();
+  options.worker = *worker;
+  auto client = RpcClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  std::vector<std::byte> echoed;
+  ASSERT_TRUE((*client)->CallSync(kEcho, AsBytes("before"), Within(5s), &echoed).ok());
+  // The abandoned hello's connection closes; the client goes on, on the same connection.
+  ::close(fd);
+  for (int i = 0; i < 1000 && server_->connection_count() > open_before + 1; ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_EQ(server_->connection_count(), open_before + 1);
+  for (int i = 0; i < 20; ++i) {
+    const Status s = (*client)->CallSync(kEcho, AsBytes("after"), Within(3s), &echoed);
+    ASSERT_TRUE(s.ok()) << "call " << i << ": " << s.ToString();
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(echoed.data()), echoed.size()), "after");
+  }
+  std::vector<std::byte> payload(256 << 10, std::byte{7});
+  CallOptions put = Within(5s);
+  put.send_payload = payload;
+  EXPECT_TRUE((*client)->CallSync(kPut, {}, put, nullptr).ok());
+  EXPECT_EQ((*client)->stats().connects, 1u);
 }
 
 TEST_P(RpcFuzzTest, OversizedMessageAndPayloadAreRefused) {

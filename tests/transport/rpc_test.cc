@@ -712,6 +712,66 @@ TEST_P(RpcTest, ClientsShareOneWorker) {
   clients.clear();
 }
 
+// Clients on one worker connecting at once from many threads: UCX pairs each of the client's
+// endpoints with one of the server's by the order each side made them, and that order can
+// differ between the two sides. Half of them leaving must leave the others working, their
+// blocks too (a server that closed the endpoint a leaving client's hello made would reset
+// another client's).
+TEST_P(RpcTest, ClientsConnectingAtOnceOutliveTheOnesThatLeave) {
+  auto worker = ClientWorker::Create(TransportFor(GetParam()));
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  constexpr int kClients = 32;
+  std::vector<std::unique_ptr<RpcClient>> clients(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      ClientOptions options;
+      options.port = server_->port();
+      options.auth_token = "secret";
+      options.transport = TransportFor(GetParam());
+      options.worker = *worker;
+      options.connect_timeout = 10000ms;
+      auto client = RpcClient::Create(options);
+      if (client.ok()) clients[i] = std::move(*client);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) ASSERT_NE(clients[i], nullptr) << "client " << i;
+  std::vector<std::byte> reply;
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_TRUE(clients[i]->CallSync(kEcho, AsBytes("first"), Within(5s), &reply).ok());
+  }
+  // Every other one leaves; the server sees them go.
+  const size_t stay = server_->connection_count() - kClients / 2;
+  for (int i = 0; i < kClients; i += 2) clients[i].reset();
+  const auto deadline = Clock::now() + 10s;
+  while (server_->connection_count() > stay && Clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_EQ(server_->connection_count(), stay);
+  // The rest still call, and move blocks both ways.
+  std::vector<std::byte> block(256 << 10), back(256 << 10);
+  for (int i = 1; i < kClients; i += 2) {
+    const std::string body = fmt::format("still {}", i);
+    const Status s = clients[i]->CallSync(kEcho, AsBytes(body), Within(5s), &reply);
+    ASSERT_TRUE(s.ok()) << "client " << i << ": " << s.ToString();
+    EXPECT_EQ(AsString(reply), body);
+    FillPattern(static_cast<uint64_t>(i), block);
+    CallOptions put = Within(5s);
+    put.send_payload = block;
+    ASSERT_TRUE(clients[i]->CallSync(kPut, {}, put, &reply).ok()) << "client " << i;
+    CallOptions get = Within(5s);
+    get.recv_payload = back;
+    size_t got = 0;
+    ASSERT_TRUE(clients[i]->CallSync(kGet, {}, get, &reply, &got).ok()) << "client " << i;
+    EXPECT_TRUE(MatchesPattern(static_cast<uint64_t>(i), back)) << "client " << i;
+  }
+  for (int i = 1; i < kClients; i += 2) {
+    EXPECT_EQ(clients[i]->stats().connects, 1u) << "client " << i << " had to reconnect";
+  }
+  clients.clear();
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "shm_rndv", "tcp"),
                          [](const auto& param_info) { return param_info.param; });
 

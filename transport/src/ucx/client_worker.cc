@@ -96,5 +96,8 @@ ClientWorker::ClientWorker(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) 
 ClientWorker::~ClientWorker() = default;
 const TransportOptions& ClientWorker::options() const { return impl_->worker().options(); }
 uint64_t ClientWorker::unrouted_frames() const { return impl_->unrouted(); }
+std::string ClientWorker::AddressForTesting() const {
+  return std::string(impl_->worker().address());
+}
 
 }  // namespace kvstash::transport

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <random>
@@ -205,7 +206,8 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
     });
     return;
   }
-  connection->ep = UcpEndpoint(ep);
+  // The endpoint is a spare until a kBind claims it: the one this connection's frames come on
+  // may be another hello's (see SpareEndpoint).
   // Ids are random, not a counter: one client's id says nothing of another's. Frames are taken
   // from the endpoint the connection bound (kBind), never from the id alone.
   connection->id = RandomId();
@@ -213,7 +215,7 @@ void RpcServer::Impl::OnHello(const std::shared_ptr<ServerConnection>& connectio
   connection->key_namespace = hello.namespace_();
   connection->client_name = hello.client_name();
   connections_[connection->id] = connection;
-  endpoints_[ep] = connection->id;
+  spare_[ep] = SpareEndpoint{UcpEndpoint(ep), connection->id, {}};
   connects_.fetch_add(1, std::memory_order_relaxed);
   open_connections_.fetch_add(1, std::memory_order_relaxed);
   reply.set_connection_id(connection->id);
@@ -251,18 +253,50 @@ void RpcServer::Impl::Watch(const std::shared_ptr<ServerConnection>& connection)
 
 void RpcServer::Impl::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* self = static_cast<Impl*>(arg);
-  auto it = self->endpoints_.find(ep);
-  if (it == self->endpoints_.end()) return;
+  if (auto spare = self->spare_.find(ep); spare != self->spare_.end()) {
+    UcpEndpoint failed = std::move(spare->second.ep);
+    self->spare_.erase(spare);
+    self->CloseEndpoint(std::move(failed));
+    return;
+  }
+  auto it = self->bound_.find(ep);
+  if (it == self->bound_.end()) return;
   auto connection = self->connections_.find(it->second);
   if (connection == self->connections_.end()) return;
   self->Close(connection->second, FromUcs(status, "UCX endpoint to a client failed"));
+}
+
+void RpcServer::Impl::CloseEndpoint(UcpEndpoint endpoint) {
+  auto ep = std::make_shared<UcpEndpoint>(std::move(endpoint));
+  auto close = [this, ep] { worker_->WaitRequest(ep->Close(/*force=*/true)); };
+  if (worker_->stopping()) {
+    close();
+  } else {
+    asio::post(worker_->io(), close);
+  }
+}
+
+void RpcServer::Impl::SweepSpares(Clock::time_point now) {
+  std::vector<std::pair<Clock::time_point, ucp_ep_h>> orphans;
+  for (const auto& [ep, spare] : spare_) {
+    if (spare.orphaned_at != Clock::time_point{}) orphans.emplace_back(spare.orphaned_at, ep);
+  }
+  std::sort(orphans.begin(), orphans.end());
+  size_t left = orphans.size();
+  for (const auto& [at, ep] : orphans) {
+    if (now - at < kSpareGrace && left <= kMaxOrphanedSpares) break;
+    auto it = spare_.find(ep);
+    UcpEndpoint old = std::move(it->second.ep);
+    spare_.erase(it);
+    CloseEndpoint(std::move(old));
+    --left;
+  }
 }
 
 void RpcServer::Impl::Close(std::shared_ptr<ServerConnection> connection, const Status& why) {
   if (!connection->open) return;
   connection->open = false;
   KVSTASH_LOG_INFO("closing connection {}: {}", connection->id, why.ToString());
-  if (connection->bound_ep != nullptr) bound_.erase(connection->bound_ep);
   open_connections_.fetch_sub(1, std::memory_order_relaxed);
   disconnects_.fetch_add(1, std::memory_order_relaxed);
   connections_.erase(connection->id);
@@ -272,16 +306,18 @@ void RpcServer::Impl::Close(std::shared_ptr<ServerConnection> connection, const 
   for (auto& [id, pull] : std::exchange(connection->pulls, {})) pull.done(gone);
   for (auto& [id, sent] : std::exchange(connection->acks, {})) sent(gone);
   if (on_disconnect_) on_disconnect_(connection->id);
+  // Its own endpoint (the one it claimed) goes; the spare its hello made stays a while for the
+  // client endpoint UCX paired it with, which may belong to another connection of that client
+  // (closing it would break that one).
   if (connection->ep) {
-    endpoints_.erase(connection->ep.get());
-    auto ep = std::make_shared<UcpEndpoint>(std::move(connection->ep));
-    auto close = [this, ep] { worker_->WaitRequest(ep->Close(/*force=*/true)); };
-    if (worker_->stopping()) {
-      close();
-    } else {
-      asio::post(worker_->io(), close);
-    }
+    bound_.erase(connection->ep.get());
+    CloseEndpoint(std::move(connection->ep));
   }
+  const Clock::time_point now = Clock::now();
+  for (auto& [ep, spare] : spare_) {
+    if (spare.hello == connection->id) spare.orphaned_at = now;
+  }
+  if (!worker_->stopping()) SweepSpares(now);
 }
 
 void RpcServer::Impl::Shutdown() {
@@ -290,6 +326,9 @@ void RpcServer::Impl::Shutdown() {
   acceptor_.close(ignored);
   auto all = connections_;
   for (auto& [id, connection] : all) Close(connection, CancelledError("server stopping"));
+  auto spares = std::move(spare_);
+  spare_.clear();
+  for (auto& [ep, spare] : spares) CloseEndpoint(std::move(spare.ep));
 }
 
 }  // namespace kvstash::transport

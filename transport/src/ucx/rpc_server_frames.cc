@@ -53,22 +53,31 @@ std::shared_ptr<ServerConnection> RpcServer::Impl::ConnectionOf(const FrameHeade
 
 void RpcServer::Impl::Bind(const FrameHeader& h, ucp_ep_h from) {
   auto it = connections_.find(h.connection_id);
-  const bool good = from != nullptr && it != connections_.end() &&
-                    it->second->bound_ep == nullptr && !bound_.contains(from) &&
-                    it->second->bind_token == h.request_id;
-  if (!good) {
+  const bool owner = from != nullptr && it != connections_.end() && !it->second->ep &&
+                     it->second->bind_token == h.request_id;
+  auto spare = owner ? spare_.find(from) : spare_.end();
+  if (spare == spare_.end()) {
     // Said 1st, 2nd, 4th ... time: a peer may send any number.
     if (std::has_single_bit(foreign_frames_.fetch_add(1, std::memory_order_relaxed) + 1)) {
       KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
-                       from == nullptr                   ? "no reply endpoint"
-                       : it == connections_.end()        ? "no such connection"
-                       : it->second->bound_ep != nullptr ? "bound already"
-                       : bound_.contains(from)           ? "its endpoint is bound to another"
-                                                         : "a wrong token");
+                       from == nullptr                    ? "no reply endpoint"
+                       : it == connections_.end()         ? "no such connection"
+                       : it->second->ep                   ? "bound already"
+                       : it->second->bind_token != h.request_id ? "a wrong token"
+                       : bound_.contains(from)            ? "its endpoint is bound to another"
+                                                          : "its endpoint is none a hello made");
+    }
+    // The owner (it knew the token) on an endpoint it cannot have: closed, so that it connects
+    // again at once rather than wait for its calls' deadlines.
+    if (owner) {
+      Close(it->second, UnavailableError("its kBind came on an endpoint it cannot bind"));
     }
     return;
   }
-  it->second->bound_ep = from;
+  // The spare its frames come on, whichever hello made it, becomes its endpoint: replies go
+  // back on it, and closing it resets this client's endpoint and no other.
+  it->second->ep = std::move(spare->second.ep);
+  spare_.erase(spare);
   bound_[from] = h.connection_id;
 }
 

@@ -47,12 +47,11 @@ struct PendingPull {
 struct ServerConnection {
   uint64_t id = 0;
   uint64_t bind_token = 0;      // the secret its kBind must carry (HelloReply.bind_token)
-  ucp_ep_h bound_ep = nullptr;  // the endpoint its frames come on, once bound; identity only
   uint64_t foreign_frames = 0;  // frames that named it from another endpoint
   std::string key_namespace;
   std::string client_name;
   asio::ip::tcp::socket socket;
-  UcpEndpoint ep;
+  UcpEndpoint ep;  // the endpoint its frames come on, claimed by its kBind (empty until then)
   bool open = true;
   char watch_byte[1];
   // Mapped payloads (progress thread): regions whose rkey the client has, pulls waiting for
@@ -61,6 +60,20 @@ struct ServerConnection {
   std::unordered_map<uint64_t, PendingPull> pulls;
   std::unordered_map<uint64_t, std::function<void(Status)>> acks;
   explicit ServerConnection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
+};
+
+// An endpoint a hello made, not claimed yet by a connection's kBind. UCX pairs a client's
+// endpoints with the server's by the order each side made them, and a client process that
+// connects on several threads may make them in another order than the server answered the
+// hellos: the endpoint a client's frames come on is then one made for another of its hellos.
+// A spare whose hello's connection closed is kept this long (a client of that process may
+// still be paired with it), and at most this many such spares are kept.
+inline constexpr auto kSpareGrace = std::chrono::seconds(60);
+inline constexpr size_t kMaxOrphanedSpares = 1024;
+struct SpareEndpoint {
+  UcpEndpoint ep;
+  uint64_t hello = 0;                 // the connection whose hello made it
+  Clock::time_point orphaned_at{};    // when that connection closed (unset while it is open)
 };
 
 // One request; shared by its ServerCall handle and the UCX operations it starts. Made and
@@ -219,6 +232,11 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   void Watch(const std::shared_ptr<ServerConnection>& connection);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void Close(std::shared_ptr<ServerConnection> connection, const Status& why);
+  // Closes `ep` (force) on the progress thread, now when the worker is stopping.
+  void CloseEndpoint(UcpEndpoint ep);
+  // Closes spare endpoints whose hello's connection closed over kSpareGrace ago, and the
+  // oldest such ones past kMaxOrphanedSpares.
+  void SweepSpares(Clock::time_point now);
   void Shutdown();
 
   // ---- frames: rpc_server_frames.cc --------------------------------------------------------
@@ -258,9 +276,10 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
   std::unordered_map<uint16_t, Handler> handlers_;
   std::function<void(uint64_t)> on_disconnect_;
   std::unordered_map<uint64_t, std::shared_ptr<ServerConnection>> connections_;
-  std::unordered_map<ucp_ep_h, uint64_t> endpoints_;
-  std::unordered_map<ucp_ep_h, uint64_t>
-      bound_;  // the endpoint each bound connection's frames come on
+  // Endpoints: each hello makes one (a spare) and each kBind claims the spare its frames came
+  // on, which becomes that connection's endpoint (bound_). See ClaimEndpoint.
+  std::unordered_map<ucp_ep_h, uint64_t> bound_;  // a claimed endpoint -> its connection
+  std::unordered_map<ucp_ep_h, SpareEndpoint> spare_;
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<UcxCall>, PairHash> active_;
   std::atomic<uint64_t> calls_{0}, connects_{0}, disconnects_{0}, malformed_{0}, mapped_{0},
       refusals_{0}, bad_hellos_{0}, foreign_frames_{0}, accept_pauses_{0};

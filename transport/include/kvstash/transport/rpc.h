@@ -275,6 +275,8 @@ class ClientWorker {
   const TransportOptions& options() const;
   // Frames that named no connection of this worker's clients (dropped).
   uint64_t unrouted_frames() const;
+  // The UCX worker address its clients' hellos carry (for tests that speak the hello).
+  std::string AddressForTesting() const;
 
   class Impl;
   Impl& impl() { return *impl_; }
