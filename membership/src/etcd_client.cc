@@ -3,7 +3,9 @@
 #include <httplib.h>
 #include <openssl/evp.h>
 
+#include <charconv>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <utility>
 
 #include "kvstash/common/logging.h"
@@ -51,13 +53,33 @@ std::string PrefixEnd(std::string_view prefix) {
   return std::string(1, '\0');  // every key
 }
 
-// etcd's JSON spells int64 as strings (proto3 JSON) and leaves out zero values.
+// etcd's JSON spells int64 as strings (proto3 JSON) and leaves out zero values. Anything else
+// (not a number, out of range, another type) throws std::invalid_argument: the response is
+// malformed, and Parsing turns that into an error.
 int64_t Int(const Json& object, const char* name) {
+  if (!object.is_object()) throw std::invalid_argument(fmt::format("{} of a non-object", name));
   auto it = object.find(name);
   if (it == object.end() || it->is_null()) return 0;
-  if (it->is_string()) return std::stoll(it->get<std::string>());
-  if (it->is_number()) return it->get<int64_t>();
-  return 0;
+  if (it->is_number_integer()) return it->get<int64_t>();
+  if (it->is_string()) {
+    const std::string& text = it->get_ref<const std::string&>();
+    int64_t value = 0;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (error == std::errc() && end == text.data() + text.size() && !text.empty()) return value;
+  }
+  throw std::invalid_argument(fmt::format("{} is {}", name, it->dump().substr(0, 64)));
+}
+
+// Runs `parse` over a response body: what a malformed body makes the JSON library (a field of
+// another type) or Int throw is etcd's answer being wrong, never a reason to end the process
+// (this runs on the watcher's thread too): Unavailable naming it.
+template <typename Parse>
+auto Parsing(std::string_view what, Parse&& parse) -> decltype(parse()) {
+  try {
+    return parse();
+  } catch (const std::exception& e) {
+    return UnavailableError("etcd {}: a malformed response ({})", what, e.what());
+  }
 }
 
 Result<KeyValue> ParseKeyValue(const Json& kv) {
@@ -75,11 +97,13 @@ Result<KeyValue> ParseKeyValue(const Json& kv) {
 
 // An error object of the gateway ({"error": ..., "code": N, "message": ...}) as a Status.
 Status GatewayError(const Json& error, std::string_view what) {
-  const int code = static_cast<int>(Int(error, "code"));
-  std::string message = error.value("message", error.value("error", std::string("no message")));
-  const auto status_code =
-      code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
-  return Status(status_code, fmt::format("etcd {}: {}", what, message));
+  return Parsing(what, [&]() -> Status {
+    const int64_t code = Int(error, "code");
+    std::string message = error.value("message", error.value("error", std::string("no message")));
+    const auto status_code =
+        code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
+    return Status(status_code, fmt::format("etcd {}: {}", what, message));
+  });
 }
 
 struct Endpoint {
@@ -247,12 +271,16 @@ Result<int64_t> EtcdClient::GrantLease(int64_t ttl_s) {
   if (!body.ok()) return body.status();
   auto json = ParseBody(*body, "lease grant");
   if (!json.ok()) return json.status();
-  if (json->contains("error") && !json->value("error", "").empty()) {
-    return UnavailableError("etcd lease grant: {}", json->value("error", ""));
-  }
-  const int64_t id = Int(*json, "ID");
-  if (id == 0) return UnavailableError("etcd lease grant: no lease id in {}", body->substr(0, 200));
-  return id;
+  return Parsing("lease grant", [&]() -> Result<int64_t> {
+    if (json->contains("error") && !json->value("error", "").empty()) {
+      return UnavailableError("etcd lease grant: {}", json->value("error", ""));
+    }
+    const int64_t id = Int(*json, "ID");
+    if (id == 0) {
+      return UnavailableError("etcd lease grant: no lease id in {}", body->substr(0, 200));
+    }
+    return id;
+  });
 }
 
 Result<int64_t> EtcdClient::KeepAlive(int64_t lease) {
@@ -263,10 +291,12 @@ Result<int64_t> EtcdClient::KeepAlive(int64_t lease) {
   auto json = ParseBody(end == std::string::npos ? *body : body->substr(0, end), "keepalive");
   if (!json.ok()) return json.status();
   if (json->contains("error")) return GatewayError((*json)["error"], "lease keepalive");
-  const Json& result = json->contains("result") ? (*json)["result"] : *json;
-  const int64_t ttl = Int(result, "TTL");
-  if (ttl <= 0) return NotFoundError("etcd lease {:x} has expired", lease);
-  return ttl;
+  return Parsing("lease keepalive", [&]() -> Result<int64_t> {
+    const Json& result = json->contains("result") ? (*json)["result"] : *json;
+    const int64_t ttl = Int(result, "TTL");
+    if (ttl <= 0) return NotFoundError("etcd lease {:x} has expired", lease);
+    return ttl;
+  });
 }
 
 Status EtcdClient::RevokeLease(int64_t lease) {
@@ -287,7 +317,7 @@ Result<bool> EtcdClient::Delete(std::string_view key) {
   if (!body.ok()) return body.status();
   auto json = ParseBody(*body, "delete");
   if (!json.ok()) return json.status();
-  return Int(*json, "deleted") > 0;
+  return Parsing("delete", [&]() -> Result<bool> { return Int(*json, "deleted") > 0; });
 }
 
 Result<EtcdClient::Range> EtcdClient::GetPrefix(std::string_view prefix) {
@@ -296,16 +326,20 @@ Result<EtcdClient::Range> EtcdClient::GetPrefix(std::string_view prefix) {
   if (!body.ok()) return body.status();
   auto json = ParseBody(*body, "range");
   if (!json.ok()) return json.status();
-  Range range;
-  if (json->contains("header")) range.revision = Int((*json)["header"], "revision");
-  if (json->contains("kvs")) {
-    for (const Json& kv : (*json)["kvs"]) {
-      auto parsed = ParseKeyValue(kv);
-      if (!parsed.ok()) return parsed.status();
-      range.kvs.push_back(std::move(*parsed));
+  return Parsing("range", [&]() -> Result<Range> {
+    Range range;
+    if (json->contains("header")) range.revision = Int((*json)["header"], "revision");
+    if (json->contains("kvs")) {
+      const Json& kvs = (*json)["kvs"];
+      if (!kvs.is_array()) throw std::invalid_argument("kvs is not an array");
+      for (const Json& kv : kvs) {
+        auto parsed = ParseKeyValue(kv);
+        if (!parsed.ok()) return parsed.status();
+        range.kvs.push_back(std::move(*parsed));
+      }
     }
-  }
-  return range;
+    return range;
+  });
 }
 
 Status EtcdClient::Watch(std::string_view prefix, int64_t start_revision,
@@ -331,48 +365,55 @@ Status EtcdClient::Watch(std::string_view prefix, int64_t start_revision,
   Status outcome;
   auto on_bytes = [&](const char* data, size_t length, uint64_t, uint64_t) {
     buffer.append(data, length);
-    size_t newline;
-    while ((newline = buffer.find('\n')) != std::string::npos) {
-      const std::string line = buffer.substr(0, newline);
-      buffer.erase(0, newline + 1);
-      if (line.empty()) continue;
-      Json message = Json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (message.is_discarded() || !message.is_object()) {
-        outcome =
-            UnavailableError("etcd watch: a message that is not JSON: {}", line.substr(0, 200));
-        return false;
-      }
-      if (message.contains("error")) {
-        outcome = GatewayError(message["error"], "watch");
-        return false;
-      }
-      const Json& result = message.contains("result") ? message["result"] : message;
-      if (Int(result, "compact_revision") > 0) {
-        outcome = OutOfRangeError("etcd watch of {}: revision {} compacted (now {})", prefix,
-                                  start_revision, Int(result, "compact_revision"));
-        return false;
-      }
-      if (result.value("canceled", false)) {
-        outcome = UnavailableError("etcd cancelled the watch of {}: {}", prefix,
-                                   result.value("cancel_reason", std::string("no reason")));
-        return false;
-      }
-      if (result.value("created", false) && on_created) on_created();
-      if (result.contains("events")) {
-        for (const Json& event : result["events"]) {
-          WatchEvent out;
-          out.type = event.value("type", std::string("PUT")) == "DELETE" ? WatchEvent::Type::kDelete
-                                                                         : WatchEvent::Type::kPut;
-          if (!event.contains("kv")) continue;
-          auto kv = ParseKeyValue(event["kv"]);
-          if (!kv.ok()) {
-            outcome = kv.status();
-            return false;
+    try {
+      size_t newline;
+      while ((newline = buffer.find('\n')) != std::string::npos) {
+        const std::string line = buffer.substr(0, newline);
+        buffer.erase(0, newline + 1);
+        if (line.empty()) continue;
+        Json message = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (message.is_discarded() || !message.is_object()) {
+          outcome =
+              UnavailableError("etcd watch: a message that is not JSON: {}", line.substr(0, 200));
+          return false;
+        }
+        if (message.contains("error")) {
+          outcome = GatewayError(message["error"], "watch");
+          return false;
+        }
+        const Json& result = message.contains("result") ? message["result"] : message;
+        if (Int(result, "compact_revision") > 0) {
+          outcome = OutOfRangeError("etcd watch of {}: revision {} compacted (now {})", prefix,
+                                    start_revision, Int(result, "compact_revision"));
+          return false;
+        }
+        if (result.value("canceled", false)) {
+          outcome = UnavailableError("etcd cancelled the watch of {}: {}", prefix,
+                                     result.value("cancel_reason", std::string("no reason")));
+          return false;
+        }
+        if (result.value("created", false) && on_created) on_created();
+        if (result.contains("events")) {
+          if (!result["events"].is_array()) throw std::invalid_argument("events is not an array");
+          for (const Json& event : result["events"]) {
+            WatchEvent out;
+            out.type = event.value("type", std::string("PUT")) == "DELETE"
+                           ? WatchEvent::Type::kDelete
+                           : WatchEvent::Type::kPut;
+            if (!event.contains("kv")) continue;
+            auto kv = ParseKeyValue(event["kv"]);
+            if (!kv.ok()) {
+              outcome = kv.status();
+              return false;
+            }
+            out.kv = std::move(*kv);
+            on_event(out);
           }
-          out.kv = std::move(*kv);
-          on_event(out);
         }
       }
+    } catch (const std::exception& e) {
+      outcome = UnavailableError("etcd watch: a malformed message ({})", e.what());
+      return false;
     }
     return true;
   };

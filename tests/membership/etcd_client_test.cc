@@ -4,8 +4,12 @@
 #include "kvstash/membership/etcd_client.h"
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <future>
+#include <map>
+#include <mutex>
+#include <string>
 #include <thread>
 
 #include "etcd_process.h"
@@ -161,6 +165,66 @@ TEST(EtcdClientDownTest, NothingListeningIsUnavailableNamingTheEndpoint) {
   EXPECT_NE(lease.status().message().find(std::to_string(port)), std::string::npos)
       << lease.status().ToString();
   EXPECT_EQ((*client)->GetPrefix("/x").status().code(), StatusCode::kUnavailable);
+}
+
+// A gateway whose answers are well-formed JSON with fields of the wrong kind (a revision that is
+// not a number, a key that is not a string, events that are not a list): every call returns an
+// error naming the malformed response. Before, std::stoll and the JSON library threw, which on
+// the watcher's thread ended the process.
+TEST(EtcdClientMalformedTest, WrongFieldsAreErrorsNeverExceptions) {
+  std::map<std::string, std::string> answers = {
+      {"/v3/lease/grant", R"({"ID":"12x"})"},
+      {"/v3/lease/keepalive", R"({"result":{"TTL":"99999999999999999999999"}})"},
+      {"/v3/kv/deleterange", R"({"deleted":[1]})"},
+      {"/v3/kv/range", R"({"header":{"revision":"1"},"kvs":[{"key":5}]})"},
+      {"/v3/watch", "{\"result\":{\"created\":true}}\n{\"result\":{\"events\":7}}\n"},
+  };
+  std::mutex mu;
+  int status = 200;
+  httplib::Server server;
+  for (const auto& [path, unused] : answers) {
+    server.Post(path, [&, path = path](const httplib::Request&, httplib::Response& response) {
+      std::lock_guard lock(mu);
+      response.status = status;
+      response.set_content(answers[path], "application/json");
+    });
+  }
+  const int port = server.bind_to_any_port("127.0.0.1");  // listening from here on
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { server.listen_after_bind(); });
+  EtcdOptions options;
+  options.endpoints = {"127.0.0.1:" + std::to_string(port)};
+  options.timeout = 2000ms;
+  auto client = EtcdClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto malformed = [](const Status& status) {
+    return status.code() == StatusCode::kUnavailable &&
+           status.message().find("malformed") != std::string::npos;
+  };
+  EXPECT_PRED1(malformed, (*client)->GrantLease(5).status());
+  EXPECT_PRED1(malformed, (*client)->KeepAlive(7).status());
+  EXPECT_PRED1(malformed, (*client)->Delete("/k").status());
+  EXPECT_PRED1(malformed, (*client)->GetPrefix("/k").status());
+  // The gateway's error object with a code that is not a number.
+  {
+    std::lock_guard lock(mu);
+    status = 400;
+    answers["/v3/kv/range"] = R"({"error":"x","code":"abc","message":"m"})";
+  }
+  EXPECT_PRED1(malformed, (*client)->GetPrefix("/k").status());
+  {
+    std::lock_guard lock(mu);
+    status = 200;
+  }
+  bool created = false;
+  int events = 0;
+  const Status watched =
+      (*client)->Watch("/k", 0, [&](const WatchEvent&) { ++events; }, [&] { created = true; });
+  EXPECT_PRED1(malformed, watched);
+  EXPECT_TRUE(created);
+  EXPECT_EQ(events, 0);
+  server.stop();
+  serving.join();
 }
 
 TEST_F(EtcdClientTest, ASecondEndpointAnswersWhenTheFirstIsDown) {
