@@ -524,6 +524,9 @@ void HttpFront::Impl::RunIo() {
       if (open_.load() < options_.max_connections &&
           (pause_error_ == 0 || freed || now >= resume_at_)) {
         ResumeAccepting();
+        // At once, not on the next readable event: with the backlog empty there is none, and
+        // only an accept that finds nothing ends the episode (and says so).
+        AcceptAll(now);
       }
     }
     if (now >= next_scan_) {
