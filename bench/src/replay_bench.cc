@@ -47,6 +47,7 @@ struct BenchReplayFlags {
   int64_t limit = 0;  // 0: every request
   int block_tokens = 512;
   int timeout_ms = 5000;
+  int lookup_budget_ms = 50;
   OutputOptions output;
 };
 
@@ -333,6 +334,7 @@ Result<connector::NodeClientOptions> ClientOptions(const BenchReplayFlags& flags
   options.transport.tls = flags.tls;
   options.timeout = std::chrono::milliseconds(flags.timeout_ms);
   options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  options.lookup_budget = std::chrono::milliseconds(flags.lookup_budget_ms);
   return options;
 }
 
@@ -383,6 +385,10 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   if (!options.ok()) return fail(kExitUsage, options.status().message());
   if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
     return fail(kExitUsage, fmt::format("--speed: {} is not a factor >= 0", flags.speed));
+  }
+  if (flags.lookup_budget_ms < 1) {
+    return fail(kExitUsage,
+                fmt::format("--lookup-budget-ms: {} is not positive", flags.lookup_budget_ms));
   }
   if (flags.timeout_ms < 1) {
     return fail(kExitUsage, fmt::format("--timeout-ms: {} is not positive", flags.timeout_ms));
@@ -648,6 +654,11 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--timeout-ms", flags->timeout_ms, "Deadline of each call to a node")
+      ->capture_default_str();
+  cmd->add_option("--lookup-budget-ms", flags->lookup_budget_ms,
+                  "How long a lookup waits for the nodes: keys of a node that has not answered "
+                  "by then are misses (a stopped node costs each lookup this, then nothing); "
+                  "give the timeout to count every hit on a busy machine")
       ->capture_default_str();
   cmd->add_option("--tls", flags->tls, "UCX transports (as UCX_TLS)");
   AddOutputFlags(*cmd, &flags->output);

@@ -11,6 +11,8 @@
 #include <set>
 #include <thread>
 
+#include "cluster/node_health.h"
+#include "cluster/placement.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/membership/membership.h"
@@ -40,12 +42,6 @@ Status ParseReply(const Outcome& outcome, Reply* reply) {
     return InternalError("unparseable reply of {} bytes", outcome.reply.size());
   }
   return Status::OK();
-}
-
-// Down, slow past the deadline, or cut off while the call was out: the node did not answer.
-bool Unreachable(const Status& status) {
-  return status.code() == StatusCode::kUnavailable ||
-         status.code() == StatusCode::kDeadlineExceeded || status.code() == StatusCode::kCancelled;
 }
 
 // A status naming the node it came from.
@@ -164,23 +160,12 @@ Status ApplyNodeSource(const NodeSource& source, NodeClientOptions* options) {
 
 namespace {
 
-// One node's standing as its calls found it: up or down, and the refusal codes already logged.
-// Shared with the callbacks of calls in flight, so it outlives a member that left. Thread-safe.
-struct NodeState {
-  enum : int { kUnknown = 0, kUp = 1, kDown = 2 };
-  explicit NodeState(std::string n) : name(std::move(n)) {}
-  const std::string name;
-  std::atomic<int> state{kUnknown};
-  Mutex mu;
-  std::set<int> logged_codes GUARDED_BY(mu);
-};
-
 // A live node: its address, its rendezvous hash and its connection (opened by the first call).
 // Shared by the topologies that list it; the last one to go closes the connection.
 struct Member {
   NodeAddress address;
   uint64_t hash = 0;
-  std::shared_ptr<NodeState> state;
+  std::shared_ptr<NodeHealth> state;
   std::unique_ptr<transport::Channel> channel;  // after state: its callbacks may use state
 };
 using Members = std::vector<std::shared_ptr<Member>>;
@@ -188,12 +173,6 @@ using Members = std::vector<std::shared_ptr<Member>>;
 // The nodes one call works with: the live set when it began. Immutable.
 struct Topology {
   Members members;
-};
-
-// The nodes of one key, best-ranked first.
-struct Placement {
-  std::array<uint32_t, kMaxReplicas> nodes{};
-  uint32_t count = 0;
 };
 
 // Every call's outcome goes through Record: counters, and the logs that say when a node went
@@ -204,43 +183,25 @@ class Accounting {
   void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
   void Pinned(size_t keys) { pinned_keys_.fetch_add(keys, std::memory_order_relaxed); }
   void Unserved(size_t keys) { unserved_.fetch_add(keys, std::memory_order_relaxed); }
+  // A call not sent to a suspect node; a lookup's keys not answered within its budget.
+  void Skipped() { skipped_.fetch_add(1, std::memory_order_relaxed); }
+  void Late(size_t keys) { late_keys_.fetch_add(keys, std::memory_order_relaxed); }
+  // A call refused here, before it went (what the node would refuse).
+  void RefusedHere(NodeHealth& n, const Status& status) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    n.RefusedHere(status);
+  }
   void Repaired(size_t blocks) { repaired_.fetch_add(blocks, std::memory_order_relaxed); }
   void MembersChanged(size_t joined, size_t left) {
     joined_.fetch_add(joined, std::memory_order_relaxed);
     left_.fetch_add(left, std::memory_order_relaxed);
   }
 
-  // Records the outcome of a call to a node: OK, or an answer (NotFound, Aborted) that is not
-  // an error, marks the node up; Unavailable, DeadlineExceeded or Cancelled count it
-  // unreachable; anything else is a refusal.
-  void Record(NodeState& n, const Status& status) {
-    const StatusCode code = status.code();
-    if (Unreachable(status)) {
-      unreachable_.fetch_add(1, std::memory_order_relaxed);
-      if (n.state.exchange(NodeState::kDown) != NodeState::kDown) {
-        KVSTASH_LOG_WARN(
-            "offload node {} is unreachable ({}); its keys read as misses until it "
-            "answers",
-            n.name, status.ToString());
-      }
-      return;
-    }
-    if (n.state.exchange(NodeState::kUp) == NodeState::kDown) {
-      KVSTASH_LOG_INFO("offload node {} answers again", n.name);
-    }
-    if (status.ok() || code == StatusCode::kNotFound || code == StatusCode::kAborted) return;
-    refused_.fetch_add(1, std::memory_order_relaxed);
-    bool first = false;
-    {
-      MutexLock lock(&n.mu);
-      first = n.logged_codes.insert(static_cast<int>(code)).second;
-    }
-    if (first) {
-      KVSTASH_LOG_ERROR(
-          "offload node {} refused a call: {} (logged once per node and code; "
-          "every refusal is counted)",
-          n.name, status.ToString());
-    }
+  // Records the outcome of a call to a node (NodeHealth::Record: up, down, suspect, and the
+  // logs): unreachable ones and refusals are counted.
+  void Record(NodeHealth& n, const Status& status) {
+    if (Unreachable(status)) unreachable_.fetch_add(1, std::memory_order_relaxed);
+    if (n.Record(status)) refused_.fetch_add(1, std::memory_order_relaxed);
   }
 
   BlockStoreCounters counters() const {
@@ -254,12 +215,14 @@ class Accounting {
     c.repaired_blocks = repaired_.load(std::memory_order_relaxed);
     c.members_joined = joined_.load(std::memory_order_relaxed);
     c.members_left = left_.load(std::memory_order_relaxed);
+    c.skipped_calls = skipped_.load(std::memory_order_relaxed);
+    c.late_keys = late_keys_.load(std::memory_order_relaxed);
     return c;
   }
 
  private:
   std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0},
-      unserved_{0}, repaired_{0}, joined_{0}, left_{0};
+      unserved_{0}, repaired_{0}, joined_{0}, left_{0}, skipped_{0}, late_keys_{0};
 };
 
 // HIT over RETRY over MISS: the best of two replicas' answers.
@@ -347,7 +310,7 @@ class NodeClient::Impl {
     const std::shared_ptr<const Topology> current = Snapshot();
     std::map<std::string, std::shared_ptr<Member>> kept;
     if (current) {
-      for (const auto& member : current->members) kept.emplace(member->state->name, member);
+      for (const auto& member : current->members) kept.emplace(member->state->name(), member);
     }
     auto next = std::make_shared<Topology>();
     size_t joined = 0;
@@ -371,7 +334,7 @@ class NodeClient::Impl {
       ++joined;
     }
     const size_t left = current ? kept.size() : 0;
-    if (current) accounting_.MembersChanged(joined, left);
+    if (current) accounting_->MembersChanged(joined, left);
     if (next->members.empty()) {
       KVSTASH_LOG_WARN(
           "cluster {} has no live offload nodes: lookups miss and stores fail until one joins",
@@ -395,8 +358,10 @@ class NodeClient::Impl {
     client.worker = options_.worker;
     auto member = std::make_shared<Member>();
     member->address = address;
-    member->state = std::make_shared<NodeState>(address.ToString());
-    member->hash = Xxh3Hash64(std::as_bytes(std::span(member->state->name)));
+    member->state = std::make_shared<NodeHealth>(
+        address.ToString(), HealthOptions{options_.suspect_after, options_.probe_interval,
+                                          options_.timeout + options_.connect_timeout});
+    member->hash = Xxh3Hash64(std::as_bytes(std::span(member->state->name())));
     if (options_.connect) {
       KVSTASH_ASSIGN_OR_RETURN(member->channel, options_.connect(client));
     } else {
@@ -416,32 +381,18 @@ class NodeClient::Impl {
     return out;
   }
   size_t node_count() const { return Snapshot()->members.size(); }
-  NodeAddress node(size_t i) const { return Snapshot()->members.at(i)->address; }
-  BlockStoreCounters counters() const { return accounting_.counters(); }
+  // A member that left meanwhile reads as an empty address (never an exception).
+  NodeAddress node(size_t i) const {
+    const auto topology = Snapshot();
+    return i < topology->members.size() ? topology->members[i]->address : NodeAddress{};
+  }
+  BlockStoreCounters counters() const { return accounting_->counters(); }
   size_t replicas() const { return options_.replicas; }
 
   // The `replicas` highest-ranked members of `members` for `key` (fewer when fewer are live).
   Placement Place(const Members& members, const BlockKey& key) const {
-    Placement p;
-    std::array<uint64_t, kMaxReplicas> scores{};
-    const size_t want = std::min(options_.replicas, members.size());
-    for (size_t i = 0; i < members.size(); ++i) {
-      const uint64_t score =
-          Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ Mix64(key.group ^ members[i]->hash)));
-      // Insertion into the top `want`, best first; an earlier member wins a tie.
-      size_t at = p.count;
-      while (at > 0 && score > scores[at - 1]) --at;
-      if (at >= want) continue;
-      const size_t last = std::min<size_t>(p.count, want - 1);
-      for (size_t j = last; j > at; --j) {
-        scores[j] = scores[j - 1];
-        p.nodes[j] = p.nodes[j - 1];
-      }
-      scores[at] = score;
-      p.nodes[at] = static_cast<uint32_t>(i);
-      p.count = static_cast<uint32_t>(std::min(want, p.count + size_t{1}));
-    }
-    return p;
+    return connector::Place(
+        members.size(), [&](size_t i) { return members[i]->hash; }, key, options_.replicas);
   }
 
   std::optional<size_t> NodeOf(const BlockKey& key) const {
@@ -465,13 +416,26 @@ class NodeClient::Impl {
   }
 
   // The limits of each member in `wanted` (by index), connecting to those not yet connected,
-  // all at once. A member that cannot be connected gets its error (recorded here).
+  // all at once (a first connection is waited for, at most connect_timeout, also by a lookup:
+  // its budget counts from the calls). A suspect member that is not admitted (NodeHealth::Admit:
+  // not its turn to be probed) gets Unavailable at once, unrecorded. A member that cannot be
+  // connected gets its error (recorded here).
   std::vector<Result<ServerLimits>> LimitsOf(const Members& members,
                                              const std::vector<bool>& wanted) {
     std::vector<Result<ServerLimits>> limits(members.size(), Result<ServerLimits>(ServerLimits{}));
     std::vector<std::pair<size_t, std::future<Status>>> connecting;
+    const auto now = NodeHealth::Clock::now();
     for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
+      NodeHealth& health = *members[n]->state;
+      if (!health.Admit(now)) {
+        accounting_->Skipped();
+        limits[n] = UnavailableError(
+            "node {} is suspect (it did not answer): skipped until it "
+            "answers a probe",
+            health.name());
+        continue;
+      }
       if (auto known = members[n]->channel->server_limits()) {
         limits[n] = *known;
         continue;
@@ -481,6 +445,7 @@ class NodeClient::Impl {
       members[n]->channel->ConnectAsync([promise](const Status& s) { promise->set_value(s); });
     }
     for (auto& [n, future] : connecting) {
+      NodeHealth& health = *members[n]->state;
       const Status connected = future.get();
       std::optional<ServerLimits> known = members[n]->channel->server_limits();
       if (connected.ok() && known) {
@@ -488,8 +453,8 @@ class NodeClient::Impl {
       } else {
         const Status error =
             connected.ok() ? InternalError("connected without a hello") : connected;
-        accounting_.Record(*members[n]->state, error);
-        limits[n] = AtNode(members[n]->state->name, error);
+        accounting_->Record(health, error);
+        limits[n] = AtNode(health.name(), error);
       }
     }
     return limits;
@@ -510,7 +475,7 @@ class NodeClient::Impl {
                  std::function<void(Outcome)> done, transport::CallGroup* group = nullptr) {
     options.deadline = transport::Clock::now() + options_.timeout;
     const std::string bytes = request.SerializeAsString();
-    accounting_.CallStarted();
+    accounting_->CallStarted();
     transport::ResponseCallback callback =
         [done = std::move(done)](const transport::Response& response) {
           done(Outcome{response.status,
@@ -590,6 +555,10 @@ class NodeClient::Impl {
     std::vector<bool> wanted;
     ByNode(members, keys, &by_node, &wanted);
     const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+    // Nodes answer within the budget or their keys read as misses: never wait for the slowest.
+    // A budget of the whole deadline waits for every call's outcome (each ends by then).
+    const bool bounded = options_.lookup_budget < options_.timeout;
+    const auto until = transport::Clock::now() + options_.lookup_budget;
     std::vector<size_t> per_call(members.size(), 0);
     for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
@@ -610,6 +579,8 @@ class NodeClient::Impl {
         for (size_t i : by_node[n]) answered[i] = true;
       }
     }
+    // Each call's transport outcome is recorded when it comes, also after the budget: a late
+    // answer still says the node is there.
     std::vector<std::future<Outcome>> calls;
     calls.reserve(chunks.size());
     for (const Chunk& c : chunks) {
@@ -617,23 +588,44 @@ class NodeClient::Impl {
       for (size_t j = c.begin; j < c.end; ++j) {
         wire::ToWire(keys[by_node[c.node][j]], request.add_keys());
       }
-      calls.push_back(Start(*members[c.node], wire::METHOD_LOOKUP, request));
+      auto promise = std::make_shared<std::promise<Outcome>>();
+      calls.push_back(promise->get_future());
+      StartWith(
+          *members[c.node], wire::METHOD_LOOKUP, request, {},
+          [accounting = accounting_, promise, state = members[c.node]->state](Outcome outcome) {
+            accounting->Record(*state, outcome.status);
+            promise->set_value(std::move(outcome));
+          });
     }
+    std::vector<bool> late(members.size(), false);
     for (size_t k = 0; k < chunks.size(); ++k) {
       const Chunk& c = chunks[k];
       Member& member = *members[c.node];
       const size_t count = c.end - c.begin;
+      if (bounded && calls[k].wait_until(until) != std::future_status::ready) {
+        // Misses unless another replica answers; the node is told once per lookup.
+        if (!late[c.node]) member.state->Late();
+        late[c.node] = true;
+        accounting_->Late(count);
+        continue;
+      }
+      const Outcome outcome = calls[k].get();
+      if (!outcome.status.ok()) {
+        if (Unreachable(outcome.status)) continue;  // misses unless another replica answers
+        if (refusal->ok()) *refusal = AtNode(member.state->name(), outcome.status);
+        for (size_t j = c.begin; j < c.end; ++j) answered[by_node[c.node][j]] = true;
+        continue;  // misses, counted and logged
+      }
       wire::LookupReply reply;
-      Status status = ParseReply(calls[k].get(), &reply);
+      Status status = ParseReply(outcome, &reply);
       if (status.ok() && reply.results_size() != static_cast<int>(count)) {
         status = InternalError("{} result(s) to a lookup of {} keys", reply.results_size(), count);
       }
-      accounting_.Record(*member.state, status);
       if (!status.ok()) {
-        if (Unreachable(status)) continue;  // misses unless another replica answers
-        if (refusal->ok()) *refusal = AtNode(member.state->name, status);
+        accounting_->Record(*member.state, status);
+        if (refusal->ok()) *refusal = AtNode(member.state->name(), status);
         for (size_t j = c.begin; j < c.end; ++j) answered[by_node[c.node][j]] = true;
-        continue;  // misses, counted and logged
+        continue;
       }
       for (size_t j = 0; j < count; ++j) {
         const size_t i = by_node[c.node][c.begin + j];
@@ -645,7 +637,7 @@ class NodeClient::Impl {
         }
       }
     }
-    accounting_.Unserved(static_cast<size_t>(std::count(answered.begin(), answered.end(), false)));
+    accounting_->Unserved(static_cast<size_t>(std::count(answered.begin(), answered.end(), false)));
     if (options_.replicas > 1) NoteRepairs(keys, states, missed_at);
     return states;
   }
@@ -696,10 +688,10 @@ class NodeClient::Impl {
     size_t repaired = 0;
     for (size_t k = 0; k < todo.size(); ++k) {
       const Status status = ParseReply(calls[k].get(), (wire::PutBlockReply*)nullptr);
-      accounting_.Record(*todo[k].second->state, status);
+      accounting_->Record(*todo[k].second->state, status);
       repaired += status.ok() ? 1 : 0;
     }
-    accounting_.Repaired(repaired);
+    accounting_->Repaired(repaired);
   }
 
   // One PutBlock call per block and replica (the whole store), all in flight at once across
@@ -714,7 +706,7 @@ class NodeClient::Impl {
     const auto topology = Snapshot();
     const Members& members = topology->members;
     if (members.empty()) {
-      accounting_.Unserved(keys.size());
+      accounting_->Unserved(keys.size());
       return UnavailableError("no live offload node in cluster {} for {} block(s)",
                               options_.cluster, keys.size());
     }
@@ -726,7 +718,7 @@ class NodeClient::Impl {
     std::vector<Status> unreached(keys.size());  // per block: a replica that did not answer
     std::vector<bool> stored(keys.size(), false);
     auto failed = [&](const Member& m, size_t i, const Status& status) {
-      Status named(status.code(), fmt::format("node {}: block {}: {}", m.state->name,
+      Status named(status.code(), fmt::format("node {}: block {}: {}", m.state->name(),
                                               keys[i].ToString(), status.message()));
       if (Unreachable(status)) {
         if (unreached[i].ok()) unreached[i] = std::move(named);
@@ -767,7 +759,7 @@ class NodeClient::Impl {
                                          blocks[i].size(), limits[n]->max_payload_bytes);
         }
         if (!refused.ok()) {
-          accounting_.Record(*member.state, refused);
+          accounting_->RefusedHere(*member.state, refused);  // its health is unchanged
           failed(member, i, refused);
           continue;
         }
@@ -777,7 +769,7 @@ class NodeClient::Impl {
     group.Wait();
     for (auto& [member, i, future] : puts) {
       const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
-      accounting_.Record(*member->state, status);
+      accounting_->Record(*member->state, status);
       if (status.ok()) {
         stored[i] = true;
       } else {
@@ -792,7 +784,7 @@ class NodeClient::Impl {
         if (lost.ok()) lost = unreached[i];
       }
     }
-    accounting_.Unserved(unserved);
+    accounting_->Unserved(unserved);
     return refusal.ok() ? lost : refusal;
   }
 
@@ -836,13 +828,13 @@ class NodeClient::Impl {
     };
     // The end of key i's read without its block.
     auto give_error = [&](size_t i) {
-      if (Unreachable(errors[i])) accounting_.Unserved(1);
+      if (Unreachable(errors[i])) accounting_->Unserved(1);
       results[i] = errors[i];
     };
     std::vector<size_t> pending;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (places[i].count == 0) {
-        accounting_.Unserved(1);
+        accounting_->Unserved(1);
         results[i] = UnavailableError("no live offload node in cluster {} for block {}",
                                       options_.cluster, keys[i].ToString());
       } else {
@@ -909,7 +901,7 @@ class NodeClient::Impl {
         const Member& member = *members[places[i].nodes[rank[i]]];
         const Outcome outcome = calls[j].get();
         const Status& got = outcome.status;
-        accounting_.Record(*member.state, got);
+        accounting_->Record(*member.state, got);
         if (got.ok()) {
           results[i] = outcome.payload_bytes;
           continue;
@@ -920,11 +912,12 @@ class NodeClient::Impl {
           continue;
         }
         if (got.code() == StatusCode::kNotFound) {
-          note_error(i, NotFoundError("node {} does not hold block {}", member.state->name,
+          note_error(i, NotFoundError("node {} does not hold block {}", member.state->name(),
                                       keys[i].ToString()));
         } else {
-          note_error(i, Status(got.code(), fmt::format("node {}: block {}: {}", member.state->name,
-                                                       keys[i].ToString(), got.message())));
+          note_error(i,
+                     Status(got.code(), fmt::format("node {}: block {}: {}", member.state->name(),
+                                                    keys[i].ToString(), got.message())));
         }
         const bool passes = got.code() == StatusCode::kNotFound || Unreachable(got);
         if (passes && ++rank[i] < places[i].count) {
@@ -1020,9 +1013,9 @@ class NodeClient::Impl {
                      [this, state = member.state](const Outcome& outcome) {
                        wire::LoadReply reply;
                        const Status status = ParseReply(outcome, &reply);
-                       accounting_.Record(*state, status);
+                       accounting_->Record(*state, status);
                        if (status.ok()) {
-                         accounting_.Pinned(static_cast<size_t>(
+                         accounting_->Pinned(static_cast<size_t>(
                              std::count(reply.pinned().begin(), reply.pinned().end(), true)));
                        }
                      });
@@ -1067,8 +1060,8 @@ class NodeClient::Impl {
         [this](Member& member, const wire::ReleaseRequest& request) {
           StartAsync(member, wire::METHOD_RELEASE, request,
                      [this, state = member.state](const Outcome& outcome) {
-                       accounting_.Record(*state,
-                                          ParseReply(outcome, (wire::ReleaseReply*)nullptr));
+                       accounting_->Record(*state,
+                                           ParseReply(outcome, (wire::ReleaseReply*)nullptr));
                      });
         });
   }
@@ -1077,50 +1070,79 @@ class NodeClient::Impl {
     if (keys.empty()) return;
     (void)StartKeyCalls<wire::TouchRequest>(
         keys, [this](Member& member, const wire::TouchRequest& request) {
-          accounting_.Touched(static_cast<size_t>(request.keys_size()));
+          accounting_->Touched(static_cast<size_t>(request.keys_size()));
           StartAsync(member, wire::METHOD_TOUCH, request,
                      [this, state = member.state](const Outcome& outcome) {
-                       accounting_.Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
+                       accounting_->Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
                      });
         });
   }
 
   Status TouchSync(std::span<const BlockKey> keys) {
-    std::vector<std::pair<std::shared_ptr<NodeState>, std::future<Outcome>>> calls;
+    std::vector<std::pair<std::shared_ptr<NodeHealth>, std::future<Outcome>>> calls;
     Status first = StartKeyCalls<wire::TouchRequest>(
         keys, [&](Member& member, const wire::TouchRequest& request) {
-          accounting_.Touched(static_cast<size_t>(request.keys_size()));
+          accounting_->Touched(static_cast<size_t>(request.keys_size()));
           calls.emplace_back(member.state, Start(member, wire::METHOD_TOUCH, request));
         });
     for (auto& [state, future] : calls) {
       const Status status = ParseReply(future.get(), (wire::TouchReply*)nullptr);
-      accounting_.Record(*state, status);
-      if (!status.ok() && first.ok()) first = AtNode(state->name, status);
+      accounting_->Record(*state, status);
+      if (!status.ok() && first.ok()) first = AtNode(state->name(), status);
     }
     return first;
+  }
+
+  // The index of `address` in `topology`; NotFound when it is not a member.
+  static Result<size_t> IndexOf(const Topology& topology, const NodeAddress& address) {
+    for (size_t n = 0; n < topology.members.size(); ++n) {
+      if (topology.members[n]->address.host == address.host &&
+          topology.members[n]->address.port == address.port) {
+        return n;
+      }
+    }
+    return NotFoundError("node {} is not a member now", address.ToString());
+  }
+
+  Result<ServerLimits> Limits(const NodeAddress& address) {
+    const auto topology = Snapshot();
+    KVSTASH_ASSIGN_OR_RETURN(const size_t node, IndexOf(*topology, address));
+    std::vector<bool> wanted(topology->members.size(), false);
+    wanted[node] = true;
+    return std::move(LimitsOf(topology->members, wanted)[node]);
+  }
+
+  Result<std::map<std::string, uint64_t>> Stats(const NodeAddress& address) {
+    const auto topology = Snapshot();
+    KVSTASH_ASSIGN_OR_RETURN(const size_t node, IndexOf(*topology, address));
+    return StatsOf(*topology->members[node]);
   }
 
   Result<std::map<std::string, uint64_t>> Stats(size_t node) {
     const auto topology = Snapshot();
     if (node >= topology->members.size()) return OutOfRangeError("no node {}", node);
-    Member& member = *topology->members[node];
+    return StatsOf(*topology->members[node]);
+  }
+
+  Result<std::map<std::string, uint64_t>> StatsOf(Member& member) {
     wire::StatsReply reply;
     const Status status =
         ParseReply(Start(member, wire::METHOD_STATS, wire::StatsRequest()).get(), &reply);
-    accounting_.Record(*member.state, status);
-    if (!status.ok()) return AtNode(member.state->name, status);
+    accounting_->Record(*member.state, status);
+    if (!status.ok()) return AtNode(member.state->name(), status);
     return std::map<std::string, uint64_t>(reply.counters().begin(), reply.counters().end());
   }
 
   std::string node_name(size_t node) const {
     const auto topology = Snapshot();
-    return node < topology->members.size() ? topology->members[node]->state->name
+    return node < topology->members.size() ? topology->members[node]->state->name()
                                            : fmt::format("#{}", node);
   }
 
  private:
   NodeClientOptions options_;
-  Accounting accounting_;
+  // Shared with the callbacks of lookups that came back after their budget.
+  std::shared_ptr<Accounting> accounting_ = std::make_shared<Accounting>();
   mutable Mutex topology_mu_;
   std::shared_ptr<const Topology> topology_ GUARDED_BY(topology_mu_);
   Mutex apply_mu_;  // one membership change at a time, in the watcher's order
@@ -1194,6 +1216,12 @@ void NodeClient::Pin(std::span<const BlockKey> keys) { impl_->Pin(keys); }
 void NodeClient::Unpin(std::span<const BlockKey> keys) { impl_->Unpin(keys); }
 Status NodeClient::TouchSync(std::span<const BlockKey> keys) { return impl_->TouchSync(keys); }
 void NodeClient::WaitForTouches() { impl_->WaitForTouches(); }
+Result<std::map<std::string, uint64_t>> NodeClient::Stats(const NodeAddress& node) {
+  return impl_->Stats(node);
+}
+Result<transport::ServerLimits> NodeClient::Limits(const NodeAddress& node) {
+  return impl_->Limits(node);
+}
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(size_t node) {
   return impl_->Stats(node);
 }

@@ -118,15 +118,19 @@ class Client:
     cluster holds 1/replicas as many distinct blocks).
     namespace: the key namespace (nodes keep namespaces apart); token or token_file: the nodes'
     auth token (at most one of them); timeout_ms: every call's deadline; tls: UCX transports
-    ("shm", "tcp", ...; None: UCX's default). Thread-safe.
+    ("shm", "tcp", ...; None: UCX's default). lookup_budget_ms: how long a lookup waits for the
+    nodes; keys of a node that has not answered by then (stopped, cut off, slow) read as MISS,
+    counted in stats()["client"]["late_keys"]; a node that keeps not answering is skipped at once
+    (stats()["client"]["skipped_calls"]) until it answers a probe. Thread-safe.
     """
 
     def __init__(self, nodes=None, namespace="default", token=None, token_file=None,
-                 timeout_ms=5000, tls=None, etcd=None, cluster=None, replicas=1):
+                 timeout_ms=5000, tls=None, etcd=None, cluster=None, replicas=1,
+                 lookup_budget_ms=50):
         if isinstance(nodes, str):
             nodes = [nodes]
         self._c = _kvstash.Client(list(nodes or []), namespace, token, token_file, int(timeout_ms),
-                                  tls, etcd, cluster, int(replicas))
+                                  tls, etcd, cluster, int(replicas), int(lookup_budget_ms))
 
     def lookup(self, keys):
         """Each key's KeyState, in order. Keys of an unreachable node are MISS (counted); a node

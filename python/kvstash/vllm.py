@@ -17,9 +17,16 @@ vLLM calls the tier from its scheduler thread, once per key, and must never wait
 
 - lookup() answers from what the nodes said in the last moment (`lookup_ttl_ms`). A key not asked
   yet joins one batched lookup that a background thread sends for every key asked since the last
-  batch, and answers None ("ask again next step") meanwhile. A node that answers RETRY (a block
-  being written or promoted from its SSD) reads as None once, then is asked again. A key whose
-  batch has waited longer than `lookup_wait_ms` (a node stalled or gone) reads as a miss.
+  batch, and answers None ("ask again next step") meanwhile. The nodes answer the batch within
+  `lookup_budget_ms` each, in parallel; keys of a node that has not answered by then (stopped,
+  cut off, slow) read as misses, and a node that keeps not answering is skipped at once until it
+  answers a probe, so one stalled node never delays the others' keys. A node that answers RETRY
+  (a block being written or promoted from its SSD) reads as None once, then is asked again. A key
+  whose batch has waited longer than `lookup_wait_ms` reads as a miss.
+- The bound: a key reads None at most `max_deferrals` (2) times in a row, then False; and a key
+  whose load failed reads False for `failed_load_ttl_ms` (30 s), so vLLM computes it instead of
+  promoting it again. A request is deferred at most 2 steps per lookup of a key, and a load that
+  always fails costs it one failed promotion, never a loop.
 - submit_store() and submit_load() queue a job for a small pool of threads that put the primary
   rows to the nodes or get them into the primary rows, buffers handed over as they are (no copy
   in Python). get_finished() returns what finished since the last call; any error is a job with
@@ -39,7 +46,16 @@ Config keys (the tier's dict in `secondary_tiers`, beside "type"):
   tls             UCX transports for block traffic ("shm", "tcp", ...; default UCX's choice)
   lookup_ttl_ms   how long a node's answer is reused (default 1000)
   lookup_wait_ms  how long a key waits for its batch before it reads as a miss (default 500)
+  lookup_budget_ms  how long a batch waits for each node (default 50); see above
+  max_deferrals   how many steps in a row a key may read None (default 2)
+  failed_load_ttl_ms  how long keys of a failed load read False (default 30000)
   workers         threads running store and load jobs (default 2; loads go first)
+
+The constructor does no network I/O of its own: the nodes' block size and the token are checked
+by the background thread, and the constructor waits at most `start_check_ms` (default 200) for
+the first node's answer. A node that answers in time with another block size or refuses the token
+makes the constructor raise; one that answers later makes every job fail and every lookup miss,
+logged (a node down at start is not an error).
 
 This module imports without vLLM: the base class, JobMetadata and JobResult are vLLM's when it is
 installed and stand-ins with the same fields otherwise.
@@ -115,7 +131,11 @@ _GATHER_S = 0.0002
 # Keys vLLM's factory may pass besides the tier's own (depending on its version).
 _FRAMEWORK_KEYS = frozenset({"module_path", "tier_name", "backpressure_detector"})
 _CONFIG_KEYS = frozenset({"nodes", "etcd", "cluster", "replicas", "namespace", "token_file",
-                          "timeout_ms", "tls", "lookup_ttl_ms", "lookup_wait_ms", "workers"})
+                          "timeout_ms", "tls", "lookup_ttl_ms", "lookup_wait_ms", "workers",
+                          "lookup_budget_ms", "max_deferrals", "failed_load_ttl_ms",
+                          "start_check_ms"})
+# Failed-load entries kept at most (the oldest expire first past it).
+_MAX_FAILED_KEYS = 1 << 16
 
 
 def register():
@@ -286,6 +306,14 @@ class KvstashSecondaryTier(_TierBase):
         if ttl_ms < 0 or wait_ms < 0 or workers < 1:
             raise ValueError(f"kvstash tier: lookup_ttl_ms {ttl_ms} and lookup_wait_ms "
                              f"{wait_ms} must be >= 0 and workers {workers} >= 1")
+        budget_ms = int(config.get("lookup_budget_ms", 50))
+        max_deferrals = int(config.get("max_deferrals", 2))
+        failed_ttl_ms = float(config.get("failed_load_ttl_ms", 30000))
+        start_check_ms = float(config.get("start_check_ms", 200))
+        if budget_ms <= 0 or max_deferrals < 0 or failed_ttl_ms < 0 or start_check_ms < 0:
+            raise ValueError(f"kvstash tier: lookup_budget_ms {budget_ms} must be > 0, and "
+                             f"max_deferrals {max_deferrals}, failed_load_ttl_ms "
+                             f"{failed_ttl_ms} and start_check_ms {start_check_ms} >= 0")
 
         self._primary_kv_view = primary_kv_view
         self._rows = _primary_rows(primary_kv_view)
@@ -295,32 +323,29 @@ class KvstashSecondaryTier(_TierBase):
         self._timeout_s = timeout_ms / 1000.0
         self._ttl_s = ttl_ms / 1000.0
         self._wait_s = wait_ms / 1000.0
+        self._max_deferrals = max_deferrals
+        self._failed_ttl_s = failed_ttl_ms / 1000.0
         self._logged = set()
 
         self._client = kvstash.Client(self.nodes, namespace=self.namespace,
                                       token_file=config.get("token_file"),
                                       timeout_ms=timeout_ms, tls=config.get("tls"), etcd=etcd,
-                                      cluster=cluster, replicas=replicas)
-        try:
-            block_bytes = self._client.block_bytes()
-        except kvstash.Error as e:
-            logger.warning("kvstash: cannot ask %s for its block size (%s); jobs fail until it "
-                           "answers", self.nodes[0] if self.nodes else f"cluster {cluster}", e)
-        else:
-            if block_bytes != self._row_bytes:
-                self._client.close()
-                raise ValueError(
-                    f"kvstash: the nodes store blocks of {block_bytes} bytes but vLLM's primary "
-                    f"rows are {self._row_bytes} bytes: start kvstashd with --block-bytes "
-                    f"{self._row_bytes}")
+                                      cluster=cluster, replicas=replicas,
+                                      lookup_budget_ms=budget_ms)
 
         self._lock = threading.Lock()
+        # The start check (_check_nodes): None until a node answered; then None or the error
+        # that makes the tier unusable (every job fails, every lookup misses).
+        self._checked = threading.Event()
+        self._unusable = None
         self._control_cv = threading.Condition(self._lock)  # lookups or touches queued
         self._jobs_cv = threading.Condition(self._lock)     # jobs queued
         self._idle_cv = threading.Condition(self._lock)     # a job finished
         self._stopping = False
         # key -> (answer, expiry): HIT/MISS until expiry; RETRY is answered once.
         self._answers = {}
+        self._deferred = {}  # key -> None answers given in a row
+        self._failed = {}  # key -> until when it reads as a miss (its load failed)
         self._last_purge = time.monotonic()
         self._asked = {}  # key -> when first asked, while its batch is queued or in flight
         self._queued = []  # keys for the next batch
@@ -334,8 +359,13 @@ class KvstashSecondaryTier(_TierBase):
                                           name="kvstash-tier-lookup")]
         self._threads += [threading.Thread(target=self._job_loop, daemon=True,
                                            name=f"kvstash-tier-job-{i}") for i in range(workers)]
+        self._threads.append(threading.Thread(target=self._check_nodes, daemon=True,
+                                              name="kvstash-tier-check"))
         for t in self._threads:
             t.start()
+        if self._checked.wait(start_check_ms / 1000.0) and self._unusable is not None:
+            self.shutdown()
+            raise self._unusable
         logger.info("kvstash tier: nodes %s, namespace %s, rows of %d bytes", self.nodes,
                     self.namespace, self._row_bytes)
 
@@ -345,24 +375,48 @@ class KvstashSecondaryTier(_TierBase):
         """True if the nodes hold `key`, False if not, None: asked, answer next step."""
         now = time.monotonic()
         with self._lock:
+            if self._unusable is not None:
+                return MISS
+            failed = self._failed.get(key)
+            if failed is not None:
+                if now < failed:
+                    return MISS
+                del self._failed[key]
             answer = self._answers.get(key)
             if answer is not None:
                 state, expiry = answer
                 if now < expiry:
                     if state is RETRY:
                         del self._answers[key]
+                        return self._defer(key)
+                    self._deferred.pop(key, None)
                     return state
                 del self._answers[key]
             asked = self._asked.get(key)
             if asked is not None:
-                return RETRY if now - asked < self._wait_s else MISS
+                return self._defer(key) if now - asked < self._wait_s else self._undefer(key)
             if self._stopping or len(self._asked) >= _MAX_PENDING_KEYS:
-                return MISS
+                return self._undefer(key)
             self._asked[key] = now
             self._queued.append(key)
             if len(self._queued) == 1:
                 self._control_cv.notify()
+            return self._defer(key)
+
+    def _defer(self, key):
+        """None ("ask again next step") unless `key` had max_deferrals of them in a row: then a
+        miss, so that vLLM computes it. Under the lock."""
+        n = self._deferred.get(key, 0)
+        if n >= self._max_deferrals:
+            return self._undefer(key)
+        if len(self._deferred) >= _MAX_PENDING_KEYS:
+            self._deferred.clear()
+        self._deferred[key] = n + 1
         return RETRY
+
+    def _undefer(self, key):
+        self._deferred.pop(key, None)
+        return MISS
 
     def submit_store(self, job_metadata):
         """Queues a put of the primary rows `block_ids` under `keys` (a cascade)."""
@@ -462,6 +516,8 @@ class KvstashSecondaryTier(_TierBase):
             error = (f"block ids {block_ids.min()}..{block_ids.max()} outside the primary's "
                      f"{len(self._rows)} rows")
         with self._lock:
+            if error is None and self._unusable is not None:
+                error = str(self._unusable)
             if error is not None or self._stopping or not keys:
                 if error is not None:
                     self._log_once(("submit", "invalid"), "kvstash: job %d refused: %s", job_id,
@@ -492,8 +548,18 @@ class KvstashSecondaryTier(_TierBase):
                         self._answers.pop(key, None)
                 if not ok:
                     # The nodes failed us: forget every answer, so lookups ask them again
-                    # rather than promise blocks they may no longer serve.
+                    # rather than promise blocks they may no longer serve; and a failed load's
+                    # keys read as misses for a while, so vLLM computes them rather than
+                    # promote them again from a node that fails them.
                     self._answers.clear()
+                    if job.is_load:
+                        until = time.monotonic() + self._failed_ttl_s
+                        if len(self._failed) + len(job.keys) > _MAX_FAILED_KEYS:
+                            self._failed = {k: t for k, t in self._failed.items()
+                                            if t > time.monotonic()}
+                        for key in job.keys:
+                            if len(self._failed) < _MAX_FAILED_KEYS:
+                                self._failed[key] = until
                 self._idle_cv.notify_all()
 
     def _run(self, job):
@@ -522,6 +588,46 @@ class KvstashSecondaryTier(_TierBase):
             self._log_once((operation, type(e).__name__), "kvstash: %s of job %d failed: %r",
                            operation, job.job_id, e)
         return False
+
+    def _check_nodes(self):
+        """The start check: asks the nodes for their block size (which also checks the token)
+        until one answers, then says whether the tier can work."""
+        delay = 0.05
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+            try:
+                block_bytes = self._client.block_bytes()
+            except kvstash.Error as e:
+                if e.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
+                    self._set_unusable(type(e)(
+                        f"kvstash tier: the nodes refuse this tier: {e.message}"))
+                    return
+                self._log_once(("check", "unreachable"), "kvstash: cannot ask %s for its block "
+                               "size yet (%s); asking again", self.nodes or "the cluster", e)
+            except Exception as e:  # never let the check's failure escape
+                self._log_once(("check", type(e).__name__), "kvstash: block size check: %r", e)
+            else:
+                if block_bytes != self._row_bytes:
+                    self._set_unusable(ValueError(
+                        f"kvstash: the nodes store blocks of {block_bytes} bytes but vLLM's "
+                        f"primary rows are {self._row_bytes} bytes: start kvstashd with "
+                        f"--block-bytes {self._row_bytes}"))
+                else:
+                    self._checked.set()
+                return
+            with self._lock:
+                if self._stopping:
+                    return
+                self._control_cv.wait(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _set_unusable(self, error):
+        with self._lock:
+            self._unusable = error
+        logger.error("%s; every job fails and every lookup misses", error)
+        self._checked.set()
 
     def _control_loop(self):
         while True:

@@ -225,7 +225,7 @@ class Client {
          const std::optional<std::string>& token, const std::optional<std::string>& token_file,
          int64_t timeout_ms, const std::optional<std::string>& tls,
          const std::optional<std::string>& etcd, const std::optional<std::string>& cluster,
-         int64_t replicas) {
+         int64_t replicas, int64_t lookup_budget_ms) {
     connector::NodeClientOptions options;
     if (nodes.empty() && !etcd) {
       Raise(InvalidArgumentError("nodes: at least one HOST:PORT, or etcd and cluster"));
@@ -258,6 +258,10 @@ class Client {
     if (timeout_ms <= 0) Raise(InvalidArgumentError("timeout_ms: {} is not positive", timeout_ms));
     options.timeout = std::chrono::milliseconds(timeout_ms);
     options.connect_timeout = std::min(options.connect_timeout, options.timeout);
+    if (lookup_budget_ms <= 0) {
+      Raise(InvalidArgumentError("lookup_budget_ms: {} is not positive", lookup_budget_ms));
+    }
+    options.lookup_budget = std::chrono::milliseconds(lookup_budget_ms);
     options.transport.tls = tls.value_or("");
     Result<std::unique_ptr<connector::NodeClient>> client = InternalError("not created");
     {
@@ -369,15 +373,18 @@ class Client {
     own["repaired_blocks"] = c.repaired_blocks;
     own["members_joined"] = c.members_joined;
     own["members_left"] = c.members_left;
+    own["skipped_calls"] = c.skipped_calls;
+    own["late_keys"] = c.late_keys;
     own["replicas"] = client->replicas();
     py::dict nodes;
-    for (size_t i = 0; i < client->node_count(); ++i) {
+    // The members now (a followed cluster's may change meanwhile: one that left is an error).
+    for (const connector::NodeAddress& node : client->nodes()) {
       Result<std::map<std::string, uint64_t>> stats = InternalError("not asked");
       {
         py::gil_scoped_release release;
-        stats = client->Stats(i);
+        stats = client->Stats(node);
       }
-      const std::string name = client->node(i).ToString();
+      const std::string name = node.ToString();
       if (stats.ok()) {
         nodes[py::str(name)] = py::cast(*stats);
       } else {
@@ -440,10 +447,11 @@ PYBIND11_MODULE(_kvstash, m) {
       .def(py::init<const std::vector<std::string>&, const std::string&,
                     const std::optional<std::string>&, const std::optional<std::string>&, int64_t,
                     const std::optional<std::string>&, const std::optional<std::string>&,
-                    const std::optional<std::string>&, int64_t>(),
+                    const std::optional<std::string>&, int64_t, int64_t>(),
            py::arg("nodes"), py::arg("namespace"), py::arg("token"), py::arg("token_file"),
            py::arg("timeout_ms"), py::arg("tls"), py::arg("etcd") = py::none(),
-           py::arg("cluster") = py::none(), py::arg("replicas") = 1)
+           py::arg("cluster") = py::none(), py::arg("replicas") = 1,
+           py::arg("lookup_budget_ms") = 50)
       .def("lookup", &Client::Lookup)
       .def("prefix_lookup", &Client::PrefixLookup)
       .def("window_lookup", &Client::WindowLookup)

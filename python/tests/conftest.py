@@ -21,6 +21,22 @@ BASE_ARGS = ["--listen", "127.0.0.1", "--port", "0", "--metrics-address", "off",
 BLOCK_BYTES = 4096
 
 
+@pytest.fixture(autouse=True)
+def every_hit_counted(monkeypatch):
+    """The tests count hits exactly: a client they make waits for the nodes' answers up to its
+    call deadline, not the 50 ms lookup budget a busy machine can pass. A test of the budget
+    gives lookup_budget_ms itself (the vLLM tier passes its own)."""
+    import kvstash
+
+    original = kvstash.Client.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("lookup_budget_ms", int(kwargs.get("timeout_ms", 5000)))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kvstash.Client, "__init__", init)
+
+
 class Node:
     """One kvstashd process, its address and its logs. Owned by the start_node fixture."""
 

@@ -92,6 +92,11 @@ def make_tier():
     def make(node, primary, **config):
         nodes = [n.address for n in node] if isinstance(node, list) else [node.address]
         config.setdefault("namespace", "test")
+        # Hits are counted exactly: the budget is the deadline (tests of the budget set it), and
+        # the start check waits for the node.
+        config.setdefault("lookup_budget_ms", config.get("timeout_ms", 5000))
+        config.setdefault("start_check_ms", 10_000)
+        config.setdefault("max_deferrals", 1000)  # a slow batch is waited for, never a miss
         tier = KvstashSecondaryTier(None, memoryview(primary) if isinstance(primary, np.ndarray)
                                     else primary, "kvstash", nodes=nodes, **config)
         tiers.append(tier)
@@ -273,7 +278,101 @@ def test_shutdown_lets_the_primary_release_its_mapping(node, make_tier):
 def test_block_size_other_than_the_row_size_is_refused(node):
     primary = np.zeros((4, 2 * BLOCK_BYTES), dtype=np.uint8)
     with pytest.raises(ValueError, match=f"--block-bytes {2 * BLOCK_BYTES}"):
-        KvstashSecondaryTier(None, memoryview(primary), "kvstash", nodes=[node.address])
+        KvstashSecondaryTier(None, memoryview(primary), "kvstash", nodes=[node.address],
+                             start_check_ms=10_000)
+
+
+def test_a_wrong_token_is_refused_at_start(start_node, tmp_path):
+    node = start_node("--auth-token", "right")
+    token_file = tmp_path / "token"
+    token_file.write_text("wrong\n")
+    with pytest.raises(kvstash.Error, match="refuse this tier"):
+        KvstashSecondaryTier(None, memoryview(make_primary()), "kvstash", nodes=[node.address],
+                             token_file=str(token_file), start_check_ms=10_000)
+
+
+def test_a_stopped_node_at_start_is_no_error_and_no_wait(node):
+    """The constructor waits at most start_check_ms for the first answer; a node that answers
+    later with another block size makes every job fail and every lookup miss."""
+    primary = np.zeros((4, 2 * BLOCK_BYTES), dtype=np.uint8)
+    node.pause()
+    try:
+        start = time.monotonic()
+        tier = KvstashSecondaryTier(None, memoryview(primary), "kvstash", nodes=[node.address],
+                                    namespace="test", start_check_ms=100, timeout_ms=1000)
+        # Generous against the 100 ms it may wait: the point is it never waits for the node.
+        assert time.monotonic() - start < 5.0
+    finally:
+        node.resume()
+    try:
+        manager = Manager(tier)
+        deadline = time.monotonic() + 20
+        while tier._unusable is None:  # the check thread asks until the node answers
+            assert time.monotonic() < deadline, "the node's block size was never checked"
+            time.sleep(0.01)
+        assert "--block-bytes" in str(tier._unusable)
+        assert manager.wait_job(manager.cascade(make_keys(1), [0])) is False
+        assert tier.lookup(make_keys(1)[0], manager.ctx) is MISS
+    finally:
+        tier.shutdown()
+
+
+class FailingLoads:
+    """The tier's client, but every get fails (a node that holds blocks it cannot serve)."""
+
+    def __init__(self, client):
+        self._client = client
+        self.gets = 0
+
+    def get(self, keys, buffers):
+        self.gets += 1
+        raise kvstash.Unavailable("loads fail here")
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_load_that_always_fails_is_computed_within_the_bound(node, make_tier):
+    """The node says HIT, every promotion fails: after one failed load the keys read MISS, so
+    the request is computed, within 3 steps of its first lookup (before, the tier forgot its
+    answers, the node said HIT again, and vLLM promoted it again, every step)."""
+    primary = make_primary()
+    tier = make_tier(node, primary, max_deferrals=2)
+    manager = Manager(tier)
+    keys = make_keys(4)
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2, 3])) is True
+    failing = FailingLoads(tier._client)
+    tier._client = failing
+    steps = 0
+    computed = False
+    while not computed:
+        steps += 1
+        assert steps <= 50, "the request was never computed"
+        answers = [tier.lookup(key, manager.ctx) for key in keys]
+        if MISS in answers:
+            computed = True
+        elif all(a is HIT for a in answers):
+            assert manager.wait_job(manager.promote(keys, [4, 5, 6, 7])) is False
+        manager.step()
+    # One promotion at most (none when a slow machine's batch passed max_deferrals first).
+    assert failing.gets <= 1, f"{failing.gets} promotions of a load that always fails"
+    # Steps answered None (ask again), at most max_deferrals (2), the promotion's, and the
+    # step that computes: whatever the machine's speed.
+    assert steps <= 4, f"computed after {steps} steps"
+
+
+def test_a_key_reads_none_at_most_max_deferrals_times(node, make_tier):
+    primary = make_primary()
+    manager = Manager(make_tier(node, primary, timeout_ms=2000, lookup_wait_ms=60_000,
+                                max_deferrals=2))
+    assert manager.lookup_until_decided(make_keys(1, b"warm")[0])[-1] is MISS  # connected
+    key = make_keys(1)[0]
+    node.pause()
+    try:
+        answers = [manager.tier.lookup(key, manager.ctx) for _ in range(3)]
+    finally:
+        node.resume()
+    assert answers == [RETRY, RETRY, MISS]
 
 
 def test_config_errors_are_refused():
@@ -404,3 +503,56 @@ def test_promotions_as_the_manager_runs_them(node, make_tier):
     # The 64 keys asked in the first step went to the node in one batch or a few, not one call
     # each.
     assert lookup_calls < 8, f"{lookup_calls} lookup calls for 64 keys"
+
+
+def test_a_stopped_node_leaves_the_other_nodes_keys_to_hit_within_steps(start_node, make_tier):
+    """Two nodes, one stopped (SIGSTOP): keys of the healthy node still read HIT within a few
+    scheduler steps, and no tier call of a step waits on the network (before, a lookup batch
+    waited for the stopped node's 5 s deadline: about 200 steps of 25 ms). Counts steps, with
+    generous bounds; prints the figures."""
+    nodes = [start_node(), start_node()]
+    primary = make_primary(num_blocks=64)
+    tier = make_tier(nodes, primary, timeout_ms=5000, lookup_budget_ms=20)
+    manager = Manager(tier)
+    rounds, per_round = 12, 8
+    keys = make_keys(rounds * per_round * 3)  # each node holds about half
+    for start in range(0, len(keys), 32):
+        chunk = keys[start:start + 32]
+        assert manager.wait_job(manager.cascade(chunk, list(range(len(chunk))))) is True
+    with kvstash.Client([nodes[0].address], namespace="test") as first:
+        on_first = [s == kvstash.KeyState.HIT for s in first.lookup(keys)]
+    healthy = [k for k, hit in zip(keys, on_first) if hit]
+    stopped = [k for k, hit in zip(keys, on_first) if not hit]
+    assert len(healthy) >= rounds * per_round and len(stopped) >= rounds * per_round, \
+        "the keys did not spread over the two nodes"
+    nodes[1].pause()
+    steps_to_hit, call_ms = [], []
+    try:
+        for r in range(rounds):
+            # One step asks keys of both nodes, as requests spanning them make vLLM do: they
+            # travel in one batch.
+            batch = healthy[r * per_round:(r + 1) * per_round]
+            other = stopped[r * per_round:(r + 1) * per_round]
+            steps = 0
+            while True:
+                steps += 1
+                assert steps <= 40, f"round {r}: healthy keys undecided after {steps} steps"
+                t = time.perf_counter()
+                answers = [tier.lookup(k, manager.ctx) for k in batch]
+                others = [tier.lookup(k, manager.ctx) for k in other]
+                tier.get_finished()
+                call_ms.append((time.perf_counter() - t) * 1000)
+                assert HIT not in others, f"round {r}: the stopped node's keys read HIT"
+                if all(a is HIT for a in answers):
+                    break
+                time.sleep(0.025)  # a scheduler step
+            steps_to_hit.append(steps)
+    finally:
+        nodes[1].resume()
+    call_ms.sort()
+    p99 = call_ms[min(len(call_ms) - 1, int(0.99 * len(call_ms)))]
+    skipped = tier._client.stats()["client"]["skipped_calls"]
+    print(f"steps to HIT per round {steps_to_hit}; tier calls per step p99 {p99:.3f} ms; "
+          f"skipped calls {skipped}")
+    assert skipped > 0, "the stopped node was never skipped"
+    assert p99 < 100, f"a step's tier calls took {p99:.1f} ms (p99)"

@@ -201,7 +201,7 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   for (const Request& r : trace) refs += r.ids.size();
   auto node = Node(blocks, GetParam());
   const auto r = RunProcess(
-      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--json"});
+      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--lookup-budget-ms", "60000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const Json s = Summary(r.out);
   ASSERT_FALSE(s.is_discarded()) << r.out;
@@ -243,7 +243,8 @@ TEST(BenchReplayCliTest, ConcurrentReplayLosesNothingAndFollowsTheClockWithProgr
   const std::string path = WriteTrace(dir, GenerateTrace(300, 11));
   auto node = Node(256, "lru");
   const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
-                             "--concurrency", "4", "--speed", "1", "--json"});
+                             "--concurrency", "4", "--speed", "1", "--lookup-budget-ms", "60000",
+                             "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const Json s = Summary(r.out);
   EXPECT_EQ(s["requests"], 300);
@@ -267,7 +268,7 @@ TEST(BenchReplayCliTest, AWrongBlockOnTheNodeIsAMismatchAndExitsOne) {
                                "--key", "0x6b76737265706c790000000000000005", "--file", block});
   ASSERT_EQ(put.exit_code, 0) << put.err;
   const auto r = RunProcess(
-      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--json"});
+      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--lookup-budget-ms", "60000", "--json"});
   EXPECT_EQ(r.exit_code, 1);
   const Json s = Summary(r.out);
   EXPECT_EQ(s["mismatches"], 1);

@@ -218,8 +218,8 @@ TEST(EtcdClientMalformedTest, WrongFieldsAreErrorsNeverExceptions) {
   }
   bool created = false;
   int events = 0;
-  const Status watched =
-      (*client)->Watch("/k", 0, [&](const WatchEvent&) { ++events; }, [&] { created = true; });
+  const Status watched = (*client)->Watch(
+      "/k", 0, [&](const WatchEvent&) { ++events; }, [&] { created = true; });
   EXPECT_PRED1(malformed, watched);
   EXPECT_TRUE(created);
   EXPECT_EQ(events, 0);

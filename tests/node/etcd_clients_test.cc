@@ -78,6 +78,7 @@ class EtcdClientsTest : public ::testing::Test {
     options.cluster = "t";
     options.replicas = replicas;
     options.timeout = 2000ms;
+    options.lookup_budget = options.timeout;
     options.connect_timeout = 1000ms;
     auto client = NodeClient::Create(options);
     EXPECT_TRUE(client.ok()) << client.status().ToString();

@@ -1,10 +1,17 @@
 // NodeClient against several real `kvstashd` processes: keys spread by rendezvous hashing,
-// batched lookups merged in key order, and a node killed with SIGKILL: its keys become misses,
-// the others still hit, and no error reaches the caller of a lookup.
+// batched lookups merged in key order, a node killed with SIGKILL: its keys become misses, the
+// others still hit, and no error reaches the caller of a lookup; and a node stopped (SIGSTOP):
+// a lookup waits its budget for it, then it is skipped until it answers again.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <thread>
 
 #include "block_pattern.h"
 #include "daemon_process.h"
@@ -12,6 +19,7 @@
 
 namespace kvstash {
 namespace {
+using namespace std::chrono_literals;
 using connector::NodeClient;
 using ::kvstash::testing::Daemon;
 using ::kvstash::testing::FillPattern;
@@ -94,6 +102,7 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
     options.nodes.push_back({"127.0.0.1", daemons.back()->port()});
   }
   options.timeout = std::chrono::milliseconds(2000);
+  options.lookup_budget = options.timeout;  // every hit counted, however busy the machine
   auto created = NodeClient::Create(options);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   NodeClient& client = **created;
@@ -167,6 +176,106 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
   EXPECT_TRUE(MatchesPattern(live_key, out));
 }
 
+// A node stopped, not dead: its connection stays open and its calls are never answered. A
+// lookup gives the other node's keys at once and reads the stopped node's as misses after its
+// budget (before, it waited for the call's deadline); after `suspect_after` such lookups the
+// node is skipped at once, stores to it fail at once, and once it runs again its late answers
+// bring it back. Elapsed times are checked against the 10 s call deadline only (what the old
+// code waited), never against the budget.
+TEST(ManyNodesTest, AStoppedNodeCostsALookupItsBudgetThenIsSkippedUntilItAnswers) {
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  connector::NodeClientOptions options;
+  for (int i = 0; i < 2; ++i) {
+    daemons.push_back(std::make_unique<Daemon>(std::vector<std::string>{}));
+    ASSERT_NE(daemons.back()->port(), 0);
+    options.nodes.push_back({"127.0.0.1", daemons.back()->port()});
+  }
+  options.timeout = std::chrono::milliseconds(10000);
+  options.lookup_budget = std::chrono::milliseconds(100);
+  options.suspect_after = 2;
+  options.probe_interval = std::chrono::milliseconds(60000);  // back by its late answers only
+  auto created = NodeClient::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  NodeClient& client = **created;
+  constexpr int kKeys = 32;
+  std::vector<BlockKey> keys;
+  std::vector<std::vector<std::byte>> blocks;
+  std::vector<transport::Bytes> views;
+  for (int k = 0; k < kKeys; ++k) {
+    keys.push_back(Key(k));
+    blocks.emplace_back(kBlock);
+    FillPattern(k, blocks.back());
+  }
+  for (auto& b : blocks) views.emplace_back(b);
+  ASSERT_TRUE(client.Put(keys, views).ok());
+  // Every key answered (a healthy node may be slower than the budget on a busy machine: ask
+  // until it is not).
+  auto all_hit = [&] {
+    const std::vector<LookupResult> r = client.Lookup(keys);
+    return std::count(r.begin(), r.end(), LookupResult::kHit) == kKeys;
+  };
+  for (int i = 0; i < 100 && !all_hit(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(all_hit());
+  const pid_t stopped = daemons[1]->process().pid();
+  ASSERT_EQ(::kill(stopped, SIGSTOP), 0);
+  // Each thread takes the signal when the kernel next runs it, and a thread still running can
+  // answer: wait until every thread shows as stopped.
+  auto all_stopped = [&] {
+    const std::string tasks = "/proc/" + std::to_string(stopped) + "/task";
+    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+      std::ifstream stat(task.path() / "stat");
+      const std::string text((std::istreambuf_iterator<char>(stat)),
+                             std::istreambuf_iterator<char>());
+      const size_t paren = text.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= text.size()) return false;
+      if (text[paren + 2] != 'T' && text[paren + 2] != 't') return false;
+    }
+    return true;
+  };
+  for (int i = 0; i < 1000 && !all_stopped(); ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(all_stopped());
+  auto lookup_elapsed = [&](std::vector<LookupResult>* out) {
+    const auto start = std::chrono::steady_clock::now();
+    *out = client.Lookup(keys);
+    return std::chrono::steady_clock::now() - start;
+  };
+  auto check = [&](const std::vector<LookupResult>& r) {
+    for (int k = 0; k < kKeys; ++k) {
+      if (client.NodeOf(keys[k]) == 1) {
+        EXPECT_EQ(r[k], LookupResult::kMiss) << "key " << k << " of the stopped node";
+      }
+    }
+  };
+  std::vector<LookupResult> r;
+  for (int i = 0; i < 2; ++i) {  // late twice: the budget each time
+    EXPECT_LT(lookup_elapsed(&r), 5s) << "lookup " << i << " waited for the stopped node";
+    check(r);
+  }
+  EXPECT_GT(client.counters().late_keys, 0u);
+  // Suspect: skipped at once, several times.
+  const uint64_t skipped = client.counters().skipped_calls;
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_LT(lookup_elapsed(&r), 5s);
+    check(r);
+  }
+  EXPECT_GE(client.counters().skipped_calls, skipped + 5);
+  // A store to it fails at once (one replica), naming the node; the other node's keys store.
+  int on_stopped = 0;
+  while (client.NodeOf(keys[on_stopped]) != 1) ++on_stopped;
+  const auto store_start = std::chrono::steady_clock::now();
+  const Status put = client.Put(std::span(&keys[on_stopped], 1), std::span(&views[on_stopped], 1));
+  EXPECT_LT(std::chrono::steady_clock::now() - store_start, 5s);
+  EXPECT_EQ(put.code(), StatusCode::kUnavailable) << put.ToString();
+  EXPECT_THAT(std::string(put.message()), HasSubstr("suspect"));
+  // It runs again: its late answers bring it back, every key hits again.
+  ASSERT_EQ(::kill(stopped, SIGCONT), 0);
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (!all_hit() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(all_hit());
+}
+
 // Two replicas over two nodes: a block only the second-ranked node holds (stored there by a
 // client that knows only that node) is a hit, and a read falls back to it past the first
 // node's miss; a block only the first holds reads from the first. Pins reach both, and the
@@ -184,6 +293,7 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
     options.nodes = std::move(nodes);
     options.replicas = replicas;
     options.timeout = std::chrono::milliseconds(2000);
+    options.lookup_budget = options.timeout;
     auto created = NodeClient::Create(options);
     EXPECT_TRUE(created.ok()) << created.status().ToString();
     return std::move(*created);

@@ -61,6 +61,10 @@ class NodeLoopbackTest : public ::testing::Test {
     connector::NodeClientOptions options;
     options.nodes = {{"loopback", node_->port()}};
     options.timeout = timeout;
+    // Single faults, each to its outcome: a lookup waits for its calls, and no run of faults
+    // makes the node suspect (ManyNodesTest and NodeHealthTest test that).
+    options.lookup_budget = timeout;
+    options.suspect_after = 1000;
     options.connect =
         [this, plan](
             const transport::ClientOptions& client) -> Result<std::unique_ptr<transport::Channel>> {

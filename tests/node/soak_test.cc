@@ -81,6 +81,7 @@ TEST(SoakTest, SixtyFourClientsForAMinuteLoseNothingAndDaemonMemoryStaysFlat) {
   options.key_namespace = "soak";
   options.worker = *worker;
   options.timeout = 20000ms;
+  options.lookup_budget = options.timeout;  // every committed block must hit
 
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> puts{0}, gets{0}, misses{0}, lookups{0}, errors{0}, mismatches{0};

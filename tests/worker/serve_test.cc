@@ -539,8 +539,10 @@ TEST(ServeTest, ChatThroughPrefillAndDecodeWorkersMatchesNoCacheAndHitsEarlierTu
   }
   const std::string nodes = "127.0.0.1:" + std::to_string(daemons[0]->port()) +
                             ",127.0.0.1:" + std::to_string(daemons[1]->port());
-  Worker prefill({"--model", "builtin:tiny-hybrid", "--role", "prefill", "--nodes", nodes});
-  Worker decode({"--model", "builtin:tiny-hybrid", "--role", "decode", "--nodes", nodes});
+  Worker prefill({"--model", "builtin:tiny-hybrid", "--role", "prefill", "--nodes", nodes,
+                  "--lookup-budget-ms", "60000"});
+  Worker decode({"--model", "builtin:tiny-hybrid", "--role", "decode", "--nodes", nodes,
+                 "--lookup-budget-ms", "60000"});
   ASSERT_NE(prefill.port(), 0);
   ASSERT_NE(decode.port(), 0);
 
@@ -611,7 +613,7 @@ TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
   daemons.push_back(node());
   daemons.push_back(node());
   Worker worker({"--model", "builtin:tiny-hybrid", "--role", "prefill", "--etcd", etcd.endpoint(),
-                 "--cluster", "w", "--replicas", "2"});
+                 "--cluster", "w", "--replicas", "2", "--lookup-budget-ms", "60000"});
   ASSERT_NE(worker.port(), 0);
   Http http(worker.port());
   const Reply models = http.Get("/v1/models");

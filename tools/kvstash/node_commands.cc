@@ -70,6 +70,8 @@ Result<std::unique_ptr<NodeClient>> Connect(const NodeFlags& flags) {
   options.transport.tls = flags.tls;
   options.timeout = std::chrono::milliseconds(flags.timeout_ms);
   options.connect_timeout = std::min(options.timeout, std::chrono::milliseconds(2000));
+  // A person asking waits for the answer: a lookup's budget is the whole deadline here.
+  options.lookup_budget = options.timeout;
   return NodeClient::Create(options);
 }
 

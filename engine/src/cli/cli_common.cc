@@ -69,6 +69,12 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
                   "tokens it held are recomputed")
       ->capture_default_str()
       ->check(CLI::Range(1u, 600000u));
+  app->add_option("--lookup-budget-ms", f.lookup_budget_ms,
+                  "how long a lookup waits for the nodes: keys of a node that has not answered "
+                  "by then (stopped, cut off, slow) are misses and their tokens are computed; a "
+                  "node that keeps not answering is skipped until it answers a probe")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 600000u));
 }
 
 Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
@@ -100,6 +106,7 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
     nodes.key_namespace = f.key_namespace;
     nodes.timeout = std::chrono::milliseconds(f.node_timeout_ms);
     nodes.connect_timeout = std::chrono::milliseconds(f.node_timeout_ms);
+    nodes.lookup_budget = std::chrono::milliseconds(f.lookup_budget_ms);
     if (!f.auth_token_file.empty()) {
       KVSTASH_ASSIGN_OR_RETURN(nodes.auth_token,
                                ReadTokenFile(f.auth_token_file, "--auth-token-file"));

@@ -43,6 +43,7 @@ struct ModelFlags {
   std::string key_namespace = "kvstash-engine";
   std::string auth_token_file;
   uint32_t node_timeout_ms = 2000;
+  uint32_t lookup_budget_ms = 50;
 };
 
 void AddModelFlags(CLI::App* app, ModelFlags& f);

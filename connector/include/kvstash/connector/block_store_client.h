@@ -40,6 +40,12 @@ struct BlockStoreCounters {
   // Members of a followed cluster that joined or left the client's set after its first read.
   uint64_t members_joined = 0;
   uint64_t members_left = 0;
+  // Calls not sent because their node was suspect (it stopped answering; see NodeClientOptions::
+  // suspect_after): their keys read as misses, or went to another replica.
+  uint64_t skipped_calls = 0;
+  // Keys of lookups whose node had not answered within the lookup's budget: read as misses
+  // (also in unserved_keys).
+  uint64_t late_keys = 0;
 };
 
 struct NodeAddress {

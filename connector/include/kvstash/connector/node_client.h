@@ -78,6 +78,16 @@ struct NodeClientOptions {
   transport::TransportOptions transport;
   // Every call to a node fails after this long (the node then counts as unreachable for it).
   std::chrono::milliseconds timeout{5000};
+  // How long a lookup waits for the nodes: keys of a node that has not answered by then
+  // (stopped, cut off, or slow) read as misses, counted in unserved_keys; the call goes on and
+  // its late answer still tells the node's health. Counted from the calls (a first connection is
+  // waited for, at most connect_timeout). At `timeout` or more, a lookup waits for every
+  // call's outcome (each ends by its deadline).
+  std::chrono::milliseconds lookup_budget{50};
+  // When a node is suspect and skipped (see connector/src/cluster/node_health.h): after this
+  // many failures or missed budgets in a row with no answer, probed every probe_interval.
+  uint32_t suspect_after = 2;
+  std::chrono::milliseconds probe_interval{200};
   std::chrono::milliseconds connect_timeout{2000};
   // The UCX worker and progress thread the connections run on; clients of one process should
   // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
@@ -180,6 +190,9 @@ class NodeClient : public BlockStoreClient {
 
   // The node's counters (wire.StatsReply).
   Result<std::map<std::string, uint64_t>> Stats(size_t node);
+  // The same by address: NotFound when it is not a member now (it left meanwhile).
+  Result<std::map<std::string, uint64_t>> Stats(const NodeAddress& node);
+  Result<transport::ServerLimits> Limits(const NodeAddress& node);
   // The node's block size, as stated at hello.
   Result<uint64_t> BlockBytes(size_t node) override;
 

@@ -1,0 +1,82 @@
+#pragma once
+
+// One offload node's health as this client's calls find it (docs/semantics.md §14):
+//
+//   up       calls go to it;
+//   suspect  it failed, timed out or missed a lookup's budget `suspect_after` times in a row
+//            with no answer in between: calls skip it at once (its keys read as misses, stores
+//            and reads go to the other replicas), but for one probe at a time, started at most
+//            every `probe_interval`. Any answer from it (a probe's, or a late one of a call
+//            sent before) makes it up again.
+//
+// A node that answers slowly but answers is never suspect: each answer starts the count
+// again. A node stopped or cut off answers nothing, and after `suspect_after` calls costs its
+// callers nothing more. Says when a node goes down and comes back (once each way) and the first
+// refusal of each code. Shared with the callbacks of calls in flight, so it outlives a member
+// that left. Thread-safe.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "kvstash/common/mutex.h"
+#include "kvstash/common/status.h"
+
+namespace kvstash::connector {
+
+struct HealthOptions {
+  uint32_t suspect_after = 2;
+  std::chrono::milliseconds probe_interval{200};
+  // A probe whose outcome was never told (its caller sent nothing) stops blocking the next one
+  // after this long; the client gives its call deadline.
+  std::chrono::milliseconds probe_timeout{10000};
+};
+
+// Down, slow past the deadline, or cut off while the call was out: the node did not answer.
+bool Unreachable(const Status& status);
+
+class NodeHealth {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  NodeHealth(std::string name, HealthOptions options);
+
+  const std::string& name() const { return name_; }
+  bool suspect() const { return suspect_.load(std::memory_order_acquire); }
+
+  // Whether a call may go to the node now: always when up; when suspect, for the one caller
+  // that takes the probe (none out, and probe_interval passed since the last began). A caller
+  // admitted as the probe reports its call's outcome (Record), or the probe lapses after
+  // probe_timeout.
+  bool Admit(Clock::time_point now);
+
+  // The outcome of a call. An answer (OK, or one that is not an error: NotFound, Aborted) or
+  // a refusal makes the node up; an unreachable status counts a failure. Returns whether it
+  // was a refusal (counted by the caller), logged the first time for its code.
+  bool Record(const Status& status);
+  // A call that missed its caller's budget (it goes on): a failure, unless an answer comes.
+  void Late();
+  // A refusal made here, before the call went (what the node would refuse): logged as the
+  // node's refusals are (once per code), its health unchanged.
+  void RefusedHere(const Status& status) { LogRefusal(status); }
+
+ private:
+  void Failure(const Status* why);
+  void Answered();
+  void LogRefusal(const Status& status);
+
+  const std::string name_;
+  HealthOptions options_;
+  std::atomic<uint32_t> failures_{0};  // in a row, since the last answer
+  std::atomic<bool> suspect_{false};
+  std::atomic<bool> down_logged_{false};
+  // Steady clock, since its epoch: the earliest next probe, and until when one is out.
+  std::atomic<int64_t> next_probe_ns_{0};
+  std::atomic<int64_t> probe_until_ns_{0};
+  Mutex mu_;
+  std::set<int> logged_codes_ GUARDED_BY(mu_);
+};
+
+}  // namespace kvstash::connector

@@ -1,0 +1,81 @@
+// NodeHealth alone: when a node becomes suspect, how probes are admitted (one at a time, at
+// most every probe interval), and what brings it back. No clock but the one passed in.
+
+#include "cluster/node_health.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+namespace kvstash::connector {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = NodeHealth::Clock;
+
+TEST(NodeHealthTest, FailuresInARowWithNoAnswerMakeItSuspect) {
+  NodeHealth health("n:1", {2, 100ms});
+  const Clock::time_point t0 = Clock::now();
+  EXPECT_TRUE(health.Admit(t0));
+  EXPECT_FALSE(health.Record(DeadlineExceededError("late")));
+  EXPECT_FALSE(health.suspect());
+  EXPECT_TRUE(health.Admit(t0));
+  health.Late();
+  EXPECT_TRUE(health.suspect());
+  EXPECT_FALSE(health.Admit(t0));
+  EXPECT_FALSE(health.Admit(t0 + 50ms));
+}
+
+TEST(NodeHealthTest, AnAnswerInBetweenStartsTheCountAgain) {
+  NodeHealth health("n:1", {2, 100ms});
+  for (int i = 0; i < 10; ++i) {
+    health.Late();
+    EXPECT_FALSE(health.Record(Status::OK()));  // the late call's answer came
+  }
+  EXPECT_FALSE(health.suspect());
+  // NotFound and Aborted are answers; a refusal is an answer too, and says it is one.
+  health.Late();
+  EXPECT_FALSE(health.Record(NotFoundError("no block")));
+  health.Late();
+  EXPECT_TRUE(health.Record(PermissionDeniedError("token")));
+  health.Late();
+  EXPECT_FALSE(health.suspect());
+}
+
+TEST(NodeHealthTest, ASuspectNodeGetsOneProbeAtATimeEveryInterval) {
+  NodeHealth health("n:1", {1, 100ms});
+  health.Record(UnavailableError("gone"));
+  ASSERT_TRUE(health.suspect());
+  const Clock::time_point t0 = Clock::now();
+  EXPECT_FALSE(health.Admit(t0));                               // within the interval
+  EXPECT_TRUE(health.Admit(t0 + 150ms));                        // the probe
+  EXPECT_FALSE(health.Admit(t0 + 300ms));                       // one at a time, while it is out
+  EXPECT_FALSE(health.Record(UnavailableError("still gone")));  // the probe failed
+  EXPECT_TRUE(health.suspect());
+  EXPECT_FALSE(health.Admit(t0 + 200ms));     // the interval since the last probe
+  EXPECT_TRUE(health.Admit(t0 + 300ms));      // the next probe
+  EXPECT_FALSE(health.Record(Status::OK()));  // answered: up
+  EXPECT_FALSE(health.suspect());
+  EXPECT_TRUE(health.Admit(t0 + 300ms));
+  EXPECT_TRUE(health.Admit(t0 + 300ms));
+}
+
+TEST(NodeHealthTest, OfManyThreadsAskingOneTakesTheProbe) {
+  NodeHealth health("n:1", {1, 10ms});
+  health.Record(UnavailableError("gone"));
+  const Clock::time_point later = Clock::now() + 1s;
+  std::atomic<int> admitted{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      for (int j = 0; j < 1000; ++j) admitted += health.Admit(later) ? 1 : 0;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(admitted.load(), 1);
+}
+
+}  // namespace
+}  // namespace kvstash::connector
