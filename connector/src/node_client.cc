@@ -297,6 +297,21 @@ class NodeClient::Impl {
     return Status::OK();
   }
 
+  // Leaves `member` out of the members from now on (its block size is not this client's): the
+  // live set without it, and every later set of the watcher too.
+  void Exclude(const std::shared_ptr<Member>& member) {
+    MutexLock apply(&apply_mu_);
+    excluded_.insert(member->state->name());
+    const std::shared_ptr<const Topology> current = Snapshot();
+    auto next = std::make_shared<Topology>();
+    for (const auto& m : current->members) {
+      if (m != member) next->members.push_back(m);
+    }
+    if (next->members.size() == current->members.size()) return;  // already out
+    MutexLock lock(&topology_mu_);
+    topology_ = std::move(next);
+  }
+
   // The watcher's set: applied in the order seen.
   void Follow(const std::vector<membership::NodeRecord>& records) {
     MutexLock lock(&apply_mu_);
@@ -317,6 +332,7 @@ class NodeClient::Impl {
     std::set<std::string> seen;
     for (const membership::NodeRecord& record : records) {
       if (!seen.insert(record.address).second) continue;
+      if (excluded_.contains(record.address)) continue;  // another block size: never used
       if (auto it = kept.find(record.address); it != kept.end()) {
         next->members.push_back(it->second);
         kept.erase(it);
@@ -450,6 +466,14 @@ class NodeClient::Impl {
       std::optional<ServerLimits> known = members[n]->channel->server_limits();
       if (connected.ok() && known) {
         limits[n] = *known;
+        if (options_.block_bytes != 0 && known->block_bytes != 0 &&
+            known->block_bytes != options_.block_bytes) {
+          limits[n] = FailedPreconditionError(
+              "node {} stores blocks of {} bytes, this client's are {}: left out of the members",
+              health.name(), known->block_bytes, options_.block_bytes);
+          accounting_->RefusedHere(health, limits[n].status());
+          Exclude(members[n]);
+        }
       } else {
         const Status error =
             connected.ok() ? InternalError("connected without a hello") : connected;
@@ -1146,6 +1170,8 @@ class NodeClient::Impl {
   mutable Mutex topology_mu_;
   std::shared_ptr<const Topology> topology_ GUARDED_BY(topology_mu_);
   Mutex apply_mu_;  // one membership change at a time, in the watcher's order
+  // Nodes left out for their block size (Exclude), by address.
+  std::set<std::string> excluded_ GUARDED_BY(apply_mu_);
   // Where each pinned key's Pins went, oldest first.
   // Blocks to copy to replicas that lack them at their next read (NoteRepairs), at most
   // kMaxRepairs keys.

@@ -121,16 +121,19 @@ class Client:
     ("shm", "tcp", ...; None: UCX's default). lookup_budget_ms: how long a lookup waits for the
     nodes; keys of a node that has not answered by then (stopped, cut off, slow) read as MISS,
     counted in stats()["client"]["late_keys"]; a node that keeps not answering is skipped at once
-    (stats()["client"]["skipped_calls"]) until it answers a probe. Thread-safe.
+    (stats()["client"]["skipped_calls"]) until it answers a probe. block_bytes: the block size
+    this client stores (0: any); a node of another size is left out of the members, logged once,
+    and the call that found it raises FailedPrecondition. Thread-safe.
     """
 
     def __init__(self, nodes=None, namespace="default", token=None, token_file=None,
                  timeout_ms=5000, tls=None, etcd=None, cluster=None, replicas=1,
-                 lookup_budget_ms=50):
+                 lookup_budget_ms=50, block_bytes=0):
         if isinstance(nodes, str):
             nodes = [nodes]
         self._c = _kvstash.Client(list(nodes or []), namespace, token, token_file, int(timeout_ms),
-                                  tls, etcd, cluster, int(replicas), int(lookup_budget_ms))
+                                  tls, etcd, cluster, int(replicas), int(lookup_budget_ms),
+                                  int(block_bytes))
 
     def lookup(self, keys):
         """Each key's KeyState, in order. Keys of an unreachable node are MISS (counted); a node

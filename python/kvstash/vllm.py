@@ -66,6 +66,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 
@@ -331,7 +332,8 @@ class KvstashSecondaryTier(_TierBase):
                                       token_file=config.get("token_file"),
                                       timeout_ms=timeout_ms, tls=config.get("tls"), etcd=etcd,
                                       cluster=cluster, replicas=replicas,
-                                      lookup_budget_ms=budget_ms)
+                                      lookup_budget_ms=budget_ms,
+                                      block_bytes=self._row_bytes)
 
         self._lock = threading.Lock()
         # The start check (_check_nodes): None until a node answered; then None or the error
@@ -600,6 +602,10 @@ class KvstashSecondaryTier(_TierBase):
             try:
                 block_bytes = self._client.block_bytes()
             except kvstash.Error as e:
+                sized = re.search(r"stores blocks of (\d+) bytes", e.message)
+                if e.code == "FAILED_PRECONDITION" and sized:
+                    self._set_unusable(self._size_error(int(sized.group(1))))
+                    return
                 if e.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
                     self._set_unusable(type(e)(
                         f"kvstash tier: the nodes refuse this tier: {e.message}"))
@@ -610,10 +616,7 @@ class KvstashSecondaryTier(_TierBase):
                 self._log_once(("check", type(e).__name__), "kvstash: block size check: %r", e)
             else:
                 if block_bytes != self._row_bytes:
-                    self._set_unusable(ValueError(
-                        f"kvstash: the nodes store blocks of {block_bytes} bytes but vLLM's "
-                        f"primary rows are {self._row_bytes} bytes: start kvstashd with "
-                        f"--block-bytes {self._row_bytes}"))
+                    self._set_unusable(self._size_error(block_bytes))
                 else:
                     self._checked.set()
                 return
@@ -622,6 +625,11 @@ class KvstashSecondaryTier(_TierBase):
                     return
                 self._control_cv.wait(delay)
             delay = min(delay * 2, 2.0)
+
+    def _size_error(self, block_bytes):
+        return ValueError(f"kvstash: the nodes store blocks of {block_bytes} bytes but vLLM's "
+                          f"primary rows are {self._row_bytes} bytes: start kvstashd with "
+                          f"--block-bytes {self._row_bytes}")
 
     def _set_unusable(self, error):
         with self._lock:

@@ -225,7 +225,7 @@ class Client {
          const std::optional<std::string>& token, const std::optional<std::string>& token_file,
          int64_t timeout_ms, const std::optional<std::string>& tls,
          const std::optional<std::string>& etcd, const std::optional<std::string>& cluster,
-         int64_t replicas, int64_t lookup_budget_ms) {
+         int64_t replicas, int64_t lookup_budget_ms, int64_t block_bytes) {
     connector::NodeClientOptions options;
     if (nodes.empty() && !etcd) {
       Raise(InvalidArgumentError("nodes: at least one HOST:PORT, or etcd and cluster"));
@@ -262,6 +262,8 @@ class Client {
       Raise(InvalidArgumentError("lookup_budget_ms: {} is not positive", lookup_budget_ms));
     }
     options.lookup_budget = std::chrono::milliseconds(lookup_budget_ms);
+    if (block_bytes < 0) Raise(InvalidArgumentError("block_bytes: {} is negative", block_bytes));
+    options.block_bytes = static_cast<uint64_t>(block_bytes);
     options.transport.tls = tls.value_or("");
     Result<std::unique_ptr<connector::NodeClient>> client = InternalError("not created");
     {
@@ -447,11 +449,11 @@ PYBIND11_MODULE(_kvstash, m) {
       .def(py::init<const std::vector<std::string>&, const std::string&,
                     const std::optional<std::string>&, const std::optional<std::string>&, int64_t,
                     const std::optional<std::string>&, const std::optional<std::string>&,
-                    const std::optional<std::string>&, int64_t, int64_t>(),
+                    const std::optional<std::string>&, int64_t, int64_t, int64_t>(),
            py::arg("nodes"), py::arg("namespace"), py::arg("token"), py::arg("token_file"),
            py::arg("timeout_ms"), py::arg("tls"), py::arg("etcd") = py::none(),
            py::arg("cluster") = py::none(), py::arg("replicas") = 1,
-           py::arg("lookup_budget_ms") = 50)
+           py::arg("lookup_budget_ms") = 50, py::arg("block_bytes") = 0)
       .def("lookup", &Client::Lookup)
       .def("prefix_lookup", &Client::PrefixLookup)
       .def("window_lookup", &Client::WindowLookup)

@@ -17,6 +17,7 @@
 #include "daemon_process.h"
 #include "generate_process.h"
 #include "kvstash/engine/model.h"
+#include "process_state.h"
 #include "subprocess.h"
 
 namespace kvstash::engine {
@@ -74,6 +75,14 @@ TEST_F(DisaggTest, NodeKilledOrFrozenBetweenPrefillAndDecodeOnlyCostsRecomputati
       ASSERT_EQ(alone.exit_code, 0) << alone.err;
       ASSERT_EQ(Generate(model, prompt, "prefill", nodes_).exit_code, 0);
       ::kill(daemons_[1]->process().pid(), signal);
+      // Taken before the decode starts (kill returns before the node takes it, and a node
+      // still running answers the decode's calls).
+      if (signal == SIGKILL) {
+        daemons_[1]->process().Wait();
+      } else {
+        ASSERT_TRUE(::kvstash::testing::WaitUntilStopped(daemons_[1]->process().pid(),
+                                                         std::chrono::seconds(5)));
+      }
       const auto start = std::chrono::steady_clock::now();
       WorkerRun decode = Generate(model, prompt, "decode", nodes_, {"--node-timeout-ms", "300"});
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));

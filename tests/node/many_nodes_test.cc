@@ -8,14 +8,12 @@
 #include <signal.h>
 
 #include <chrono>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <thread>
 
 #include "block_pattern.h"
 #include "daemon_process.h"
 #include "kvstash/connector/node_client.h"
+#include "process_state.h"
 
 namespace kvstash {
 namespace {
@@ -218,22 +216,7 @@ TEST(ManyNodesTest, AStoppedNodeCostsALookupItsBudgetThenIsSkippedUntilItAnswers
   ASSERT_TRUE(all_hit());
   const pid_t stopped = daemons[1]->process().pid();
   ASSERT_EQ(::kill(stopped, SIGSTOP), 0);
-  // Each thread takes the signal when the kernel next runs it, and a thread still running can
-  // answer: wait until every thread shows as stopped.
-  auto all_stopped = [&] {
-    const std::string tasks = "/proc/" + std::to_string(stopped) + "/task";
-    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
-      std::ifstream stat(task.path() / "stat");
-      const std::string text((std::istreambuf_iterator<char>(stat)),
-                             std::istreambuf_iterator<char>());
-      const size_t paren = text.rfind(')');
-      if (paren == std::string::npos || paren + 2 >= text.size()) return false;
-      if (text[paren + 2] != 'T' && text[paren + 2] != 't') return false;
-    }
-    return true;
-  };
-  for (int i = 0; i < 1000 && !all_stopped(); ++i) std::this_thread::sleep_for(5ms);
-  ASSERT_TRUE(all_stopped());
+  ASSERT_TRUE(::kvstash::testing::WaitUntilStopped(stopped, std::chrono::seconds(5)));
   auto lookup_elapsed = [&](std::vector<LookupResult>* out) {
     const auto start = std::chrono::steady_clock::now();
     *out = client.Lookup(keys);

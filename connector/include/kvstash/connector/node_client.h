@@ -88,6 +88,11 @@ struct NodeClientOptions {
   // many failures or missed budgets in a row with no answer, probed every probe_interval.
   uint32_t suspect_after = 2;
   std::chrono::milliseconds probe_interval{200};
+  // The block size this client stores (0: any). A node whose hello states another is refused
+  // at membership: logged once, left out of the members (its keys go to the others, as every
+  // client with this setting places them), never used again; the call that found it gets
+  // FailedPrecondition naming both sizes.
+  uint64_t block_bytes = 0;
   std::chrono::milliseconds connect_timeout{2000};
   // The UCX worker and progress thread the connections run on; clients of one process should
   // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
