@@ -9,10 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -40,9 +43,31 @@ inline uint16_t FreeLoopbackPort() {
   return port;
 }
 
+// A free loopback TCP port below the kernel's ephemeral range, for a server that must get the
+// same port back when it restarts: a port of the ephemeral range may meanwhile be another
+// connection's local port (etcd's restart failed with "address already in use" that way).
+inline uint16_t StableLoopbackPort() {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  const int low = 10000, high = std::max(low + 1000, ephemeral_low);
+  std::random_device random;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const uint16_t port = static_cast<uint16_t>(low + random() % (high - low));
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(port);
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  return FreeLoopbackPort();
+}
+
 class EtcdProcess {
  public:
-  EtcdProcess() : client_port_(FreeLoopbackPort()), peer_port_(FreeLoopbackPort()) {}
+  EtcdProcess() : client_port_(StableLoopbackPort()), peer_port_(StableLoopbackPort()) {}
   ~EtcdProcess() { Stop(); }
 
   static bool Installed() { return std::filesystem::exists(kEtcd); }
