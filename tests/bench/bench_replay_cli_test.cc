@@ -200,8 +200,8 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   uint64_t refs = 0;
   for (const Request& r : trace) refs += r.ids.size();
   auto node = Node(blocks, GetParam());
-  const auto r = RunProcess(
-      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--lookup-budget-ms", "60000", "--json"});
+  const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
+                             "--lookup-budget-ms", "60000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const Json s = Summary(r.out);
   ASSERT_FALSE(s.is_discarded()) << r.out;
@@ -242,9 +242,9 @@ TEST(BenchReplayCliTest, ConcurrentReplayLosesNothingAndFollowsTheClockWithProgr
   // 300 requests 5 ms apart at --speed 1: about 1.5 s, so a progress line shows.
   const std::string path = WriteTrace(dir, GenerateTrace(300, 11));
   auto node = Node(256, "lru");
-  const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
-                             "--concurrency", "4", "--speed", "1", "--lookup-budget-ms", "60000",
-                             "--json"});
+  const auto r =
+      RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
+                  "--concurrency", "4", "--speed", "1", "--lookup-budget-ms", "60000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const Json s = Summary(r.out);
   EXPECT_EQ(s["requests"], 300);
@@ -267,8 +267,8 @@ TEST(BenchReplayCliTest, AWrongBlockOnTheNodeIsAMismatchAndExitsOne) {
   const auto put = RunProcess({kKvstash, "put", "--node", Address(*node), "--namespace", "replay",
                                "--key", "0x6b76737265706c790000000000000005", "--file", block});
   ASSERT_EQ(put.exit_code, 0) << put.err;
-  const auto r = RunProcess(
-      {kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node), "--lookup-budget-ms", "60000", "--json"});
+  const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
+                             "--lookup-budget-ms", "60000", "--json"});
   EXPECT_EQ(r.exit_code, 1);
   const Json s = Summary(r.out);
   EXPECT_EQ(s["mismatches"], 1);

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "block_pattern.h"
+#include "loopback_socket.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
@@ -486,13 +487,8 @@ TEST_P(RpcFuzzTest, AHelloWithoutAnEndpointLeavesItsWorkersNextClientWorking) {
   hello.set_worker_address((*worker)->AddressForTesting());
   hello.set_client_name("abandoned");
   const std::string body = hello.SerializeAsString();
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = ::kvstash::testing::ConnectLoopback(server_->port());
   ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(server_->port());
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
   std::string message(4, '\0');
   const uint32_t length = static_cast<uint32_t>(body.size());
   std::memcpy(message.data(), &length, 4);

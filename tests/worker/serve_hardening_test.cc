@@ -642,9 +642,9 @@ TEST(ServeHardeningTest, AtTheDescriptorLimitAcceptBacksOffLogsOnceAndServes) {
   }
   // The episode ends when the backlog is empty: after the last answer, the worker may still be
   // taking (and closing) connections whose clients left.
-  EXPECT_TRUE(WaitFor(
-      [&] { return worker.Log().find("accepting connections again") != std::string::npos; },
-      seconds(10)))
+  EXPECT_TRUE(
+      WaitFor([&] { return worker.Log().find("accepting connections again") != std::string::npos; },
+              seconds(10)))
       << worker.Log();
   const std::string log = worker.Log();
   size_t episodes = 0;

@@ -60,12 +60,12 @@ void RpcServer::Impl::Bind(const FrameHeader& h, ucp_ep_h from) {
     // Said 1st, 2nd, 4th ... time: a peer may send any number.
     if (std::has_single_bit(foreign_frames_.fetch_add(1, std::memory_order_relaxed) + 1)) {
       KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
-                       from == nullptr                    ? "no reply endpoint"
-                       : it == connections_.end()         ? "no such connection"
-                       : it->second->ep                   ? "bound already"
+                       from == nullptr                          ? "no reply endpoint"
+                       : it == connections_.end()               ? "no such connection"
+                       : it->second->ep                         ? "bound already"
                        : it->second->bind_token != h.request_id ? "a wrong token"
-                       : bound_.contains(from)            ? "its endpoint is bound to another"
-                                                          : "its endpoint is none a hello made");
+                       : bound_.contains(from)                  ? "its endpoint is bound to another"
+                                               : "its endpoint is none a hello made");
     }
     // The owner (it knew the token) on an endpoint it cannot have: closed, so that it connects
     // again at once rather than wait for its calls' deadlines.

@@ -72,8 +72,8 @@ inline constexpr auto kSpareGrace = std::chrono::seconds(60);
 inline constexpr size_t kMaxOrphanedSpares = 1024;
 struct SpareEndpoint {
   UcpEndpoint ep;
-  uint64_t hello = 0;                 // the connection whose hello made it
-  Clock::time_point orphaned_at{};    // when that connection closed (unset while it is open)
+  uint64_t hello = 0;               // the connection whose hello made it
+  Clock::time_point orphaned_at{};  // when that connection closed (unset while it is open)
 };
 
 // One request; shared by its ServerCall handle and the UCX operations it starts. Made and
