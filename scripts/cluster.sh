@@ -59,7 +59,13 @@ if [ "$num_nodes" -eq 0 ] && [ "$num_prefill" -gt 0 ]; then
 fi
 
 kvstash_install_deps
-kvstash_build "$KVSTASH_BUILD_DIR" -DKVSTASH_BUILD_TESTS=OFF -DKVSTASH_BUILD_BENCHMARKS=OFF
+# A build directory configured already keeps its options (its tests stay on for test.sh); only
+# the programs a cluster runs are brought up to date.
+if [ -f "$KVSTASH_BUILD_DIR/CMakeCache.txt" ]; then
+  kvstash_build "$KVSTASH_BUILD_DIR" -- kvstashd kvstash-engine kvstash
+else
+  kvstash_build "$KVSTASH_BUILD_DIR" -DKVSTASH_BUILD_TESTS=OFF -DKVSTASH_BUILD_BENCHMARKS=OFF
+fi
 
 kvstash_cluster_init
 trap kvstash_cluster_stop EXIT

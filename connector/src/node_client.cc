@@ -32,6 +32,7 @@ struct Outcome {
   Status status;
   std::vector<std::byte> reply;
   size_t payload_bytes = 0;
+  transport::Clock::time_point ended;  // when the callback ran
 };
 
 template <typename Reply>
@@ -185,6 +186,9 @@ class Accounting {
   void Unserved(size_t keys) { unserved_.fetch_add(keys, std::memory_order_relaxed); }
   // A call not sent to a suspect node; a lookup's keys not answered within its budget.
   void Skipped() { skipped_.fetch_add(1, std::memory_order_relaxed); }
+  void Probed() { probes_.fetch_add(1, std::memory_order_relaxed); }
+  // A call to a replica given up (cancelled) once another answered.
+  void Abandoned() { abandoned_.fetch_add(1, std::memory_order_relaxed); }
   void Late(size_t keys) { late_keys_.fetch_add(keys, std::memory_order_relaxed); }
   // A call refused here, before it went (what the node would refuse).
   void RefusedHere(NodeHealth& n, const Status& status) {
@@ -217,12 +221,15 @@ class Accounting {
     c.members_left = left_.load(std::memory_order_relaxed);
     c.skipped_calls = skipped_.load(std::memory_order_relaxed);
     c.late_keys = late_keys_.load(std::memory_order_relaxed);
+    c.probes = probes_.load(std::memory_order_relaxed);
+    c.abandoned_calls = abandoned_.load(std::memory_order_relaxed);
     return c;
   }
 
  private:
   std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0},
-      unserved_{0}, repaired_{0}, joined_{0}, left_{0}, skipped_{0}, late_keys_{0};
+      unserved_{0}, repaired_{0}, joined_{0}, left_{0}, skipped_{0}, late_keys_{0}, probes_{0},
+      abandoned_{0};
 };
 
 // HIT over RETRY over MISS: the best of two replicas' answers.
@@ -376,7 +383,7 @@ class NodeClient::Impl {
     member->address = address;
     member->state = std::make_shared<NodeHealth>(
         address.ToString(), HealthOptions{options_.suspect_after, options_.probe_interval,
-                                          options_.timeout + options_.connect_timeout});
+                                          options_.probe_timeout + options_.connect_timeout});
     member->hash = Xxh3Hash64(std::as_bytes(std::span(member->state->name())));
     if (options_.connect) {
       KVSTASH_ASSIGN_OR_RETURN(member->channel, options_.connect(client));
@@ -444,7 +451,9 @@ class NodeClient::Impl {
     for (size_t n = 0; n < members.size(); ++n) {
       if (!wanted[n]) continue;
       NodeHealth& health = *members[n]->state;
-      if (!health.Admit(now)) {
+      const NodeHealth::Admission admission = health.Admit(now);
+      if (admission == NodeHealth::Admission::kProbe) StartProbe(members[n]);
+      if (admission != NodeHealth::Admission::kGo) {
         accounting_->Skipped();
         limits[n] = UnavailableError(
             "node {} is suspect (it did not answer): skipped until it "
@@ -492,22 +501,38 @@ class NodeClient::Impl {
     return std::move(LimitsOf(topology->members, wanted)[node]);
   }
 
-  // Starts a call; `done` runs once on the progress thread with its outcome.
-  // With `group`, the call is counted in it (CallGroup::Track).
+  // Probes a suspect member: an echo with a deadline of its own (probe_timeout) that no
+  // caller waits for; its outcome tells the member's health (an answer makes it up).
+  void StartProbe(const std::shared_ptr<Member>& member) {
+    accounting_->Probed();
+    StartAsync(
+        *member, wire::METHOD_ECHO, wire::EchoRequest(),
+        [this, state = member->state](const Outcome& outcome) {
+          accounting_->Record(*state, ParseReply(outcome, (wire::EchoReply*)nullptr));
+        },
+        options_.probe_timeout);
+  }
+
+  // Starts a call; `done` runs once on the progress thread with its outcome. Its deadline is
+  // `timeout` from now (zero: the client's timeout). With `group`, the call is counted in it
+  // (CallGroup::Track).
   template <typename Request>
-  void StartWith(Member& member, wire::Method method, const Request& request, CallOptions options,
-                 std::function<void(Outcome)> done, transport::CallGroup* group = nullptr) {
-    options.deadline = transport::Clock::now() + options_.timeout;
+  uint64_t StartWith(Member& member, wire::Method method, const Request& request,
+                     CallOptions options, std::function<void(Outcome)> done,
+                     transport::CallGroup* group = nullptr,
+                     std::chrono::milliseconds timeout = {}) {
+    options.deadline = transport::Clock::now() + (timeout.count() > 0 ? timeout : options_.timeout);
     const std::string bytes = request.SerializeAsString();
     accounting_->CallStarted();
     transport::ResponseCallback callback =
         [done = std::move(done)](const transport::Response& response) {
           done(Outcome{response.status,
                        std::vector<std::byte>(response.message.begin(), response.message.end()),
-                       response.payload_bytes});
+                       response.payload_bytes, transport::Clock::now()});
         };
-    member.channel->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options,
-                         group != nullptr ? group->Track(std::move(callback)) : callback);
+    return member.channel->Call(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)),
+                                options,
+                                group != nullptr ? group->Track(std::move(callback)) : callback);
   }
 
   // Starts a call; the future holds its outcome.
@@ -536,9 +561,10 @@ class NodeClient::Impl {
     return future;
   }
 
-  // Starts the PutBlock call of `block` under `key` to `member` in `group`.
-  std::future<Outcome> StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
-                                Bytes block) {
+  // Starts the PutBlock call of `block` under `key` to `member` in `group`; `done` gets its
+  // outcome. Returns the call's id.
+  uint64_t StartPut(transport::CallGroup& group, Member& member, const BlockKey& key, Bytes block,
+                    std::function<void(Outcome)> done) {
     wire::PutBlockRequest put;
     *put.mutable_key() = wire::ToWire(key);
     put.set_length(block.size());
@@ -548,7 +574,18 @@ class NodeClient::Impl {
     if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(block));
     CallOptions options;
     options.send_payload = block;
-    return Start(group, member, wire::METHOD_PUT_BLOCK, put, options);
+    options.copier = &group;
+    return StartWith(member, wire::METHOD_PUT_BLOCK, put, options, std::move(done), &group);
+  }
+
+  // The same, the future holding its outcome.
+  std::future<Outcome> StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
+                                Bytes block) {
+    auto promise = std::make_shared<std::promise<Outcome>>();
+    std::future<Outcome> future = promise->get_future();
+    StartPut(group, member, key, block,
+             [promise](Outcome outcome) { promise->set_value(std::move(outcome)); });
+    return future;
   }
 
   // The keys of `keys` by member (each key at each of its replicas), in key order within each
@@ -751,7 +788,27 @@ class NodeClient::Impl {
       }
     };
     transport::CallGroup group;
-    std::vector<std::tuple<Member*, size_t, std::future<Outcome>>> puts;  // node, key, call
+    // Per block: its calls still out, and whether a replica holds it (written by the
+    // callbacks, under settle_mu).
+    struct Settle {
+      Mutex mu;
+      std::vector<uint32_t> out GUARDED_BY(mu);
+      std::vector<bool> held GUARDED_BY(mu);
+      size_t unsettled GUARDED_BY(mu) = 0;  // blocks with calls out and no replica holding them
+    };
+    auto settle = std::make_shared<Settle>();
+    {
+      MutexLock lock(&settle->mu);
+      settle->out.assign(keys.size(), 0);
+      settle->held.assign(keys.size(), false);
+    }
+    struct PutCall {
+      Member* member;
+      size_t key;
+      uint64_t id = 0;
+      std::future<Outcome> outcome;
+    };
+    std::vector<PutCall> puts;
     puts.reserve(keys.size() * options_.replicas);
     for (size_t i = keys.size(); i-- > 0;) {
       const Placement p = Place(members, keys[i]);
@@ -787,13 +844,34 @@ class NodeClient::Impl {
           failed(member, i, refused);
           continue;
         }
-        puts.emplace_back(&member, i, StartPut(group, member, keys[i], blocks[i]));
+        {
+          MutexLock lock(&settle->mu);
+          if (settle->out[i]++ == 0) ++settle->unsettled;
+        }
+        auto promise = std::make_shared<std::promise<Outcome>>();
+        PutCall call{&member, i, 0, promise->get_future()};
+        call.id = StartPut(group, member, keys[i], blocks[i], [settle, i, promise](Outcome o) {
+          {
+            MutexLock lock(&settle->mu);
+            const bool was_unsettled = !settle->held[i];
+            if (o.status.ok()) settle->held[i] = true;
+            --settle->out[i];
+            if (was_unsettled && (settle->held[i] || settle->out[i] == 0)) --settle->unsettled;
+          }
+          promise->set_value(std::move(o));
+        });
+        puts.push_back(std::move(call));
       }
     }
-    group.Wait();
-    for (auto& [member, i, future] : puts) {
+    const std::vector<bool> abandoned = WaitForReplicas(group, puts, [settle] {
+      MutexLock lock(&settle->mu);
+      return settle->unsettled == 0;
+    });
+    for (size_t k = 0; k < puts.size(); ++k) {
+      auto& [member, i, id, future] = puts[k];
       const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
-      accounting_->Record(*member->state, status);
+      // An abandoned call's node was told it was late; its cancel is no answer of its own.
+      if (!abandoned[k] || status.ok()) accounting_->Record(*member->state, status);
       if (status.ok()) {
         stored[i] = true;
       } else {
@@ -810,6 +888,40 @@ class NodeClient::Impl {
     }
     accounting_->Unserved(unserved);
     return refusal.ok() ? lost : refusal;
+  }
+
+  // Waits for the calls of `group` (each with a `member` and an `id`): all of them, or, within
+  // a budget (lookup_budget < timeout), until `settled` holds and then at most lookup_budget
+  // more for the rest. Calls still out then (a replica that did not answer while another
+  // did) are cancelled, their nodes told (NodeHealth::Late), and waited for: the transport
+  // touches none of their buffers once their callbacks ran, which is at once unless a transfer
+  // is under way (then by its deadline).
+  // Which calls were abandoned so.
+  template <typename Calls>
+  std::vector<bool> WaitForReplicas(transport::CallGroup& group, Calls& calls,
+                                    const std::function<bool()>& settled) {
+    std::vector<bool> abandoned(calls.size(), false);
+    if (options_.lookup_budget >= options_.timeout) {
+      group.Wait();
+      return abandoned;
+    }
+    const auto give_up = transport::Clock::now() + options_.timeout;
+    if (!group.WaitUntil(settled, give_up) ||
+        group.WaitUntil([] { return false; }, transport::Clock::now() + options_.lookup_budget)) {
+      group.Wait();
+      return abandoned;
+    }
+    std::set<Member*> late;
+    for (size_t k = 0; k < calls.size(); ++k) {
+      auto& call = calls[k];
+      if (call.outcome.wait_for(std::chrono::seconds(0)) == std::future_status::ready) continue;
+      call.member->channel->Cancel(call.id);
+      abandoned[k] = true;
+      if (late.insert(call.member).second) call.member->state->Late();
+      accounting_->Abandoned();
+    }
+    group.Wait();
+    return abandoned;
   }
 
   // One GetBlock per key (read from this client's pin, or pinned for the transfer by the node),
@@ -909,15 +1021,23 @@ class NodeClient::Impl {
       if (ready.empty()) return results;
       transport::CallGroup group;
       std::vector<std::future<Outcome>> calls;
+      std::vector<uint64_t> ids;
       calls.reserve(ready.size());
+      const auto started = transport::Clock::now();
       for (size_t i : ready) {
         wire::GetBlockRequest get;
         *get.mutable_key() = wire::ToWire(keys[i]);
         CallOptions options;
         options.recv_payload = outs[i];
-        calls.push_back(
-            Start(group, *members[places[i].nodes[rank[i]]], wire::METHOD_GET_BLOCK, get, options));
+        options.copier = &group;
+        auto promise = std::make_shared<std::promise<Outcome>>();
+        calls.push_back(promise->get_future());
+        ids.push_back(StartWith(
+            *members[places[i].nodes[rank[i]]], wire::METHOD_GET_BLOCK, get, options,
+            [promise](Outcome outcome) { promise->set_value(std::move(outcome)); }, &group));
       }
+      const std::vector<bool> hedged =
+          Hedge(group, members, places, rank, ready, calls, ids, started);
       group.Wait();
       bool wait = false;
       for (size_t j = 0; j < ready.size(); ++j) {
@@ -925,8 +1045,10 @@ class NodeClient::Impl {
         const Member& member = *members[places[i].nodes[rank[i]]];
         const Outcome outcome = calls[j].get();
         const Status& got = outcome.status;
-        accounting_->Record(*member.state, got);
+        // A hedged read's node was told it was late (and its cancel is no answer of its own).
+        if (!hedged[j] || got.ok()) accounting_->Record(*member.state, got);
         if (got.ok()) {
+          member.state->ReadTook(outcome.ended - started);
           results[i] = outcome.payload_bytes;
           continue;
         }
@@ -953,6 +1075,41 @@ class NodeClient::Impl {
       if (pending.empty()) return results;
       if (wait) std::this_thread::sleep_for(pause);
     }
+  }
+
+  // Reads slower than their node's recent p99 (at least lookup_budget), of keys with another
+  // replica to ask, are cancelled (their nodes told they were late) and go to that replica:
+  // which of `ready` were. Calls that are not hedged are left to end by their deadline; the
+  // caller waits for every callback (the transport no longer touches a cancelled call's buffer
+  // once its callback ran).
+  std::vector<bool> Hedge(transport::CallGroup& group, const Members& members,
+                          const std::vector<Placement>& places, const std::vector<uint32_t>& rank,
+                          const std::vector<size_t>& ready,
+                          const std::vector<std::future<Outcome>>& calls,
+                          const std::vector<uint64_t>& ids, transport::Clock::time_point started) {
+    std::vector<bool> hedged(ready.size(), false);
+    if (options_.lookup_budget >= options_.timeout) return hedged;
+    // When each call with another replica to go to is hedged.
+    std::vector<std::pair<transport::Clock::time_point, size_t>> at;
+    for (size_t j = 0; j < ready.size(); ++j) {
+      const size_t i = ready[j];
+      if (rank[i] + 1 >= places[i].count) continue;
+      const auto p99 = members[places[i].nodes[rank[i]]]->state->ReadP99();
+      at.emplace_back(started + std::max<transport::Clock::duration>(options_.lookup_budget, p99),
+                      j);
+    }
+    std::sort(at.begin(), at.end());
+    std::set<NodeHealth*> late;
+    for (const auto& [when, j] : at) {
+      if (group.WaitUntil([] { return false; }, when)) break;  // every call came back
+      if (calls[j].wait_for(std::chrono::seconds(0)) == std::future_status::ready) continue;
+      Member& member = *members[places[ready[j]].nodes[rank[ready[j]]]];
+      member.channel->Cancel(ids[j]);
+      hedged[j] = true;
+      accounting_->Abandoned();
+      if (late.insert(member.state.get()).second) member.state->Late();
+    }
+    return hedged;
   }
 
   // The calls of a Request of `keys` (TouchRequest, LoadRequest, ReleaseRequest) to the
@@ -998,18 +1155,22 @@ class NodeClient::Impl {
   // the destructor (WaitForTouches) waits for it.
   template <typename Request>
   void StartAsync(Member& member, wire::Method method, const Request& request,
-                  std::function<void(const Outcome&)> done) {
+                  std::function<void(const Outcome&)> done,
+                  std::chrono::milliseconds timeout = {}) {
     {
       MutexLock lock(&async_mu_);
       ++async_in_flight_;
     }
-    StartWith(member, method, request, {}, [this, done = std::move(done)](Outcome outcome) {
-      done(outcome);
-      // Under the lock: the destructor cannot go on until this callback is done with *this.
-      MutexLock lock(&async_mu_);
-      --async_in_flight_;
-      async_cv_.SignalAll();
-    });
+    StartWith(
+        member, method, request, {},
+        [this, done = std::move(done)](Outcome outcome) {
+          done(outcome);
+          // Under the lock: the destructor cannot go on until this callback is done with *this.
+          MutexLock lock(&async_mu_);
+          --async_in_flight_;
+          async_cv_.SignalAll();
+        },
+        nullptr, timeout);
   }
 
   // Pins each key at its replicas, and remembers where: the release goes there even if the

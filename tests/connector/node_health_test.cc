@@ -14,18 +14,21 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = NodeHealth::Clock;
+constexpr auto kGo = NodeHealth::Admission::kGo;
+constexpr auto kSkip = NodeHealth::Admission::kSkip;
+constexpr auto kProbe = NodeHealth::Admission::kProbe;
 
 TEST(NodeHealthTest, FailuresInARowWithNoAnswerMakeItSuspect) {
   NodeHealth health("n:1", {2, 100ms});
   const Clock::time_point t0 = Clock::now();
-  EXPECT_TRUE(health.Admit(t0));
+  EXPECT_EQ(health.Admit(t0), kGo);
   EXPECT_FALSE(health.Record(DeadlineExceededError("late")));
   EXPECT_FALSE(health.suspect());
-  EXPECT_TRUE(health.Admit(t0));
+  EXPECT_EQ(health.Admit(t0), kGo);
   health.Late();
   EXPECT_TRUE(health.suspect());
-  EXPECT_FALSE(health.Admit(t0));
-  EXPECT_FALSE(health.Admit(t0 + 50ms));
+  EXPECT_EQ(health.Admit(t0), kSkip);
+  EXPECT_EQ(health.Admit(t0 + 50ms), kSkip);
 }
 
 TEST(NodeHealthTest, AnAnswerInBetweenStartsTheCountAgain) {
@@ -49,17 +52,17 @@ TEST(NodeHealthTest, ASuspectNodeGetsOneProbeAtATimeEveryInterval) {
   health.Record(UnavailableError("gone"));
   ASSERT_TRUE(health.suspect());
   const Clock::time_point t0 = Clock::now();
-  EXPECT_FALSE(health.Admit(t0));                               // within the interval
-  EXPECT_TRUE(health.Admit(t0 + 150ms));                        // the probe
-  EXPECT_FALSE(health.Admit(t0 + 300ms));                       // one at a time, while it is out
+  EXPECT_EQ(health.Admit(t0), kSkip);                           // within the interval
+  EXPECT_EQ(health.Admit(t0 + 150ms), kProbe);                  // the probe
+  EXPECT_EQ(health.Admit(t0 + 300ms), kSkip);                   // one at a time, while it is out
   EXPECT_FALSE(health.Record(UnavailableError("still gone")));  // the probe failed
   EXPECT_TRUE(health.suspect());
-  EXPECT_FALSE(health.Admit(t0 + 200ms));     // the interval since the last probe
-  EXPECT_TRUE(health.Admit(t0 + 300ms));      // the next probe
-  EXPECT_FALSE(health.Record(Status::OK()));  // answered: up
+  EXPECT_EQ(health.Admit(t0 + 200ms), kSkip);   // the interval since the last probe
+  EXPECT_EQ(health.Admit(t0 + 300ms), kProbe);  // the next probe
+  EXPECT_FALSE(health.Record(Status::OK()));    // answered: up
   EXPECT_FALSE(health.suspect());
-  EXPECT_TRUE(health.Admit(t0 + 300ms));
-  EXPECT_TRUE(health.Admit(t0 + 300ms));
+  EXPECT_EQ(health.Admit(t0 + 300ms), kGo);
+  EXPECT_EQ(health.Admit(t0 + 300ms), kGo);
 }
 
 TEST(NodeHealthTest, OfManyThreadsAskingOneTakesTheProbe) {
@@ -70,7 +73,7 @@ TEST(NodeHealthTest, OfManyThreadsAskingOneTakesTheProbe) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&] {
-      for (int j = 0; j < 1000; ++j) admitted += health.Admit(later) ? 1 : 0;
+      for (int j = 0; j < 1000; ++j) admitted += health.Admit(later) == kProbe ? 1 : 0;
     });
   }
   for (std::thread& t : threads) t.join();

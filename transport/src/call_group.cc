@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -60,6 +61,42 @@ void CallGroup::Wait() {
     }
     MutexLock lock(&mu_);
     while (copies_.empty() && outstanding_ != 0) cv_.Wait(&mu_);
+  }
+}
+
+bool CallGroup::WaitUntil(const std::function<bool()>& enough,
+                          std::chrono::steady_clock::time_point until) {
+  while (true) {
+    std::function<void()> copy;
+    uint64_t seen = 0;
+    {
+      MutexLock lock(&mu_);
+      if (copies_.empty() && outstanding_ == 0) return true;
+      if (!copies_.empty()) {
+        copy = std::move(copies_.front());
+        copies_.pop_front();
+      } else {
+        seen = events_.load(std::memory_order_relaxed);
+      }
+    }
+    if (copy) {
+      copy();
+      continue;
+    }
+    if (enough()) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    const auto spin_until = std::min(until, std::chrono::steady_clock::now() + kSpin);
+    while (events_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < spin_until) {
+      sched_yield();
+    }
+    MutexLock lock(&mu_);
+    while (copies_.empty() && outstanding_ != 0 &&
+           events_.load(std::memory_order_relaxed) == seen) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= until) break;
+      cv_.WaitFor(&mu_, until - now);
+    }
   }
 }
 

@@ -1,5 +1,7 @@
 #include "node_health.h"
 
+#include <algorithm>
+
 #include "kvstash/common/logging.h"
 
 namespace kvstash::connector {
@@ -14,22 +16,22 @@ NodeHealth::NodeHealth(std::string name, HealthOptions options)
   if (options_.suspect_after == 0) options_.suspect_after = 1;
 }
 
-bool NodeHealth::Admit(Clock::time_point now) {
-  if (!suspect_.load(std::memory_order_acquire)) return true;
+NodeHealth::Admission NodeHealth::Admit(Clock::time_point now) {
+  if (!suspect_.load(std::memory_order_acquire)) return Admission::kGo;
   const int64_t at = now.time_since_epoch().count();
-  if (at < probe_until_ns_.load(std::memory_order_acquire)) return false;  // one is out
+  if (at < probe_until_ns_.load(std::memory_order_acquire)) return Admission::kSkip;  // one out
   int64_t next = next_probe_ns_.load(std::memory_order_relaxed);
-  if (at < next) return false;
+  if (at < next) return Admission::kSkip;
   // One caller wins the probe.
   const auto ns = [](std::chrono::milliseconds d) {
     return std::chrono::duration_cast<Clock::duration>(d).count();
   };
   if (!next_probe_ns_.compare_exchange_strong(next, at + ns(options_.probe_interval),
                                               std::memory_order_acq_rel)) {
-    return false;
+    return Admission::kSkip;
   }
   probe_until_ns_.store(at + ns(options_.probe_timeout), std::memory_order_release);
-  return true;
+  return Admission::kProbe;
 }
 
 bool NodeHealth::Record(const Status& status) {
@@ -61,6 +63,26 @@ void NodeHealth::LogRefusal(const Status& status) {
 
 void NodeHealth::Late() { Failure(nullptr); }
 
+void NodeHealth::ReadTook(std::chrono::nanoseconds took) {
+  MutexLock lock(&mu_);
+  reads_ns_[reads_++ % kReadSamples] = took.count();
+}
+
+std::chrono::nanoseconds NodeHealth::ReadP99() {
+  std::array<int64_t, kReadSamples> samples;
+  size_t n = 0;
+  {
+    MutexLock lock(&mu_);
+    n = std::min(reads_, kReadSamples);
+    samples = reads_ns_;
+  }
+  if (n == 0) return std::chrono::nanoseconds(0);
+  const size_t rank = (n * 99 + 99) / 100 - 1;  // ceil(0.99 n) - 1
+  std::nth_element(samples.begin(), samples.begin() + static_cast<ptrdiff_t>(rank),
+                   samples.begin() + static_cast<ptrdiff_t>(n));
+  return std::chrono::nanoseconds(samples[rank]);
+}
+
 void NodeHealth::Failure(const Status* why) {
   const uint32_t failures = failures_.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (why != nullptr && !down_logged_.exchange(true, std::memory_order_acq_rel)) {
@@ -74,7 +96,7 @@ void NodeHealth::Failure(const Status* why) {
     if (!down_logged_.exchange(true, std::memory_order_acq_rel)) {
       KVSTASH_LOG_WARN(
           "offload node {} did not answer {} call(s) within their budget; calls skip it (its "
-          "keys read as misses) but for a probe every {} ms, until it answers",
+          "keys read as misses) and it is probed every {} ms until it answers",
           name_, failures, options_.probe_interval.count());
     }
   }

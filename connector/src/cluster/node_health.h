@@ -3,11 +3,12 @@
 // One offload node's health as this client's calls find it (docs/semantics.md §14):
 //
 //   up       calls go to it;
-//   suspect  it failed, timed out or missed a lookup's budget `suspect_after` times in a row
+//   suspect  it failed, timed out or missed a caller's budget `suspect_after` times in a row
 //            with no answer in between: calls skip it at once (its keys read as misses, stores
-//            and reads go to the other replicas), but for one probe at a time, started at most
-//            every `probe_interval`. Any answer from it (a probe's, or a late one of a call
-//            sent before) makes it up again.
+//            and reads go to the other replicas). The client probes it, one probe at a time,
+//            started at most every `probe_interval` by a call that skips it: a call of its own
+//            (an echo, deadline `probe_timeout`) that no engine call waits for. Any answer from
+//            it (a probe's, or a late one of a call sent before) makes it up again.
 //
 // A node that answers slowly but answers is never suspect: each answer starts the count
 // again. A node stopped or cut off answers nothing, and after `suspect_after` calls costs its
@@ -15,6 +16,7 @@
 // refusal of each code. Shared with the callbacks of calls in flight, so it outlives a member
 // that left. Thread-safe.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -29,9 +31,9 @@ namespace kvstash::connector {
 struct HealthOptions {
   uint32_t suspect_after = 2;
   std::chrono::milliseconds probe_interval{200};
-  // A probe whose outcome was never told (its caller sent nothing) stops blocking the next one
-  // after this long; the client gives its call deadline.
-  std::chrono::milliseconds probe_timeout{10000};
+  // A probe's deadline; a probe whose outcome was never told stops blocking the next one after
+  // this long.
+  std::chrono::milliseconds probe_timeout{1000};
 };
 
 // Down, slow past the deadline, or cut off while the call was out: the node did not answer.
@@ -46,11 +48,16 @@ class NodeHealth {
   const std::string& name() const { return name_; }
   bool suspect() const { return suspect_.load(std::memory_order_acquire); }
 
-  // Whether a call may go to the node now: always when up; when suspect, for the one caller
-  // that takes the probe (none out, and probe_interval passed since the last began). A caller
-  // admitted as the probe reports its call's outcome (Record), or the probe lapses after
+  enum class Admission {
+    kGo,     // up: the call goes to the node
+    kSkip,   // suspect: the call skips it
+    kProbe,  // suspect, and this caller sends the probe (and skips it for its own call)
+  };
+  // Whether a call may go to the node now: always when up; when suspect, never, but one
+  // caller gets kProbe when none is out and probe_interval passed since the last began. That
+  // caller sends the probe and reports its outcome (Record), or the probe lapses after
   // probe_timeout.
-  bool Admit(Clock::time_point now);
+  Admission Admit(Clock::time_point now);
 
   // The outcome of a call. An answer (OK, or one that is not an error: NotFound, Aborted) or
   // a refusal makes the node up; an unreachable status counts a failure. Returns whether it
@@ -58,6 +65,11 @@ class NodeHealth {
   bool Record(const Status& status);
   // A call that missed its caller's budget (it goes on): a failure, unless an answer comes.
   void Late();
+  // How long a read it answered took; ReadP99: the 99th percentile of the recent ones (zero
+  // before any).
+  void ReadTook(std::chrono::nanoseconds took);
+  std::chrono::nanoseconds ReadP99();
+
   // A refusal made here, before the call went (what the node would refuse): logged as the
   // node's refusals are (once per code), its health unchanged.
   void RefusedHere(const Status& status) { LogRefusal(status); }
@@ -77,6 +89,9 @@ class NodeHealth {
   std::atomic<int64_t> probe_until_ns_{0};
   Mutex mu_;
   std::set<int> logged_codes_ GUARDED_BY(mu_);
+  static constexpr size_t kReadSamples = 128;
+  std::array<int64_t, kReadSamples> reads_ns_ GUARDED_BY(mu_){};
+  size_t reads_ GUARDED_BY(mu_) = 0;  // ever; the latest kReadSamples are kept
 };
 
 }  // namespace kvstash::connector

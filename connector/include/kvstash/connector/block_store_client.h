@@ -46,6 +46,11 @@ struct BlockStoreCounters {
   // Keys of lookups whose node had not answered within the lookup's budget: read as misses
   // (also in unserved_keys).
   uint64_t late_keys = 0;
+  // Echoes sent to suspect nodes to see whether they answer again.
+  uint64_t probes = 0;
+  // Calls given up once they were not needed: a store's calls to a replica that had not
+  // answered a budget after another replica held every block, a read hedged to another replica.
+  uint64_t abandoned_calls = 0;
 };
 
 struct NodeAddress {

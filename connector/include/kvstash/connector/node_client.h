@@ -88,6 +88,8 @@ struct NodeClientOptions {
   // many failures or missed budgets in a row with no answer, probed every probe_interval.
   uint32_t suspect_after = 2;
   std::chrono::milliseconds probe_interval{200};
+  // A probe's deadline (an echo no engine call waits for).
+  std::chrono::milliseconds probe_timeout{1000};
   // The block size this client stores (0: any). A node whose hello states another is refused
   // at membership: logged once, left out of the members (its keys go to the others, as every
   // client with this setting places them), never used again; the call that found it gets

@@ -5,6 +5,7 @@
 // blocks and many copy at once.
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -31,6 +32,10 @@ class CallGroup final : public CopyExecutor {
   void Post(std::function<void()> copy) override;
   // Makes the posted copies on this thread until every tracked call has completed.
   void Wait();
+  // The same, until every tracked call has completed (true), or `enough` holds (true; asked
+  // after each call's completion, never while a copy runs), or `until` passes (false). Calls
+  // still out stay tracked: Cancel them and Wait before the buffers they use go away.
+  bool WaitUntil(const std::function<bool()>& enough, std::chrono::steady_clock::time_point until);
 
  private:
   // Runs the copies posted so far.
