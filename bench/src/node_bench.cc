@@ -316,16 +316,17 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   {
     auto probe = NodeClient::Create(*options);
     if (!probe.ok()) return fail(kExitFailure, probe.status().message());
-    if ((*probe)->node_count() == 0) {
+    const std::vector<connector::NodeAddress> nodes = (*probe)->nodes();
+    if (nodes.empty()) {
       return fail(kExitFailure, fmt::format("cluster {} has no live offload nodes in etcd",
                                             flags.source.cluster));
     }
     node_list = NodeList(**probe);
-    auto bytes = (*probe)->BlockBytes(0);
+    auto bytes = (*probe)->BlockBytes(nodes.front());
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
     block_bytes = *bytes;
-    for (size_t n = 0; n < (*probe)->node_count(); ++n) {
-      auto counters = (*probe)->Stats(n);
+    for (const connector::NodeAddress& node : nodes) {
+      auto counters = (*probe)->Stats(node);
       if (!counters.ok()) return fail(kExitFailure, counters.status().message());
       if (auto it = counters->find("cpu.capacity_blocks"); it != counters->end()) {
         capacity_blocks += it->second;

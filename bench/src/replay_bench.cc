@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <thread>
 #include <unordered_set>
 
@@ -251,6 +252,7 @@ struct NodeShape {
 // a node applies them, sequentially. The block hit ratio; an error for a manager that cannot
 // be made.
 Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeClient& client,
+                             const std::vector<connector::NodeAddress>& nodes,
                              const std::vector<NodeShape>& shapes) {
   std::vector<std::unique_ptr<store::BlockManager>> managers;
   for (const NodeShape& shape : shapes) {
@@ -267,8 +269,17 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
   };
   uint64_t refs = 0, hits = 0;
   std::vector<std::vector<BlockKey>> by_node(managers.size());
-  // Each key's nodes (its replicas), as the client places it.
-  auto nodes_of = [&client](uint64_t id) { return client.NodesOf(KeyOf(id)); };
+  // Each key's nodes (its replicas), as the client places it: indices of `nodes`, the order of
+  // `shapes`.
+  std::map<std::string, size_t> index;
+  for (size_t n = 0; n < nodes.size(); ++n) index.emplace(nodes[n].ToString(), n);
+  auto nodes_of = [&](uint64_t id) {
+    std::vector<size_t> at;
+    for (const connector::NodeAddress& node : client.PlacesOf(KeyOf(id))) {
+      if (auto it = index.find(node.ToString()); it != index.end()) at.push_back(it->second);
+    }
+    return at;
+  };
   auto touch = [&](std::span<const uint64_t> ids) {
     for (auto& keys : by_node) keys.clear();
     for (uint64_t id : ids) {
@@ -418,23 +429,22 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   uint64_t block_bytes = 0;
   std::vector<NodeShape> shapes;
   uint64_t resident = 0, capacity = 0;
-  const size_t client_nodes = client.node_count();
-  if (client_nodes == 0) {
+  const std::vector<connector::NodeAddress> nodes = client.nodes();
+  if (nodes.empty()) {
     return fail(kExitFailure,
                 fmt::format("cluster {} has no live offload nodes in etcd", flags.source.cluster));
   }
-  for (size_t n = 0; n < client.node_count(); ++n) {
-    auto bytes = client.BlockBytes(n);
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    auto bytes = client.BlockBytes(nodes[n]);
     if (!bytes.ok()) return fail(kExitFailure, bytes.status().message());
     if (block_bytes != 0 && *bytes != block_bytes) {
-      return fail(
-          kExitFailure,
-          fmt::format("node {} stores blocks of {} bytes, node {} of {}: replay needs one "
-                      "block size",
-                      client.node(0).ToString(), block_bytes, client.node(n).ToString(), *bytes));
+      return fail(kExitFailure,
+                  fmt::format("node {} stores blocks of {} bytes, node {} of {}: replay needs one "
+                              "block size",
+                              nodes[0].ToString(), block_bytes, nodes[n].ToString(), *bytes));
     }
     block_bytes = *bytes;
-    auto counters = client.Stats(n);
+    auto counters = client.Stats(nodes[n]);
     if (!counters.ok()) return fail(kExitFailure, counters.status().message());
     auto value = [&](const char* name) {
       auto it = counters->find(name);
@@ -457,7 +467,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   }
   const bool any_ssd =
       std::any_of(shapes.begin(), shapes.end(), [](const NodeShape& s) { return s.has_ssd; });
-  auto model = ModelHitRatio(*trace, client, shapes);
+  auto model = ModelHitRatio(*trace, client, nodes, shapes);
   if (!model.ok()) return fail(kExitFailure, model.status().message());
   const double infinite = InfiniteCacheHitRatio(*trace);
 
@@ -566,7 +576,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
   const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
   report.Set("trace", flags.trace);
-  report.Set("nodes", client_nodes);
+  report.Set("nodes", nodes.size());
   report.Set("replicas", flags.source.replicas);
   report.Set("policy", policy);
   report.Set("capacity_blocks", capacity);
@@ -588,7 +598,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Heading("trace", fmt::format("{}: {} requests, {} block references", flags.trace,
                                       totals.requests.load(), totals.block_refs.load()));
   report.Heading("nodes",
-                 fmt::format("{} of {} blocks of {} in all ({}{}{})", client_nodes, capacity,
+                 fmt::format("{} of {} blocks of {} in all ({}{}{})", nodes.size(), capacity,
                              FormatBytes(block_bytes), policy,
                              flags.source.replicas > 1
                                  ? fmt::format(", {} replicas of each block", flags.source.replicas)

@@ -33,29 +33,28 @@ Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOption
     return InvalidArgumentError("an offloaded block needs at least one page");
   }
   const size_t block_bytes = OffloadedBlockBytes(options.pages_per_block, options.pool.page_bytes);
-  for (size_t i = 0; i < options.client->node_count(); ++i) {
-    auto bytes = options.client->BlockBytes(i);
+  for (const NodeAddress& node : options.client->nodes()) {
+    auto bytes = options.client->BlockBytes(node);
     const StatusCode code = bytes.status().code();
     if (!bytes.ok() && code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) {
       // Refused (a wrong token, a namespace not served, another protocol): an error in the
       // set-up, not a node that happens to be down, so the engine must not start on misses.
-      return Status(code,
-                    fmt::format("offload node {} refused this engine: {}",
-                                options.client->node(i).ToString(), bytes.status().message()));
+      return Status(code, fmt::format("offload node {} refused this engine: {}", node.ToString(),
+                                      bytes.status().message()));
     }
     if (!bytes.ok()) {
       // Down or slow now: its keys are misses (the engine recomputes them), never an error
       // that stops the engine. Its size is checked by every block that comes back from it.
       KVSTASH_LOG_WARN("offload node {} does not answer ({}); its blocks count as misses",
-                       options.client->node(i).ToString(), bytes.status().ToString());
+                       node.ToString(), bytes.status().ToString());
       continue;
     }
     if (*bytes != block_bytes) {
       return FailedPreconditionError(
           "node {} stores blocks of {} bytes; this engine's offloaded block is {} bytes ({} "
           "page(s) of {} + a {}-byte trailer): start kvstashd with --block-bytes {}",
-          options.client->node(i).ToString(), *bytes, block_bytes, options.pages_per_block,
-          options.pool.page_bytes, sizeof(BlockTrailer), block_bytes);
+          node.ToString(), *bytes, block_bytes, options.pages_per_block, options.pool.page_bytes,
+          sizeof(BlockTrailer), block_bytes);
     }
   }
   return std::unique_ptr<BlockTransfer>(new BlockTransfer(options, block_bytes));

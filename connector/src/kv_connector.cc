@@ -351,7 +351,7 @@ KvConnectorStats KvConnector::stats() const {
   s.node_unserved_keys = c.unserved_keys;
   s.members_joined = c.members_joined;
   s.members_left = c.members_left;
-  s.live_nodes = client_->node_count();
+  s.live_nodes = client_->nodes().size();
   return s;
 }
 

@@ -39,11 +39,8 @@ std::string MembersPrefix(std::string_view cluster) {
 }
 
 std::string NodeRecord::ToJson() const {
-  return Json{{"address", address},
-              {"block_bytes", block_bytes},
-              {"cpu_bytes", cpu_bytes},
-              {"ssd_bytes", ssd_bytes},
-              {"policy", policy}}
+  return Json{{"address", address},     {"block_bytes", block_bytes}, {"cpu_bytes", cpu_bytes},
+              {"ssd_bytes", ssd_bytes}, {"policy", policy},           {"zone", zone}}
       .dump();
 }
 
@@ -59,6 +56,7 @@ Result<NodeRecord> NodeRecord::FromJson(std::string_view json) {
     record.cpu_bytes = parsed.value("cpu_bytes", uint64_t{0});
     record.ssd_bytes = parsed.value("ssd_bytes", uint64_t{0});
     record.policy = parsed.value("policy", std::string());
+    record.zone = parsed.value("zone", std::string());
   } catch (const Json::exception& e) {
     return InvalidArgumentError("node record {}: {}", json.substr(0, 200), e.what());
   }

@@ -125,6 +125,10 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "HOST or HOST:PORT that clients connect to, as published in etcd. Default: the "
                  "--listen address and the port listened on; required when listening on every "
                  "address (0.0.0.0)");
+  app.add_option("--zone", flags.zone,
+                 "Failure domain of this node (a rack, a host, a power domain; letters, digits, "
+                 "'.', '_', '-'), published in etcd with --etcd: clients keeping --replicas R > 1 "
+                 "put a block's replicas in distinct zones while there are enough. Default: none");
   app.add_option("--etcd-ttl-s", flags.etcd_ttl_s,
                  "TTL of the node's etcd lease in seconds (2..3600), refreshed every third of "
                  "it: a node that dies leaves the membership this long after")
@@ -149,6 +153,7 @@ Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const Daem
   if (flags.etcd.empty()) {
     if (!flags.cluster.empty()) return InvalidArgumentError("cluster: given without --etcd");
     if (!flags.advertise.empty()) return InvalidArgumentError("advertise: given without --etcd");
+    if (!flags.zone.empty()) return InvalidArgumentError("zone: given without --etcd");
     return std::optional<membership::RegistrationOptions>();
   }
   membership::RegistrationOptions registration;
@@ -194,6 +199,12 @@ Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const Daem
   registration.record.cpu_bytes = options.store.block_bytes * options.store.cpu_capacity_blocks;
   registration.record.ssd_bytes = options.store.ssd ? options.store.ssd->capacity_bytes : 0;
   registration.record.policy = flags.cpu_policy;
+  if (!flags.zone.empty()) {
+    if (Status valid = membership::ValidateClusterName(flags.zone); !valid.ok()) {
+      return InvalidArgumentError("zone: {}", valid.message());
+    }
+  }
+  registration.record.zone = flags.zone;
   return std::optional<membership::RegistrationOptions>(std::move(registration));
 }
 

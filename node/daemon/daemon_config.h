@@ -48,6 +48,7 @@ struct DaemonFlags {
   std::string etcd;                          // URL[,URL...]; empty: no membership
   std::string cluster;
   std::string advertise;  // HOST[:PORT] clients reach this node at
+  std::string zone;       // failure domain published in etcd; empty: none
   int etcd_ttl_s = 10;
 };
 

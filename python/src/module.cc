@@ -354,9 +354,9 @@ class Client {
     Result<uint64_t> bytes = InternalError("not asked");
     {
       py::gil_scoped_release release;
-      bytes = client->node_count() == 0
-                  ? Result<uint64_t>(UnavailableError("no live offload node to ask"))
-                  : client->BlockBytes(0);
+      const std::vector<connector::NodeAddress> nodes = client->nodes();
+      bytes = nodes.empty() ? Result<uint64_t>(UnavailableError("no live offload node to ask"))
+                            : client->BlockBytes(nodes.front());
     }
     if (!bytes.ok()) Raise(bytes.status());
     return *bytes;
@@ -377,6 +377,8 @@ class Client {
     own["members_left"] = c.members_left;
     own["skipped_calls"] = c.skipped_calls;
     own["late_keys"] = c.late_keys;
+    own["probes"] = c.probes;
+    own["abandoned_calls"] = c.abandoned_calls;
     own["replicas"] = client->replicas();
     py::dict nodes;
     // The members now (a followed cluster's may change meanwhile: one that left is an error).

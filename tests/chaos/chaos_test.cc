@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "block_pattern.h"
+#include "home_node.h"
 #include "kvstash/connector/node_client.h"
 #include "programs.h"
 #include "subprocess.h"
@@ -226,7 +227,7 @@ class ChaosTest : public ::testing::Test {
     const std::vector<LookupResult> r = client_->Lookup(keys_);
     round.took = Clock::now() - start;
     for (int k = 0; k < kKeys; ++k) {
-      if (client_->NodeOf(keys_[k]) == faulty) continue;
+      if (::kvstash::testing::HomeIndex(*client_, keys_[k]) == faulty) continue;
       ++round.healthy;
       round.healthy_hits += r[k] == LookupResult::kHit ? 1 : 0;
     }

@@ -13,6 +13,7 @@
 #include <numeric>
 
 #include "daemon_process.h"
+#include "home_node.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/node_client.h"
 
@@ -203,7 +204,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   ASSERT_TRUE(RunJob(**t, store).status.ok());
   std::vector<size_t> on_dead;
   for (uint32_t b = 0; b < 16; ++b) {
-    if (client_->NodeOf(Key(b)) == 1) on_dead.push_back(b);
+    if (::kvstash::testing::HomeIndex(*client_, Key(b)) == 1) on_dead.push_back(b);
   }
   ASSERT_FALSE(on_dead.empty());
   daemons_[1]->process().Kill(SIGKILL);

@@ -32,7 +32,7 @@ std::map<std::string, uint64_t> NodeCounters(const Daemon& d) {
   auto client = connector::NodeClient::Create(options);
   EXPECT_TRUE(client.ok()) << client.status().ToString();
   if (!client.ok()) return {};
-  auto counters = (*client)->Stats(0);
+  auto counters = (*client)->Stats((*client)->nodes()[0]);
   EXPECT_TRUE(counters.ok()) << counters.status().ToString();
   return counters.ok() ? *counters : std::map<std::string, uint64_t>{};
 }

@@ -199,9 +199,10 @@ class FakeNodeStore {
 class FakeStoreClient : public connector::BlockStoreClient {
  public:
   explicit FakeStoreClient(FakeNodeStore* store) : store_(store) {}
-  size_t node_count() const override { return 1; }
-  connector::NodeAddress node(size_t) const override { return address_; }
-  Result<uint64_t> BlockBytes(size_t) override { return store_->block_bytes(); }
+  std::vector<connector::NodeAddress> nodes() const override { return {address_}; }
+  Result<uint64_t> BlockBytes(const connector::NodeAddress&) override {
+    return store_->block_bytes();
+  }
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) override {
     return store_->Lookup(keys);
   }

@@ -45,10 +45,10 @@ std::string AddressOf(const Daemon& node) { return "127.0.0.1:" + std::to_string
 // Waits up to `timeout` for `client` to see `count` nodes: whether it did.
 bool WaitForNodes(const NodeClient& client, size_t count, std::chrono::milliseconds timeout) {
   const auto until = std::chrono::steady_clock::now() + timeout;
-  while (client.node_count() != count && std::chrono::steady_clock::now() < until) {
+  while (client.nodes().size() != count && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(20ms);
   }
-  return client.node_count() == count;
+  return client.nodes().size() == count;
 }
 
 class EtcdClientsTest : public ::testing::Test {
@@ -69,7 +69,7 @@ class EtcdClientsTest : public ::testing::Test {
     client_ = Client(replicas);
     if (client_ == nullptr) return ::testing::AssertionFailure() << "no client";
     if (!WaitForNodes(*client_, 3, 5s)) {
-      return ::testing::AssertionFailure() << "the client sees " << client_->node_count();
+      return ::testing::AssertionFailure() << "the client sees " << client_->nodes().size();
     }
     return ::testing::AssertionSuccess();
   }
@@ -153,12 +153,9 @@ TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRes
   ASSERT_TRUE(Store(*client, 0, 40).ok());
   for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
   EXPECT_EQ(ReadBack(*client, 0, 40), 40u);
-  const std::vector<NodeAddress> live = client->nodes();
-  const size_t on_fourth =
-      std::find_if(live.begin(), live.end(),
-                   [&](const NodeAddress& a) { return a.ToString() == fourth; }) -
-      live.begin();
-  auto stats = client->Stats(on_fourth);
+  auto address = connector::ParseNodeAddress(fourth);
+  ASSERT_TRUE(address.ok());
+  auto stats = client->Stats(*address);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_EQ((*stats)["cpu.resident_blocks"], moved);
   const BlockStoreCounters c = client->counters();
@@ -212,7 +209,8 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheS
   ASSERT_TRUE(Store(*client, 0, 30).ok());
   for (uint64_t i = 0; i < 30; ++i) ASSERT_EQ(client->PlacesOf(Key(i)).size(), 2u);
   uint64_t resident = 0;
-  for (size_t n = 0; n < 3; ++n) resident += (*client->Stats(n))["cpu.resident_blocks"];
+  for (size_t n = 0; n < 3; ++n)
+    resident += (*client->Stats(client->nodes()[n]))["cpu.resident_blocks"];
   EXPECT_EQ(resident, 60u);  // every block twice
 
   nodes[0]->process().Kill(SIGKILL);
@@ -247,7 +245,7 @@ TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {
 
   etcd_.Stop();
   std::this_thread::sleep_for(3s);  // past the nodes' 2 s leases, had etcd been there
-  EXPECT_EQ(client->node_count(), 3u);
+  EXPECT_EQ(client->nodes().size(), 3u);
   for (LookupResult r : Lookup(*client, 0, 20)) EXPECT_EQ(r, LookupResult::kHit);
   ASSERT_TRUE(Store(*client, 20, 20).ok());
   EXPECT_EQ(ReadBack(*client, 0, 40), 40u);
@@ -293,7 +291,7 @@ TEST_F(EtcdClientsTest, ANodeThatJoinsWithAnotherBlockSizeIsLeftOut) {
   EXPECT_EQ(first.code(), StatusCode::kFailedPrecondition) << first.ToString();
   EXPECT_THAT(std::string(first.message()), HasSubstr("32768"));
   // Left out: one node now, every store and lookup on it, and so it stays.
-  EXPECT_EQ(client_->node_count(), 1u);
+  EXPECT_EQ(client_->nodes().size(), 1u);
   ASSERT_TRUE(Store(*client_, 0, 64).ok());
   const std::vector<LookupResult> r = Lookup(*client_, 0, 64);
   EXPECT_EQ(std::count(r.begin(), r.end(), LookupResult::kHit), 64);
@@ -305,7 +303,7 @@ TEST_F(EtcdClientsTest, ANodeThatJoinsWithAnotherBlockSizeIsLeftOut) {
     ++said;
   }
   EXPECT_EQ(said, 1u) << log;
-  EXPECT_EQ(client_->node_count(), 1u);
+  EXPECT_EQ(client_->nodes().size(), 1u);
 }
 
 }  // namespace

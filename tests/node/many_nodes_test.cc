@@ -12,6 +12,7 @@
 
 #include "block_pattern.h"
 #include "daemon_process.h"
+#include "home_node.h"
 #include "kvstash/connector/node_client.h"
 #include "process_state.h"
 
@@ -104,7 +105,7 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
   auto created = NodeClient::Create(options);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   NodeClient& client = **created;
-  ASSERT_EQ(*client.BlockBytes(0), kBlock);
+  ASSERT_EQ(*client.BlockBytes(client.nodes()[0]), kBlock);
 
   constexpr int kKeys = 48;  // the 4 MiB CPU tier of each node holds 64 blocks
   std::vector<BlockKey> keys;
@@ -115,13 +116,13 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
     keys.push_back(Key(k));
     blocks.emplace_back(kBlock);
     FillPattern(k, blocks.back());
-    ++per_node[client.NodeOf(keys.back())];
+    ++per_node[::kvstash::testing::HomeIndex(client, keys.back())];
   }
   for (auto& b : blocks) views.emplace_back(b);
   for (int n = 0; n < 3; ++n) EXPECT_GT(per_node[n], 5) << "node " << n;
   ASSERT_TRUE(client.Put(keys, views).ok());
   for (int n = 0; n < 3; ++n) {
-    auto stats = client.Stats(n);
+    auto stats = client.Stats(client.nodes()[n]);
     ASSERT_TRUE(stats.ok());
     EXPECT_EQ(stats->at("cpu.resident_blocks"), static_cast<uint64_t>(per_node[n])) << n;
   }
@@ -155,21 +156,23 @@ TEST(ManyNodesTest, KeysSpreadAndAKilledNodeOnlyMissesItsOwn) {
   daemons[1]->process().Kill(SIGKILL);
   const std::vector<LookupResult> after = client.Lookup(keys);
   for (int k = 0; k < kKeys; ++k) {
-    const LookupResult expected =
-        client.NodeOf(keys[k]) == 1 ? LookupResult::kMiss : LookupResult::kHit;
-    EXPECT_EQ(after[k], expected) << "key " << k << " on node " << client.NodeOf(keys[k]);
+    const LookupResult expected = ::kvstash::testing::HomeIndex(client, keys[k]) == 1
+                                      ? LookupResult::kMiss
+                                      : LookupResult::kHit;
+    EXPECT_EQ(after[k], expected) << "key " << k << " on node "
+                                  << ::kvstash::testing::HomeIndex(client, keys[k]);
   }
   EXPECT_GT(client.unreachable(), 0u);
   // A prefix lookup stops at the first key of the dead node.
   size_t first_dead = 0;
-  while (client.NodeOf(keys[first_dead]) != 1) ++first_dead;
+  while (::kvstash::testing::HomeIndex(client, keys[first_dead]) != 1) ++first_dead;
   EXPECT_EQ(client.LookupPrefix(keys), first_dead);
   // Reading a dead node's key is an error for that key only.
   int dead_key = static_cast<int>(first_dead);
   auto lost = client.Get(keys[dead_key], out);
   EXPECT_EQ(lost.status().code(), StatusCode::kUnavailable) << lost.status().ToString();
   int live_key = dead_key == 0 ? 1 : 0;
-  while (client.NodeOf(keys[live_key]) == 1) ++live_key;
+  while (::kvstash::testing::HomeIndex(client, keys[live_key]) == 1) ++live_key;
   ASSERT_TRUE(client.Get(keys[live_key], out).ok());
   EXPECT_TRUE(MatchesPattern(live_key, out));
 }
@@ -224,7 +227,7 @@ TEST(ManyNodesTest, AStoppedNodeCostsALookupItsBudgetThenIsSkippedUntilItAnswers
   };
   auto check = [&](const std::vector<LookupResult>& r) {
     for (int k = 0; k < kKeys; ++k) {
-      if (client.NodeOf(keys[k]) == 1) {
+      if (::kvstash::testing::HomeIndex(client, keys[k]) == 1) {
         EXPECT_EQ(r[k], LookupResult::kMiss) << "key " << k << " of the stopped node";
       }
     }
@@ -244,7 +247,7 @@ TEST(ManyNodesTest, AStoppedNodeCostsALookupItsBudgetThenIsSkippedUntilItAnswers
   EXPECT_GE(client.counters().skipped_calls, skipped + 5);
   // A store to it fails at once (one replica), naming the node; the other node's keys store.
   int on_stopped = 0;
-  while (client.NodeOf(keys[on_stopped]) != 1) ++on_stopped;
+  while (::kvstash::testing::HomeIndex(client, keys[on_stopped]) != 1) ++on_stopped;
   const auto store_start = std::chrono::steady_clock::now();
   const Status put = client.Put(std::span(&keys[on_stopped], 1), std::span(&views[on_stopped], 1));
   EXPECT_LT(std::chrono::steady_clock::now() - store_start, 5s);
@@ -321,7 +324,7 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
   // The pins went to both replicas: each node pinned the keys it holds, so 16 in all.
   uint64_t pinned = 0;
   for (size_t n = 0; n < 2; ++n) {
-    auto stats = both->Stats(n);
+    auto stats = both->Stats(both->nodes()[n]);
     ASSERT_TRUE(stats.ok());
     pinned += (*stats)["node.pinned_keys"];
   }

@@ -18,6 +18,7 @@
 
 #include "block_pattern.h"
 #include "daemon_process.h"
+#include "home_node.h"
 #include "kvstash/connector/node_client.h"
 
 namespace kvstash {
@@ -69,7 +70,7 @@ void PutAll(NodeClient& client, const std::vector<BlockKey>& keys) {
 }
 
 uint64_t Counter(NodeClient& client, size_t node, const std::string& name) {
-  auto stats = client.Stats(node);
+  auto stats = client.Stats(client.nodes()[node]);
   EXPECT_TRUE(stats.ok()) << stats.status().ToString();
   if (!stats.ok() || !stats->contains(name)) return ~uint64_t{0};
   return stats->at(name);
@@ -111,13 +112,13 @@ TEST(NodeClientLimitsTest, LimitsComeFromTheHello) {
                                 "--max-payload-bytes", "1MiB"});
   auto client = Client(daemons);
   ASSERT_NE(client, nullptr);
-  auto limits = client->Limits(0);
+  auto limits = client->Limits(client->nodes()[0]);
   ASSERT_TRUE(limits.ok()) << limits.status().ToString();
   EXPECT_EQ(limits->block_bytes, kBlock);
   EXPECT_EQ(limits->max_keys_per_request, 32u);
   EXPECT_EQ(limits->max_message_bytes, 8u << 10);
   EXPECT_EQ(limits->max_payload_bytes, 1u << 20);
-  EXPECT_EQ(*client->BlockBytes(0), kBlock);
+  EXPECT_EQ(*client->BlockBytes(client->nodes()[0]), kBlock);
 }
 
 // A request of more keys than a node takes in one call, on one node and on two.
@@ -278,7 +279,9 @@ TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
   EXPECT_GE(client->counters().unreachable + client->counters().skipped_calls, 4u);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();  // down is not a refusal
   for (size_t i = 0; i < keys.size(); ++i) {
-    EXPECT_EQ((*strict)[i], client->NodeOf(keys[i]) == 1 ? LookupResult::kMiss : LookupResult::kHit)
+    EXPECT_EQ((*strict)[i], ::kvstash::testing::HomeIndex(*client, keys[i]) == 1
+                                ? LookupResult::kMiss
+                                : LookupResult::kHit)
         << i;
   }
   EXPECT_GE(client->counters().unreachable, 1u);

@@ -195,7 +195,7 @@ TEST(SoakTest, SixtyFourClientsForAMinuteLoseNothingAndDaemonMemoryStaysFlat) {
   // The daemon still answers, then stops cleanly with SIGTERM.
   auto client = NodeClient::Create(options);
   ASSERT_TRUE(client.ok());
-  EXPECT_TRUE((*client)->Stats(0).ok());
+  EXPECT_TRUE((*client)->Stats((*client)->nodes()[0]).ok());
   client->reset();
   EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
   EXPECT_EQ(daemon.process().Wait(), 0);

@@ -85,10 +85,10 @@ std::string PlacesOf(const NodeClient& client, const BlockKey& key) {
 }
 
 // The best-ranked node of `key`; Unavailable when no node is live.
-Result<size_t> HomeOf(const NodeClient& client, const BlockKey& key) {
-  const size_t node = client.NodeOf(key);
-  if (node >= client.node_count()) return UnavailableError("no live offload node");
-  return node;
+Result<connector::NodeAddress> HomeOf(const NodeClient& client, const BlockKey& key) {
+  const std::vector<connector::NodeAddress> places = client.PlacesOf(key);
+  if (places.empty()) return UnavailableError("no live offload node");
+  return places.front();
 }
 
 Result<std::vector<BlockKey>> Keys(const NodeFlags& flags) {
@@ -115,16 +115,15 @@ int RunPut(const NodeFlags& flags) {
   if (!client.ok()) {
     return Errors("put").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   }
-  const Result<size_t> home = HomeOf(**client, keys->front());
+  const Result<connector::NodeAddress> home = HomeOf(**client, keys->front());
   if (!home.ok()) return Errors("put").Fail(kExitFailure, home.status().message());
-  const size_t node = *home;
+  const connector::NodeAddress& node = *home;
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("put").Fail(kExitFailure, block_bytes.status().message());
   if (bytes.size() != *block_bytes) {
     return Errors("put").Fail(
-        kExitUsage,
-        fmt::format("--file: '{}' holds {} bytes; node {} stores blocks of exactly {}", flags.file,
-                    bytes.size(), (*client)->node(node).ToString(), *block_bytes));
+        kExitUsage, fmt::format("--file: '{}' holds {} bytes; node {} stores blocks of exactly {}",
+                                flags.file, bytes.size(), node.ToString(), *block_bytes));
   }
   const transport::Bytes block = std::as_bytes(std::span(bytes));
   const Status put = (*client)->Put(*keys, std::span(&block, 1));
@@ -144,9 +143,9 @@ int RunGet(const NodeFlags& flags) {
   if (!client.ok()) {
     return Errors("get").Fail(cli::ExitCodeFor(client.status()), client.status().message());
   }
-  const Result<size_t> home = HomeOf(**client, keys->front());
+  const Result<connector::NodeAddress> home = HomeOf(**client, keys->front());
   if (!home.ok()) return Errors("get").Fail(kExitFailure, home.status().message());
-  const size_t node = *home;
+  const connector::NodeAddress& node = *home;
   auto block_bytes = (*client)->BlockBytes(node);
   if (!block_bytes.ok()) return Errors("get").Fail(kExitFailure, block_bytes.status().message());
   std::vector<std::byte> block(*block_bytes);
@@ -161,7 +160,7 @@ int RunGet(const NodeFlags& flags) {
     }
   }
   std::cout << fmt::format("{}: {} bytes, xxh3 {:#018x}, from {}{}\n", keys->front().ToString(),
-                           *got, Xxh3Hash64(block), (*client)->node(node).ToString(),
+                           *got, Xxh3Hash64(block), node.ToString(),
                            flags.file.empty() ? "" : ", written to " + flags.file);
   return kExitOk;
 }
@@ -240,9 +239,9 @@ int RunStats(const NodeFlags& flags) {
   }
   nlohmann::json doc = nlohmann::json::object();
   int code = kExitOk;
-  for (size_t n = 0; n < (*client)->node_count(); ++n) {
-    const std::string name = (*client)->node(n).ToString();
-    auto counters = (*client)->Stats(n);
+  for (const connector::NodeAddress& node : (*client)->nodes()) {
+    const std::string name = node.ToString();
+    auto counters = (*client)->Stats(node);
     if (!counters.ok()) {
       std::cerr << "kvstash stats: " << counters.status().message() << "\n";
       code = kExitFailure;

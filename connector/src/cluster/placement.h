@@ -3,7 +3,8 @@
 // Rendezvous placement: a key lives on the `replicas` members that rank highest for it by a
 // hash of the key and the member's hash (of its address). Every client computes the same
 // places from the same members, and a member that joins or leaves moves only its own share of
-// the keys. Pure functions; the cluster client's members are a snapshot (node_client.cc).
+// the keys. With failure domains (zones), a key's replicas go to distinct zones while there
+// are enough. Pure functions; the cluster client's members are a snapshot (members.h).
 
 #include <array>
 #include <cstddef>
@@ -47,6 +48,52 @@ Placement Place(size_t members, HashOf&& hash_of, const BlockKey& key, size_t re
     scores[at] = score;
     p.nodes[at] = static_cast<uint32_t>(i);
     p.count = static_cast<uint32_t>(p.count + 1 < want ? p.count + 1 : want);
+  }
+  return p;
+}
+
+// The same in failure domains: `zone_of(i)` is member i's zone (a hash of its name; 0: none,
+// a zone of its own). The best-ranked member first, then each next place goes to the best-ranked
+// member of a zone not used yet, while there is one; then to the best-ranked of the rest. With
+// no zones (all 0) or one replica, the places are Place's.
+template <typename HashOf, typename ZoneOf>
+Placement PlaceInZones(size_t members, HashOf&& hash_of, ZoneOf&& zone_of, const BlockKey& key,
+                       size_t replicas) {
+  bool zoned = false;
+  for (size_t i = 0; i < members && !zoned && replicas > 1; ++i) zoned = zone_of(i) != 0;
+  if (!zoned) return Place(members, hash_of, key, replicas);
+  Placement p;
+  const size_t want = replicas < members ? replicas : members;
+  std::array<uint64_t, kMaxReplicas> zones{};
+  auto taken = [&](size_t i) {
+    for (uint32_t r = 0; r < p.count; ++r) {
+      if (p.nodes[r] == i) return true;
+    }
+    return false;
+  };
+  auto zone_used = [&](uint64_t zone) {
+    if (zone == 0) return false;
+    for (uint32_t r = 0; r < p.count; ++r) {
+      if (zones[r] == zone) return true;
+    }
+    return false;
+  };
+  for (int pass = 0; pass < 2 && p.count < want; ++pass) {
+    while (p.count < want) {
+      size_t best = members;
+      uint64_t best_score = 0;
+      for (size_t i = 0; i < members; ++i) {
+        if (taken(i) || (pass == 0 && zone_used(zone_of(i)))) continue;
+        const uint64_t score = RendezvousScore(key, hash_of(i));
+        if (best == members || score > best_score) {
+          best = i;
+          best_score = score;
+        }
+      }
+      if (best == members) break;  // this pass has no more
+      zones[p.count] = zone_of(best);
+      p.nodes[p.count++] = static_cast<uint32_t>(best);
+    }
   }
   return p;
 }

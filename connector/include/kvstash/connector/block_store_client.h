@@ -57,16 +57,17 @@ struct NodeAddress {
   std::string host;
   uint16_t port = 0;
   std::string ToString() const { return host + ":" + std::to_string(port); }
+  bool operator==(const NodeAddress&) const = default;
 };
 
 class BlockStoreClient {
  public:
   virtual ~BlockStoreClient() = default;
 
-  virtual size_t node_count() const = 0;
-  virtual NodeAddress node(size_t i) const = 0;
-  // The node's block size; an error when the node does not answer.
-  virtual Result<uint64_t> BlockBytes(size_t node) = 0;
+  // The live nodes now: a snapshot (a followed cluster's set may change before the next).
+  virtual std::vector<NodeAddress> nodes() const = 0;
+  // The node's block size; an error when the node does not answer or is not a member now.
+  virtual Result<uint64_t> BlockBytes(const NodeAddress& node) = 0;
 
   // Per-key lookups in key order. A key whose node cannot be reached, or whose node refused the
   // call, is a miss; either is counted (counters()) and logged.

@@ -49,6 +49,7 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
 #include "kvstash/connector/block_store_client.h"
+#include "kvstash/connector/in_memory_members.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::connector {
@@ -99,6 +100,8 @@ struct NodeClientOptions {
   // The UCX worker and progress thread the connections run on; clients of one process should
   // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
   std::shared_ptr<transport::ClientWorker> worker;
+  // The members from a source a test drives instead of `nodes` or etcd (in_memory_members.h).
+  std::shared_ptr<InMemoryMembers> members;
   // Makes the connection to one node; empty: UCX (an RpcClient on `worker`). Tests give a
   // loopback network's channels (transport/loopback.h), possibly in a FaultChannel.
   std::function<Result<std::unique_ptr<transport::Channel>>(const transport::ClientOptions&)>
@@ -139,23 +142,11 @@ class NodeClient : public BlockStoreClient {
   // Waits for touches still in flight (each bounded by the call timeout).
   ~NodeClient() override;
 
-  // The live nodes now (a followed cluster's set changes between calls); the index-based
-  // calls below name a node of this set.
-  size_t node_count() const override;
-  NodeAddress node(size_t i) const override;
-  std::vector<NodeAddress> nodes() const;
+  // The live nodes now, a snapshot (a followed cluster's set changes between calls).
+  std::vector<NodeAddress> nodes() const override;
   size_t replicas() const;
-  // The index of the best-ranked node for `key` (node_count() when none is live).
-  size_t NodeOf(const BlockKey& key) const;
-  // The nodes of `key`, best-ranked first (up to replicas()).
+  // The nodes of `key`, best-ranked first (up to replicas()); empty when none is live.
   std::vector<NodeAddress> PlacesOf(const BlockKey& key) const;
-  // The same as indices of the live set.
-  std::vector<size_t> NodesOf(const BlockKey& key) const;
-
-  // The node's limits as it stated them at hello (connecting first when needed). Unavailable
-  // when it cannot be reached; the hello's refusal (Unauthenticated, PermissionDenied,
-  // FailedPrecondition) otherwise.
-  Result<transport::ServerLimits> Limits(size_t node);
 
   // Per-key lookups in key order (see BlockStoreClient::Lookup).
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys) override;
@@ -195,13 +186,15 @@ class NodeClient : public BlockStoreClient {
   // then has them).
   void WaitForTouches();
 
-  // The node's counters (wire.StatsReply).
-  Result<std::map<std::string, uint64_t>> Stats(size_t node);
-  // The same by address: NotFound when it is not a member now (it left meanwhile).
+  // The node's counters (wire.StatsReply): NotFound when it is not a member now (it left
+  // meanwhile).
   Result<std::map<std::string, uint64_t>> Stats(const NodeAddress& node);
+  // The node's limits as it stated them at hello (connecting first when needed): NotFound when
+  // it is not a member; Unavailable when it cannot be reached; the hello's refusal
+  // (Unauthenticated, PermissionDenied, FailedPrecondition) otherwise.
   Result<transport::ServerLimits> Limits(const NodeAddress& node);
   // The node's block size, as stated at hello.
-  Result<uint64_t> BlockBytes(size_t node) override;
+  Result<uint64_t> BlockBytes(const NodeAddress& node) override;
 
   BlockStoreCounters counters() const override;
   uint64_t unreachable() const;

@@ -34,6 +34,7 @@ struct NodeRecord {
   uint64_t cpu_bytes = 0;
   uint64_t ssd_bytes = 0;  // 0: no SSD tier
   std::string policy;      // "lru" or "arc"
+  std::string zone;        // failure domain (kvstashd --zone); empty: none
 
   std::string ToJson() const;
   // InvalidArgument for JSON that is not a record, or one without an address.
