@@ -77,5 +77,79 @@ TEST(PlacementTest, AMemberThatJoinsOrLeavesMovesOnlyItsOwnShare) {
   EXPECT_LT(moved, 20000 / 9 * 2);
 }
 
+// Zones: the model sorts every member by score, takes the best member of each zone not yet
+// used in that order, then fills up with the best of the rest.
+std::vector<uint32_t> ZoneModel(const std::vector<uint64_t>& hashes,
+                                const std::vector<uint64_t>& zones, const BlockKey& key,
+                                size_t replicas) {
+  std::vector<uint32_t> order = Model(hashes, key, hashes.size());
+  const size_t want = std::min(replicas, hashes.size());
+  std::vector<uint32_t> out;
+  std::vector<uint64_t> used;
+  for (uint32_t i : order) {
+    if (out.size() == want) break;
+    if (zones[i] != 0 && std::find(used.begin(), used.end(), zones[i]) != used.end()) continue;
+    out.push_back(i);
+    used.push_back(zones[i]);
+  }
+  for (uint32_t i : order) {
+    if (out.size() == want) break;
+    if (std::find(out.begin(), out.end(), i) == out.end()) out.push_back(i);
+  }
+  return out;
+}
+
+std::vector<uint32_t> ZonePlaces(const std::vector<uint64_t>& hashes,
+                                 const std::vector<uint64_t>& zones, const BlockKey& key,
+                                 size_t replicas) {
+  const Placement p = PlaceInZones(
+      hashes.size(), [&](size_t i) { return hashes[i]; }, [&](size_t i) { return zones[i]; }, key,
+      replicas);
+  return std::vector<uint32_t>(p.nodes.begin(), p.nodes.begin() + p.count);
+}
+
+TEST(PlacementTest, ReplicasGoToDistinctZonesWhileThereAreEnough) {
+  std::mt19937_64 random(3);
+  for (int round = 0; round < 2000; ++round) {
+    std::vector<uint64_t> hashes(1 + random() % 12);
+    std::vector<uint64_t> zones(hashes.size());
+    const uint64_t zone_count = 1 + random() % 4;
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      hashes[i] = random();
+      zones[i] = random() % 5 == 0 ? 0 : 1 + random() % zone_count;  // some state none
+    }
+    const size_t replicas = 1 + random() % 4;
+    const BlockKey key = KeyOf(random);
+    const std::vector<uint32_t> places = ZonePlaces(hashes, zones, key, replicas);
+    ASSERT_EQ(places, ZoneModel(hashes, zones, key, replicas)) << "round " << round;
+    // The first place is always the best-ranked member: one replica places as without zones.
+    EXPECT_EQ(places[0], Model(hashes, key, 1)[0]);
+    // Distinct zones: as many as there are (a member of no zone is one of its own).
+    std::vector<uint64_t> distinct;
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      if (zones[i] == 0 || std::find(distinct.begin(), distinct.end(), zones[i]) == distinct.end())
+        distinct.push_back(zones[i] == 0 ? (1ull << 63) + i : zones[i]);
+    }
+    std::vector<uint64_t> got;
+    for (uint32_t i : places) {
+      const uint64_t z = zones[i] == 0 ? (1ull << 63) + i : zones[i];
+      if (std::find(got.begin(), got.end(), z) == got.end()) got.push_back(z);
+    }
+    EXPECT_EQ(got.size(), std::min(places.size(), distinct.size())) << "round " << round;
+  }
+}
+
+TEST(PlacementTest, WithoutZonesPlacesAsBefore) {
+  std::mt19937_64 random(4);
+  for (int round = 0; round < 500; ++round) {
+    std::vector<uint64_t> hashes(random() % 12);
+    for (auto& h : hashes) h = random();
+    const std::vector<uint64_t> zones(hashes.size(), 0);
+    const size_t replicas = 1 + random() % kMaxReplicas;
+    const BlockKey key = KeyOf(random);
+    EXPECT_EQ(ZonePlaces(hashes, zones, key, replicas), Model(hashes, key, replicas));
+  }
+}
+
 }  // namespace
 }  // namespace kvstash::connector
