@@ -15,6 +15,7 @@
 #include "block_pattern.h"
 #include "kvstash/connector/node_client.h"
 #include "kvstash/node/node_server.h"
+#include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/fault_channel.h"
 #include "kvstash/transport/loopback.h"
 
@@ -32,6 +33,11 @@ constexpr size_t kBlock = 4096;
 constexpr std::chrono::milliseconds kDeadline = 10000ms;
 // What a bounded wait must stay under: far below the deadline, far above a budget.
 constexpr auto kBound = 4s;
+
+bool Unreachable(const Status& s) {
+  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded ||
+         s.code() == StatusCode::kCancelled;
+}
 
 BlockKey Key(uint64_t k) { return BlockKey{Hash128{k, 0x150}, 0}; }
 
@@ -68,8 +74,12 @@ class ClusterIsolationTest : public ::testing::Test {
             const transport::ClientOptions& client) -> Result<std::unique_ptr<transport::Channel>> {
       std::atomic<bool>* stopped = &stopped_[client.port == nodes_[0]->port() ? 0 : 1];
       return std::unique_ptr<transport::Channel>(std::make_unique<transport::FaultChannel>(
-          network_->Connect(client), [stopped](uint16_t, uint64_t) {
-            return stopped->load() ? Fault{Fault::Kind::kDrop} : Fault{};
+          network_->Connect(client), [this, stopped](uint16_t method, uint64_t) {
+            if (stopped->load()) return Fault{Fault::Kind::kDrop};
+            // Slow: blocks move late, but the node answers anything else (its probes) at once.
+            const bool block = method == wire::METHOD_PUT_BLOCK || method == wire::METHOD_GET_BLOCK;
+            if (slow_.load() && block) return Fault{Fault::Kind::kDelay, 300ms};
+            return Fault{};
           }));
     };
     auto client = NodeClient::Create(options);
@@ -112,6 +122,7 @@ class ClusterIsolationTest : public ::testing::Test {
   std::shared_ptr<transport::LoopbackNetwork> network_ = transport::LoopbackNetwork::Create();
   std::vector<std::unique_ptr<NodeServer>> nodes_;
   std::atomic<bool> stopped_[2] = {false, false};
+  std::atomic<bool> slow_{false};  // every node's block transfers take 300 ms
 };
 
 TEST_F(ClusterIsolationTest, AStoreWaitsForOneReplicaNotForAStoppedOne) {
@@ -158,6 +169,41 @@ TEST_F(ClusterIsolationTest, AReadOfAStoppedReplicaIsHedgedToTheOther) {
     EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, read[k])) << k;
   }
   EXPECT_GE(client->counters().abandoned_calls, keys.size());
+}
+
+TEST_F(ClusterIsolationTest, WithOneReplicaAStoppedNodeCostsAProbeNotTheDeadline) {
+  std::unique_ptr<NodeClient> client = Client(1);
+  ASSERT_NE(client, nullptr);
+  const std::vector<BlockKey> keys = KeysFirstOn(*client, 1, 4);
+  const std::vector<std::vector<std::byte>> blocks = Blocks(keys);
+  ASSERT_TRUE(Put(*client, keys, blocks).ok());
+  stopped_[1] = true;
+  // Its probe goes unanswered: the store and the read end, each an error naming the node.
+  Status put;
+  EXPECT_LT(Took([&] { put = Put(*client, keys, blocks); }), kBound);
+  EXPECT_TRUE(Unreachable(put)) << put.ToString();
+  std::vector<std::byte> out(kBlock);
+  Result<size_t> got = size_t{0};
+  EXPECT_LT(Took([&] { got = client->Get(keys[0], out); }), kBound);
+  EXPECT_TRUE(Unreachable(got.status())) << got.status().ToString();
+  EXPECT_GT(client->counters().probes, 0u);
+  EXPECT_GT(client->counters().abandoned_calls, 0u);
+}
+
+TEST_F(ClusterIsolationTest, ASlowNodeThatAnswersItsProbeIsWaitedFor) {
+  std::unique_ptr<NodeClient> client = Client(1);
+  ASSERT_NE(client, nullptr);
+  const std::vector<BlockKey> keys = KeysFirstOn(*client, 1, 4);
+  const std::vector<std::vector<std::byte>> blocks = Blocks(keys);
+  slow_ = true;  // past the 50 ms budget, well within the deadline
+  ASSERT_TRUE(Put(*client, keys, blocks).ok());
+  for (size_t k = 0; k < keys.size(); ++k) {
+    std::vector<std::byte> out(kBlock);
+    auto got = client->Get(keys[k], out);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, out));
+  }
+  EXPECT_EQ(client->counters().abandoned_calls, 0u);
 }
 
 TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers) {

@@ -61,7 +61,7 @@ std::vector<Result<ServerLimits>> NodeClient::Impl::LimitsOf(const Members& memb
     if (!wanted[n]) continue;
     NodeHealth& health = *members[n]->state;
     const NodeHealth::Admission admission = health.Admit(now);
-    if (admission == NodeHealth::Admission::kProbe) StartProbe(members[n]);
+    if (admission == NodeHealth::Admission::kProbe) StartProbe(*members[n]);
     if (admission != NodeHealth::Admission::kGo) {
       accounting_->Skipped();
       limits[n] = UnavailableError(
@@ -101,14 +101,72 @@ std::vector<Result<ServerLimits>> NodeClient::Impl::LimitsOf(const Members& memb
   return limits;
 }
 
-void NodeClient::Impl::StartProbe(const std::shared_ptr<Member>& member) {
+void NodeClient::Impl::StartProbe(Member& member, std::function<void(bool answered)> done) {
   accounting_->Probed();
   StartAsync(
-      *member, wire::METHOD_ECHO, wire::EchoRequest(),
-      [this, state = member->state](const Outcome& outcome) {
-        accounting_->Record(*state, ParseReply(outcome, (wire::EchoReply*)nullptr));
+      member, wire::METHOD_ECHO, wire::EchoRequest(),
+      [this, state = member.state, done = std::move(done)](const Outcome& outcome) {
+        const Status status = ParseReply(outcome, (wire::EchoReply*)nullptr);
+        accounting_->Record(*state, status);
+        if (done) done(!Unreachable(status));
       },
       options_.probe_timeout);
+}
+
+void NodeClient::Impl::WaitWatching(transport::CallGroup& group, const std::vector<OutCall>& calls,
+                                    const std::function<bool()>& settled,
+                                    transport::Clock::time_point started,
+                                    std::vector<bool>* abandoned) {
+  if (options_.lookup_budget >= options_.timeout) return;
+  auto out = [&](size_t k) {
+    return !(*abandoned)[k] &&
+           calls[k].outcome->wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  };
+  if (group.WaitUntil(settled, started + options_.lookup_budget)) return;
+  // The nodes of the calls still out, each probed once: 0 out, 1 answered, 2 unreachable.
+  struct Probe {
+    Member* member;
+    std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(0);
+    bool handled = false;
+  };
+  std::vector<Probe> probes;
+  for (size_t k = 0; k < calls.size(); ++k) {
+    if (!out(k)) continue;
+    if (std::any_of(probes.begin(), probes.end(),
+                    [&](const Probe& p) { return p.member == calls[k].member; })) {
+      continue;
+    }
+    Probe probe{calls[k].member};
+    StartProbe(*probe.member, [state = probe.state](bool answered) {
+      state->store(answered ? 1 : 2, std::memory_order_release);
+    });
+    probes.push_back(std::move(probe));
+  }
+  auto failed = [&] {
+    return std::any_of(probes.begin(), probes.end(), [](const Probe& p) {
+      return !p.handled && p.state->load(std::memory_order_acquire) == 2;
+    });
+  };
+  const auto give_up = started + options_.timeout;
+  constexpr auto kSlice = std::chrono::milliseconds(10);  // how often the probes are looked at
+  while (!settled()) {
+    const auto now = transport::Clock::now();
+    if (now >= give_up) return;
+    if (group.WaitUntil([&] { return settled() || failed(); }, std::min(give_up, now + kSlice)) &&
+        !failed()) {
+      return;  // every call came back, or settled
+    }
+    for (Probe& probe : probes) {
+      if (probe.handled || probe.state->load(std::memory_order_acquire) != 2) continue;
+      probe.handled = true;
+      for (size_t k = 0; k < calls.size(); ++k) {
+        if (calls[k].member != probe.member || !out(k)) continue;
+        probe.member->channel->Cancel(calls[k].id);
+        (*abandoned)[k] = true;
+        accounting_->Abandoned();
+      }
+    }
+  }
 }
 
 void NodeClient::Impl::ByNode(const Members& members, std::span<const BlockKey> keys,

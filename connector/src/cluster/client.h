@@ -75,7 +75,7 @@ class NodeClient::Impl {
 
   // Probes a suspect member: an echo with a deadline of its own (probe_timeout) that no
   // caller waits for; its outcome tells the member's health (an answer makes it up).
-  void StartProbe(const std::shared_ptr<Member>& member);
+  void StartProbe(Member& member, std::function<void(bool answered)> done = {});
 
   // The keys of `keys` by member (each key at each of its replicas), in key order within each
   // member; which members have any.
@@ -216,13 +216,28 @@ class NodeClient::Impl {
         nullptr, timeout);
   }
 
-  // Waits for the calls of `group` (each with a `member` and an `id`): all of them, or, within
-  // a budget (lookup_budget < timeout), until `settled` holds and then at most lookup_budget
-  // more for the rest. Calls still out then (a replica that did not answer while another
-  // did) are cancelled, their nodes told (NodeHealth::Late), and waited for: the transport
-  // touches none of their buffers once their callbacks ran, which is at once unless a transfer
-  // is under way (then by its deadline).
-  // Which calls were abandoned so.
+  // A call of a group, as WaitWatching sees it.
+  struct OutCall {
+    Member* member;
+    uint64_t id;
+    const std::future<Outcome>* outcome;
+  };
+  // Waits for `group` until its calls are done or `settled` holds; within a budget
+  // (lookup_budget < timeout), past `started` + lookup_budget, the node of each call still out
+  // is probed (an echo, deadline probe_timeout) and the calls of a node whose probe finds it
+  // unreachable (stopped, cut off) are cancelled: (*abandoned)[k] set for each. A node that
+  // answers its probe is alive and slow: its calls are waited for, to their deadline.
+  void WaitWatching(transport::CallGroup& group, const std::vector<OutCall>& calls,
+                    const std::function<bool()>& settled, transport::Clock::time_point started,
+                    std::vector<bool>* abandoned);
+
+  // Waits for the calls of `group` (each with a `member`, an `id` and its `outcome`): all of
+  // them, or, within a budget (lookup_budget < timeout), until `settled` holds (the calls of
+  // nodes that answer nothing cancelled: WaitWatching) and then at most lookup_budget more for
+  // the rest. Calls still out then (a replica that did not answer while another did) are
+  // cancelled and their nodes told (NodeHealth::Late). Every call's callback has run when it
+  // returns: the transport touches none of their buffers then (a cancelled one's at once unless
+  // a transfer is under way, then by its deadline). Which calls were abandoned so.
   template <typename Calls>
   std::vector<bool> WaitForReplicas(transport::CallGroup& group, Calls& calls,
                                     const std::function<bool()>& settled) {
@@ -231,16 +246,21 @@ class NodeClient::Impl {
       group.Wait();
       return abandoned;
     }
-    const auto give_up = transport::Clock::now() + options_.timeout;
-    if (!group.WaitUntil(settled, give_up) ||
-        group.WaitUntil([] { return false; }, transport::Clock::now() + options_.lookup_budget)) {
+    std::vector<OutCall> out;
+    out.reserve(calls.size());
+    for (auto& call : calls) out.push_back({call.member, call.id, &call.outcome});
+    WaitWatching(group, out, settled, transport::Clock::now(), &abandoned);
+    if (group.WaitUntil([] { return false; }, transport::Clock::now() + options_.lookup_budget)) {
       group.Wait();
       return abandoned;
     }
     std::set<Member*> late;
     for (size_t k = 0; k < calls.size(); ++k) {
       auto& call = calls[k];
-      if (call.outcome.wait_for(std::chrono::seconds(0)) == std::future_status::ready) continue;
+      if (abandoned[k] ||
+          call.outcome.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        continue;
+      }
       call.member->channel->Cancel(call.id);
       abandoned[k] = true;
       if (late.insert(call.member).second) call.member->state->Late();

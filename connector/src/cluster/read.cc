@@ -155,8 +155,21 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
           *members[places[i].nodes[rank[i]]], wire::METHOD_GET_BLOCK, get, options,
           [promise](Outcome outcome) { promise->set_value(std::move(outcome)); }, &group));
     }
-    const std::vector<bool> hedged =
-        Hedge(group, members, places, rank, ready, calls, ids, started);
+    std::vector<bool> hedged = Hedge(group, members, places, rank, ready, calls, ids, started);
+    // The reads not hedged (a key's last replica) wait for their node while it is alive.
+    std::vector<OutCall> watched;
+    std::vector<size_t> watched_of;
+    for (size_t j = 0; j < ready.size(); ++j) {
+      if (hedged[j]) continue;
+      watched.push_back({members[places[ready[j]].nodes[rank[ready[j]]]].get(), ids[j], &calls[j]});
+      watched_of.push_back(j);
+    }
+    std::vector<bool> abandoned(watched.size(), false);
+    WaitWatching(
+        group, watched, [] { return false; }, started, &abandoned);
+    for (size_t w = 0; w < watched.size(); ++w) {
+      if (abandoned[w]) hedged[watched_of[w]] = true;
+    }
     group.Wait();
     bool wait = false;
     for (size_t j = 0; j < ready.size(); ++j) {
