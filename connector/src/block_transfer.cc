@@ -36,6 +36,15 @@ Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOption
   for (const NodeAddress& node : options.client->nodes()) {
     auto bytes = options.client->BlockBytes(node);
     const StatusCode code = bytes.status().code();
+    const std::string hint = fmt::format(
+        "this engine's offloaded block is {} bytes ({} page(s) of {} + a {}-byte trailer): start "
+        "kvstashd with --block-bytes {}",
+        block_bytes, options.pages_per_block, options.pool.page_bytes, sizeof(BlockTrailer),
+        block_bytes);
+    if (code == StatusCode::kFailedPrecondition) {
+      // Its block size is not the client's (NodeClientOptions::block_bytes): left out.
+      return FailedPreconditionError("{}; {}", bytes.status().message(), hint);
+    }
     if (!bytes.ok() && code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) {
       // Refused (a wrong token, a namespace not served, another protocol): an error in the
       // set-up, not a node that happens to be down, so the engine must not start on misses.
@@ -50,11 +59,8 @@ Result<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(BlockTransferOption
       continue;
     }
     if (*bytes != block_bytes) {
-      return FailedPreconditionError(
-          "node {} stores blocks of {} bytes; this engine's offloaded block is {} bytes ({} "
-          "page(s) of {} + a {}-byte trailer): start kvstashd with --block-bytes {}",
-          node.ToString(), *bytes, block_bytes, options.pages_per_block, options.pool.page_bytes,
-          sizeof(BlockTrailer), block_bytes);
+      return FailedPreconditionError("node {} stores blocks of {} bytes; {}", node.ToString(),
+                                     *bytes, hint);
     }
   }
   return std::unique_ptr<BlockTransfer>(new BlockTransfer(options, block_bytes));

@@ -131,6 +131,11 @@ Status CheckBlockSizeFactors(const OffloadSchedulerOptions& options) {
 
 Result<std::unique_ptr<KvConnector>> KvConnector::Create(KvConnectorOptions options) {
   KVSTASH_RETURN_IF_ERROR(CheckBlockSizeFactors(options.scheduler));
+  // A node of another block size that joins later is refused at membership, never used (one
+  // that answers at start fails Create, in BlockTransfer::Create).
+  if (options.client.block_bytes == 0 && options.pool.page_bytes != 0) {
+    options.client.block_bytes = OffloadedBlockBytes(1, options.pool.page_bytes);
+  }
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<NodeClient> client, NodeClient::Create(options.client));
   return Create(std::move(options), std::move(client), nullptr);
 }

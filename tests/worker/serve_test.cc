@@ -23,6 +23,7 @@
 
 #include "daemon_process.h"
 #include "etcd_process.h"
+#include "kvstash/connector/node_client.h"
 #include "subprocess.h"
 
 namespace kvstash::worker {
@@ -599,7 +600,7 @@ TEST(ServeTest, ChatThroughPrefillAndDecodeWorkersMatchesNoCacheAndHitsEarlierTu
 }
 
 // A worker that follows a cluster in etcd says how many nodes it started with and counts a
-// node that joins on /metrics.
+// node that joins on /metrics; a node of another block size that joins is never used.
 TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
   ::kvstash::testing::EtcdProcess etcd;
   ASSERT_TRUE(etcd.Started());
@@ -629,6 +630,35 @@ TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
   }
   EXPECT_NE(metrics.find("kvstash_worker_members_joined_total 1\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("kvstash_worker_node_unserved_keys_total 0\n"), std::string::npos);
+
+  // A node of another block size joins: the worker refuses it at membership (its first call
+  // there) and serves on with the others; no block is ever stored on it.
+  auto odd = std::make_unique<Daemon>(
+      std::vector<std::string>{"--block-bytes", "8KiB", "--cpu-bytes", "32MiB", "--etcd",
+                               etcd.endpoint(), "--cluster", "w"},
+      /*sizes=*/false);
+  ASSERT_NE(odd->port(), 0);
+  for (int i = 0; i < 100; ++i) {
+    metrics = http.Get("/metrics").body;
+    if (metrics.find("kvstash_worker_members_joined_total 2\n") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_NE(metrics.find("kvstash_worker_members_joined_total 2\n"), std::string::npos) << metrics;
+  for (uint64_t seed = 0; seed < 4; ++seed) {
+    const Reply reply = http.Complete(
+        {{"model", "tiny-hybrid"}, {"prompt", Prompt(200, 40 + seed)}, {"max_tokens", 2}});
+    ASSERT_EQ(reply.status, 200) << reply.body;
+  }
+  // One refusal (the call that found it), not one per block meant for it.
+  metrics = http.Get("/metrics").body;
+  EXPECT_NE(metrics.find("kvstash_worker_node_refusals_total 1\n"), std::string::npos) << metrics;
+  connector::NodeClientOptions options;
+  options.nodes = {{"127.0.0.1", odd->port()}};
+  auto client = connector::NodeClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto stats = (*client)->Stats(options.nodes[0]);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ((*stats)["node.blocks_stored"], 0u);
   EXPECT_EQ(worker.process().Kill(SIGTERM), 0);
 }
 
