@@ -4,7 +4,9 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <utility>
 
 #include "kvstash/common/logging.h"
@@ -146,7 +148,14 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
                      fmt::format("UCX_POSIX_DIR={}", options.shm_dir));
   }
   ucp_context_h context = nullptr;
-  if (status.ok()) {
+  ucp_worker_h worker = nullptr;
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  // A network interface that goes away between the context listing the devices and the worker
+  // opening them (a container's veth, a VPN) fails the worker with "No such device": a new
+  // context lists them again.
+  for (int attempt = 1; status.ok(); ++attempt) {
     ucp_params_t params{};
     params.field_mask =
         UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
@@ -155,17 +164,22 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
     params.mt_workers_shared = 1;
     params.name = name.c_str();
     status = FromUcs(ucp_init(&params, config, &context), "ucp_init");
+    if (!status.ok()) break;
+    const ucs_status_t created = ucp_worker_create(context, &worker_params, &worker);
+    if (created == UCS_OK) break;
+    ucp_cleanup(context);
+    context = nullptr;
+    if (created != UCS_ERR_NO_DEVICE || attempt == 5) {
+      status = FromUcs(created, "ucp_worker_create");
+      break;
+    }
+    KVSTASH_LOG_WARN("ucp_worker_create: {} (a network device went away?); trying again",
+                     ucs_status_string(created));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
   }
   ucp_config_release(config);
   KVSTASH_RETURN_IF_ERROR(status);
   self->context_ = UcpContext(context);
-
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  ucp_worker_h worker = nullptr;
-  KVSTASH_RETURN_IF_ERROR(
-      FromUcs(ucp_worker_create(context, &worker_params, &worker), "ucp_worker_create"));
   self->worker_ = UcpWorker(worker);
 
   ucp_worker_attr_t attr{};
