@@ -97,7 +97,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
       }
       {
         MutexLock lock(&settle->mu);
-        if (settle->out[i]++ == 0) ++settle->unsettled;
+        if (settle->out[i]++ == 0 && !settle->held[i]) ++settle->unsettled;
       }
       auto promise = std::make_shared<std::promise<Outcome>>();
       PutCall call{&member, i, 0, promise->get_future()};
