@@ -122,7 +122,8 @@ TEST_F(ClusterMembersTest, AJoinOrALeaveMovesOnlyThatNodesKeysAndKeepsTheOthersC
 
   std::map<uint64_t, std::string> with_c;
   for (uint64_t k = 0; k < kKeys; ++k) with_c[k] = Home(*client, k);
-  members_->Set({b, c});  // a leaves: its keys go to the others, b's and c's stay
+  nodes_[0].reset();      // a stops,
+  members_->Set({b, c});  // and leaves: its keys go to the others, b's and c's stay
   for (uint64_t k = 0; k < kKeys; ++k) {
     if (with_c[k] != a.address) EXPECT_EQ(Home(*client, k), with_c[k]) << k;
     EXPECT_NE(Home(*client, k), a.address);
@@ -132,6 +133,36 @@ TEST_F(ClusterMembersTest, AJoinOrALeaveMovesOnlyThatNodesKeysAndKeepsTheOthersC
   EXPECT_EQ(connects_[b_port], 1);
   EXPECT_EQ(client->counters().members_joined, 1u);
   EXPECT_EQ(client->counters().members_left, 1u);
+}
+
+// etcd drops a node whose lease lapsed while it was cut off from etcd, not from the client: it
+// still serves, so the client keeps it (its keys stay where they are) until it fails a call.
+TEST_F(ClusterMembersTest, ANodeItsSourceDropsButThatAnswersStaysUntilItFails) {
+  const NodeRecord a = StartNode(), b = StartNode();
+  members_->Set({a, b});
+  std::unique_ptr<NodeClient> client = Client();
+  ASSERT_NE(client, nullptr);
+  constexpr uint64_t kKeys = 100;
+  ASSERT_TRUE(Store(*client, 0, kKeys).ok());
+  members_->Set({b});  // a dropped, still serving
+  EXPECT_EQ(client->nodes().size(), 2u);
+  uint64_t on_a = 0;
+  while (Home(*client, on_a) != a.address) ++on_a;
+  EXPECT_TRUE(ReadsBack(*client, on_a));
+  EXPECT_EQ(client->counters().members_left, 0u);
+  members_->Set({a, b});  // listed again: a member as before
+  members_->Set({b});
+  EXPECT_EQ(client->nodes().size(), 2u);
+  // a stops: the first call that finds it gone drops it, and its keys go to b.
+  nodes_[0].reset();
+  std::vector<BlockKey> keys;
+  for (uint64_t k = 0; k < kKeys; ++k) keys.push_back(Key(k));
+  (void)client->Lookup(keys);
+  ASSERT_EQ(client->nodes().size(), 1u);
+  EXPECT_EQ(client->nodes()[0].ToString(), b.address);
+  EXPECT_EQ(client->counters().members_left, 1u);
+  ASSERT_TRUE(Store(*client, on_a, on_a + 1).ok());
+  EXPECT_TRUE(ReadsBack(*client, on_a));
 }
 
 TEST_F(ClusterMembersTest, ANodeOfAnotherBlockSizeIsLeftOutForGood) {

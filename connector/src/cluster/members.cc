@@ -1,10 +1,12 @@
 #include "cluster/members.h"
 
+#include <future>
 #include <map>
 #include <utility>
 
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
+#include "kvstash/proto/wire.pb.h"
 
 namespace kvstash::connector {
 
@@ -94,15 +96,65 @@ Status MemberSet::Start() {
   return Status::OK();
 }
 
-std::shared_ptr<const Snapshot> MemberSet::snapshot() const {
+std::shared_ptr<const Snapshot> MemberSet::Current() const {
   MutexLock lock(&mu_);
   return snapshot_;
+}
+
+std::shared_ptr<const Snapshot> MemberSet::snapshot() const {
+  if (lingering_.load(std::memory_order_acquire) != 0) DropFailedLingering();
+  return Current();
+}
+
+void MemberSet::DropFailedLingering() const {
+  MutexLock apply(&apply_mu_);
+  const std::shared_ptr<const Snapshot> current = Current();
+  auto next = std::make_shared<Snapshot>();
+  size_t lingering = 0, dropped = 0;
+  for (const auto& member : current->members) {
+    if (member->state->lingering() && member->state->suspect()) {
+      KVSTASH_LOG_INFO(
+          "cluster {}: node {} left (its source had dropped it, and now it does not "
+          "answer either); its keys go to the others",
+          options_.cluster, member->state->name());
+      ++dropped;
+      continue;
+    }
+    lingering += member->state->lingering() ? 1 : 0;
+    next->members.push_back(member);
+  }
+  lingering_.store(lingering, std::memory_order_release);
+  if (dropped == 0) return;
+  on_changed_(0, dropped);
+  MutexLock lock(&mu_);
+  snapshot_ = std::move(next);
+}
+
+Members MemberSet::StillAnswering(const Members& left) const {
+  std::vector<std::pair<std::shared_ptr<Member>, std::future<bool>>> probes;
+  const std::string echo = wire::EchoRequest().SerializeAsString();
+  for (const auto& member : left) {
+    if (member->state->suspect()) continue;
+    auto answered = std::make_shared<std::promise<bool>>();
+    probes.emplace_back(member, answered->get_future());
+    transport::CallOptions call;
+    call.deadline = transport::Clock::now() + options_.probe_timeout;
+    member->channel->Call(static_cast<uint16_t>(wire::METHOD_ECHO), std::as_bytes(std::span(echo)),
+                          call, [answered](const transport::Response& response) {
+                            answered->set_value(!Unreachable(response.status));
+                          });
+  }
+  Members out;
+  for (auto& [member, answered] : probes) {
+    if (answered.get()) out.push_back(member);
+  }
+  return out;
 }
 
 void MemberSet::Exclude(const std::shared_ptr<Member>& member) {
   MutexLock apply(&apply_mu_);
   excluded_.insert(member->state->name());
-  const std::shared_ptr<const Snapshot> current = snapshot();
+  const std::shared_ptr<const Snapshot> current = Current();
   auto next = std::make_shared<Snapshot>();
   for (const auto& m : current->members) {
     if (m != member) next->members.push_back(m);
@@ -118,7 +170,7 @@ void MemberSet::Follow(const std::vector<membership::NodeRecord>& records) {
 }
 
 void MemberSet::ApplyLocked(const std::vector<membership::NodeRecord>& records) {
-  const std::shared_ptr<const Snapshot> current = snapshot();
+  const std::shared_ptr<const Snapshot> current = Current();
   std::map<std::string, std::shared_ptr<Member>> kept;
   if (current) {
     for (const auto& member : current->members) kept.emplace(member->state->name(), member);
@@ -130,6 +182,7 @@ void MemberSet::ApplyLocked(const std::vector<membership::NodeRecord>& records) 
     if (!seen.insert(record.address).second) continue;
     if (excluded_.contains(record.address)) continue;  // another block size: never used
     if (auto it = kept.find(record.address); it != kept.end()) {
+      it->second->state->SetLingering(false);  // listed again
       next->members.push_back(it->second);
       kept.erase(it);
       continue;
@@ -146,6 +199,25 @@ void MemberSet::ApplyLocked(const std::vector<membership::NodeRecord>& records) 
     next->members.push_back(*std::move(member));
     ++joined;
   }
+  // Members no longer listed that still answer stay (lingering) until they fail a call: a
+  // source that drops a node that serves (etcd, when the node's lease lapsed while it was cut
+  // off from etcd but not from this client) must not take its keys away.
+  Members left_members;
+  for (auto& [name, member] : kept) left_members.push_back(member);
+  size_t lingering = 0;
+  for (const auto& member : StillAnswering(left_members)) {
+    if (!member->state->lingering()) {
+      KVSTASH_LOG_WARN(
+          "cluster {}: node {} is no longer listed but answers: kept until it fails a call "
+          "(its lease may have lapsed while it serves)",
+          options_.cluster, member->state->name());
+    }
+    member->state->SetLingering(true);
+    next->members.push_back(member);
+    kept.erase(member->state->name());
+  }
+  for (const auto& member : next->members) lingering += member->state->lingering() ? 1 : 0;
+  lingering_.store(lingering, std::memory_order_release);
   const size_t left = current ? kept.size() : 0;
   if (current) on_changed_(joined, left);
   if (next->members.empty()) {

@@ -63,6 +63,8 @@ class MemberSet {
   // Stops following the source (an etcd watcher, in-memory members): no change comes after.
   void Stop();
 
+  // The live set now. A member kept while its source no longer lists it (lingering) leaves
+  // it here once it fails a call.
   std::shared_ptr<const Snapshot> snapshot() const;
   // Leaves `member` out from now on: the live set without it, and every later set too.
   void Exclude(const std::shared_ptr<Member>& member);
@@ -70,14 +72,22 @@ class MemberSet {
  private:
   Result<std::shared_ptr<Member>> MakeMember(const NodeAddress& address, const std::string& zone);
   void Follow(const std::vector<membership::NodeRecord>& records);
+  std::shared_ptr<const Snapshot> Current() const;
+  // Leaves out the lingering members that failed since.
+  void DropFailedLingering() const;
+  // Of `left` (members the new set no longer lists), those that answer an echo within the
+  // probe timeout, all asked at once.
+  Members StillAnswering(const Members& left) const;
   void ApplyLocked(const std::vector<membership::NodeRecord>& records) REQUIRES(apply_mu_);
 
   const NodeClientOptions& options_;
   const OnChanged on_changed_;
   mutable Mutex mu_;
-  std::shared_ptr<const Snapshot> snapshot_ GUARDED_BY(mu_);
-  Mutex apply_mu_;  // one change at a time, in the source's order
+  // Mutable: snapshot() leaves out the lingering members that failed.
+  mutable std::shared_ptr<const Snapshot> snapshot_ GUARDED_BY(mu_);
+  mutable Mutex apply_mu_;  // one change at a time, in the source's order
   std::set<std::string> excluded_ GUARDED_BY(apply_mu_);  // by address
+  mutable std::atomic<size_t> lingering_{0};              // lingering members in the live set
   std::unique_ptr<membership::MembershipWatcher> watcher_;
   std::shared_ptr<InMemoryMembers> in_memory_;
 };

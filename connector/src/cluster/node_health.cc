@@ -90,7 +90,8 @@ void NodeHealth::Failure(const Status* why) {
         "offload node {} is unreachable ({}); its keys read as misses until it answers", name_,
         why->ToString());
   }
-  if (failures >= options_.suspect_after && !suspect_.exchange(true, std::memory_order_acq_rel)) {
+  const uint32_t threshold = lingering() ? 1 : options_.suspect_after;
+  if (failures >= threshold && !suspect_.exchange(true, std::memory_order_acq_rel)) {
     next_probe_ns_.store((Clock::now() + options_.probe_interval).time_since_epoch().count(),
                          std::memory_order_relaxed);
     if (!down_logged_.exchange(true, std::memory_order_acq_rel)) {

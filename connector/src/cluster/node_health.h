@@ -70,6 +70,11 @@ class NodeHealth {
   void ReadTook(std::chrono::nanoseconds took);
   std::chrono::nanoseconds ReadP99();
 
+  // A member that its source no longer lists but that still answers (an etcd lease lapsed
+  // while the node serves): its first failure makes it suspect, and the client drops it then.
+  void SetLingering(bool lingering) { lingering_.store(lingering, std::memory_order_release); }
+  bool lingering() const { return lingering_.load(std::memory_order_acquire); }
+
   // A refusal made here, before the call went (what the node would refuse): logged as the
   // node's refusals are (once per code), its health unchanged.
   void RefusedHere(const Status& status) { LogRefusal(status); }
@@ -83,6 +88,7 @@ class NodeHealth {
   HealthOptions options_;
   std::atomic<uint32_t> failures_{0};  // in a row, since the last answer
   std::atomic<bool> suspect_{false};
+  std::atomic<bool> lingering_{false};
   std::atomic<bool> down_logged_{false};
   // Steady clock, since its epoch: the earliest next probe, and until when one is out.
   std::atomic<int64_t> next_probe_ns_{0};
