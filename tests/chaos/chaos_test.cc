@@ -1,19 +1,25 @@
-// The cluster client against a network that fails without closing anything: two real kvstashd,
-// each in a network namespace of its own joined to the test's by a veth pair on a bridge, block
-// traffic over UCX's TCP transport (shared memory would not cross the fault). One node is cut off
-// (its link down), or its packets delayed (tc netem), and then healed. The rules of
-// docs/semantics.md §14 must hold: a lookup never waits past its budget for the faulty node
-// (checked against the 10 s call deadline, never against the budget itself), the healthy node's
-// keys keep hitting, a faulty node is skipped once suspect, no block read is ever wrong, and every
-// key hits again once the fault ends (waited for with a deadline).
+// The cluster client against faults that close nothing: real kvstashd, each in a network
+// namespace of its own joined to the test's by a veth pair on a bridge, block traffic over UCX's
+// TCP transport (shared memory would not cross the fault). A node is cut off (its link down),
+// its packets delayed (tc netem) or stopped (SIGSTOP) with one or two replicas; then the fault
+// ends. The rules of docs/semantics.md §14 must hold: no call waits for the faulty node (checked
+// against a bound well under the 10 s call deadline, never against the budget itself), the
+// healthy nodes' keys keep hitting, a faulty node is skipped once suspect, no block read is ever
+// wrong, and once the fault ends the cluster converges (waited for with a deadline, never a
+// sleep).
 //
-// Needs root, `ip` and `tc` (iproute2): skipped with the reason otherwise.
+// Needs root and `ip` (iproute2), `tc` for the netem cases: skipped with the reason otherwise.
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
+#include <fstream>
+#include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +28,7 @@
 
 #include "block_pattern.h"
 #include "kvstash/connector/node_client.h"
+#include "process_state.h"
 #include "programs.h"
 #include "subprocess.h"
 
@@ -29,7 +36,9 @@ namespace kvstash {
 namespace {
 
 using namespace std::chrono_literals;
+using connector::NodeAddress;
 using connector::NodeClient;
+using connector::NodeClientOptions;
 using ::kvstash::testing::FillPattern;
 using ::kvstash::testing::MatchesPattern;
 using ::kvstash::testing::RunProcess;
@@ -37,6 +46,14 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kBlock = 64 << 10;
 constexpr int kKeys = 32;
+// Every call's deadline, and the bound no call may reach while a fault lasts: well under the
+// deadline (what a call waited for a stopped node before bounded waits), far over any budget, so
+// that only a call that waited for the faulty node fails it, never a busy machine.
+constexpr auto kDeadline = 10000ms;
+constexpr auto kBound = 5s;
+// The lookup budget of the stop cases: generous, so that a healthy node on a machine shared
+// with other work still answers within it (each of its keys must hit).
+constexpr auto kBudget = 500ms;
 
 // `ip ARGS...`; "" when it worked, else what it said.
 std::string Ip(const std::vector<std::string>& args, const char* program = "ip") {
@@ -45,6 +62,8 @@ std::string Ip(const std::vector<std::string>& args, const char* program = "ip")
   const auto r = RunProcess(argv);
   return r.exit_code == 0 ? "" : (r.err.empty() ? "exit " + std::to_string(r.exit_code) : r.err);
 }
+
+bool Same(const NodeAddress& a, const NodeAddress& b) { return a.ToString() == b.ToString(); }
 
 // A bridge in this namespace, 10.201.0.1/24: the namespaces' veth pairs are its ports, so that
 // every node is on one subnet with this side (UCX's TCP reaches a peer by its subnet).
@@ -128,16 +147,17 @@ class NetNs {
 // A kvstashd inside `ns`, listening on its address; port() is 0 when it did not start.
 class NsDaemon {
  public:
-  explicit NsDaemon(const NetNs& ns) {
+  NsDaemon(const NetNs& ns, const std::vector<std::string>& args = {}) : ip_(ns.ip()) {
     // UCX's TCP on the namespace's veth only: an address of its loopback would name this
     // namespace's loopback to the client.
     ChildOptions options;
     options.env = EnvironmentWith("UCX_NET_DEVICES", ns.inner_dev());
-    auto child =
-        ChildProcess::Create({"ip", "netns", "exec", ns.name(), testing::KvstashdPath(), "--listen",
-                              ns.ip(), "--port", "0", "--metrics-address", "off", "--log-level",
-                              "warn", "--block-bytes", "64KiB", "--cpu-bytes", "8MiB"},
-                             options);
+    std::vector<std::string> argv = {"ip", "netns", "exec", ns.name(), testing::KvstashdPath()};
+    argv.insert(argv.end(),
+                {"--listen", ns.ip(), "--port", "0", "--metrics-address", "off", "--log-level",
+                 "warn", "--block-bytes", "64KiB", "--cpu-bytes", "8MiB"});
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto child = ChildProcess::Create(argv, options);
     if (!child.ok()) return;
     child_ = std::move(*child);
     const std::string prefix = "kvstashd listening on " + ns.ip() + ":";
@@ -150,11 +170,39 @@ class NsDaemon {
       }
     }
   }
+  // Running again if stopped: a stopped node would hold the client's calls to it until their
+  // deadlines as the test goes away.
+  ~NsDaemon() { Resume(); }
   uint16_t port() const { return port_; }
+  NodeAddress address() const { return {ip_, port_}; }
+
+  // SIGSTOP, waited for until every thread has taken it: whether it has. `ip netns exec` execs
+  // the program, so the child is kvstashd itself (checked: a stopped `ip` would stop nothing).
+  ::testing::AssertionResult Stop() {
+    if (child_ == nullptr) return ::testing::AssertionFailure() << "no kvstashd";
+    std::ifstream comm("/proc/" + std::to_string(child_->pid()) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name != "kvstashd") {
+      return ::testing::AssertionFailure() << "process " << child_->pid() << " is " << name;
+    }
+    if (::kill(child_->pid(), SIGSTOP) != 0) return ::testing::AssertionFailure() << "kill";
+    stopped_ = true;
+    if (!testing::WaitUntilStopped(child_->pid(), 5000ms)) {
+      return ::testing::AssertionFailure() << "kvstashd did not stop within 5 s";
+    }
+    return ::testing::AssertionSuccess();
+  }
+  void Resume() {
+    if (stopped_ && child_ != nullptr) ::kill(child_->pid(), SIGCONT);
+    stopped_ = false;
+  }
 
  private:
+  std::string ip_;
   std::unique_ptr<ChildProcess> child_;
   uint16_t port_ = 0;
+  bool stopped_ = false;
 };
 
 BlockKey Key(uint64_t k) {
@@ -164,14 +212,215 @@ BlockKey Key(uint64_t k) {
   return key;
 }
 
-class ChaosTest : public ::testing::Test {
+std::vector<uint64_t> Ids(uint64_t first, size_t count) {
+  std::vector<uint64_t> ids(count);
+  for (size_t i = 0; i < count; ++i) ids[i] = first + i;
+  return ids;
+}
+
+std::vector<BlockKey> KeysOf(const std::vector<uint64_t>& ids) {
+  std::vector<BlockKey> keys;
+  for (uint64_t id : ids) keys.push_back(Key(id));
+  return keys;
+}
+
+// Stores the block of each of `ids` (its FillPattern): the store's status.
+Status Store(NodeClient& client, const std::vector<uint64_t>& ids) {
+  std::vector<std::vector<std::byte>> blocks(ids.size(), std::vector<std::byte>(kBlock));
+  for (size_t i = 0; i < ids.size(); ++i) FillPattern(ids[i], blocks[i]);
+  const std::vector<transport::Bytes> views(blocks.begin(), blocks.end());
+  return client.Put(KeysOf(ids), views);
+}
+
+// Whether every one of `ids` hits, asked until `limit` (a lookup may miss its budget on a busy
+// machine, and a node that runs again is back once a probe answers).
+bool AllHitWithin(NodeClient& client, const std::vector<uint64_t>& ids, Clock::duration limit) {
+  const std::vector<BlockKey> keys = KeysOf(ids);
+  const auto deadline = Clock::now() + limit;
+  while (Clock::now() < deadline) {
+    const std::vector<LookupResult> r = client.Lookup(keys);
+    if (std::count(r.begin(), r.end(), LookupResult::kHit) == static_cast<long>(keys.size())) {
+      return true;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  return false;
+}
+
+// Every block of `ids` reads back whole and right (no wrong byte, whatever happened).
+void ExpectEveryBlockRight(NodeClient& client, const std::vector<uint64_t>& ids) {
+  std::vector<std::byte> out(kBlock);
+  for (uint64_t id : ids) {
+    auto got = client.Get(Key(id), out);
+    ASSERT_TRUE(got.ok()) << "key " << id << ": " << got.status().ToString();
+    EXPECT_EQ(*got, kBlock);
+    EXPECT_TRUE(MatchesPattern(id, out)) << "key " << id;
+  }
+}
+
+// The engine's side of a fault: rounds of a lookup of every key it knows, a read of each key that
+// hit, and a store of new keys, each call timed. It counts what broke a rule, with the first
+// offence of each kind in words, so that a test states each rule once and a failure says what
+// happened without a line per round. Keys are numbered; each block is FillPattern of its number.
+class Workload {
+ public:
+  // One kind of offence: how many, and the first.
+  struct Tally {
+    int count = 0;
+    std::string first;
+    void Add(const std::string& what) {
+      if (count++ == 0) first = what;
+    }
+  };
+
+  // `known`: keys the cluster holds now; new keys are numbered from `first_new`, at most
+  // `most` keys in all (the nodes' CPU tiers hold them all), then stores go round those known.
+  Workload(NodeClient& client, std::vector<uint64_t> known, uint64_t first_new, size_t most)
+      : client_(client), known_(std::move(known)), next_(first_new), most_(most) {}
+
+  // Which keys must hit now (the others may miss); every key unless told.
+  std::function<bool(uint64_t)> must_hit = [](uint64_t) { return true; };
+  // Which keys must miss now (a key of a stopped node cannot hit); none unless told.
+  std::function<bool(uint64_t)> must_miss = [](uint64_t) { return false; };
+  // Which errors of a store are expected (a stopped node's keys with one replica); none unless
+  // told. The other blocks of a failed store are stored all the same.
+  std::function<bool(const Status&)> store_may_fail = [](const Status&) { return false; };
+
+  // One round, storing `fresh` blocks: new keys while there are fewer than `most`.
+  void Round(size_t fresh) {
+    ++rounds_;
+    const std::vector<BlockKey> keys = KeysOf(known_);
+    auto start = Clock::now();
+    const std::vector<LookupResult> r = client_.Lookup(keys);
+    Took(start, "lookup of " + std::to_string(keys.size()) + " keys");
+    std::vector<uint64_t> hits;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint64_t id = known_[i];
+      if (r[i] == LookupResult::kHit) hits.push_back(id);
+      if (r[i] != LookupResult::kHit && must_hit(id)) {
+        misses.Add(Where(id) + " missed (" + std::to_string(static_cast<int>(r[i])) + ")");
+      }
+      if (r[i] == LookupResult::kHit && must_miss(id)) hits_wrongly.Add(Where(id) + " hit");
+    }
+    std::vector<std::vector<std::byte>> blocks(hits.size(), std::vector<std::byte>(kBlock));
+    const std::vector<transport::MutableBytes> outs(blocks.begin(), blocks.end());
+    start = Clock::now();
+    const std::vector<Result<size_t>> got = client_.Get(KeysOf(hits), outs);
+    Took(start, "read of " + std::to_string(hits.size()) + " blocks");
+    for (size_t j = 0; j < hits.size(); ++j) {
+      if (!got[j].ok()) {
+        failed_reads.Add(Where(hits[j]) + " hit but did not read: " + got[j].status().ToString());
+      } else if (*got[j] != kBlock || !MatchesPattern(hits[j], blocks[j])) {
+        wrong_blocks.Add(Where(hits[j]) + " read " + std::to_string(*got[j]) +
+                         " bytes, not its own");
+      }
+    }
+    std::vector<uint64_t> stored;
+    for (size_t i = 0; i < fresh; ++i) {
+      if (known_.size() < most_) {
+        stored.push_back(next_++);
+        known_.push_back(stored.back());
+      } else {
+        stored.push_back(known_[again_++ % known_.size()]);
+      }
+    }
+    if (stored.empty()) return;
+    start = Clock::now();
+    const Status status = Store(client_, stored);
+    Took(start, "store of " + std::to_string(stored.size()) + " blocks");
+    if (!status.ok() && !store_may_fail(status)) {
+      failed_stores.Add("round " + std::to_string(rounds_) + ": " + status.ToString());
+    }
+  }
+
+  // Rounds until `end`, an engine's step apart.
+  void RoundsUntil(Clock::time_point end, size_t fresh) {
+    while (Clock::now() < end) {
+      Round(fresh);
+      std::this_thread::sleep_for(20ms);  // the pace of an engine's steps, not a wait for a state
+    }
+  }
+
+  const std::vector<uint64_t>& known() const { return known_; }
+  int rounds() const { return rounds_; }
+  Clock::duration slowest() const { return slowest_; }
+  const std::string& slowest_call() const { return slowest_call_; }
+
+  // Calls that took the bound or longer.
+  Tally over_bound, misses, hits_wrongly, failed_reads, wrong_blocks, failed_stores;
+
+ private:
+  std::string Where(uint64_t id) const {
+    const std::vector<NodeAddress> places = client_.PlacesOf(Key(id));
+    return "round " + std::to_string(rounds_) + ": key " + std::to_string(id) + " (first place " +
+           (places.empty() ? std::string("none") : places[0].ToString()) + ")";
+  }
+  void Took(Clock::time_point start, const std::string& what) {
+    const Clock::duration took = Clock::now() - start;
+    const std::string said =
+        "round " + std::to_string(rounds_) + ": " + what + " took " +
+        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms";
+    if (took >= kBound) over_bound.Add(said);
+    if (took > slowest_) {
+      slowest_ = took;
+      slowest_call_ = said;
+    }
+  }
+
+  NodeClient& client_;
+  std::vector<uint64_t> known_;
+  uint64_t next_;
+  size_t most_;
+  size_t again_ = 0;
+  int rounds_ = 0;
+  Clock::duration slowest_{};
+  std::string slowest_call_ = "none";
+};
+
+// Every rule of a fault held in `work`'s rounds: no call reached the bound, every key that must
+// hit did and none that must miss did, every hit read back and right, every store took.
+void ExpectNoOffence(const Workload& work, const std::string& fault) {
+  EXPECT_GT(work.rounds(), 0);
+  EXPECT_EQ(work.over_bound.count, 0)
+      << fault << ": calls waited for the faulty node, first " << work.over_bound.first
+      << "; slowest " << work.slowest_call();
+  EXPECT_EQ(work.misses.count, 0) << fault << ": keys that must hit missed, first "
+                                  << work.misses.first;
+  EXPECT_EQ(work.hits_wrongly.count, 0) << fault << ": " << work.hits_wrongly.first;
+  EXPECT_EQ(work.failed_reads.count, 0) << fault << ": " << work.failed_reads.first;
+  EXPECT_EQ(work.wrong_blocks.count, 0) << fault << ": " << work.wrong_blocks.first;
+  EXPECT_EQ(work.failed_stores.count, 0)
+      << fault << ": stores failed, first " << work.failed_stores.first;
+  // What the fault cost, for the log.
+  std::cout << "[ chaos    ] " << fault << ": " << work.rounds() << " rounds, slowest call "
+            << work.slowest_call() << ", " << work.misses.count << " keys missed that must hit"
+            << std::endl;
+}
+
+// The client's counters of bounded waits, for the log.
+std::string Describe(const connector::BlockStoreCounters& c) {
+  return "unreachable " + std::to_string(c.unreachable) + ", unserved_keys " +
+         std::to_string(c.unserved_keys) + ", skipped_calls " + std::to_string(c.skipped_calls) +
+         ", late_keys " + std::to_string(c.late_keys) + ", probes " + std::to_string(c.probes) +
+         ", abandoned_calls " + std::to_string(c.abandoned_calls) + ", repaired_blocks " +
+         std::to_string(c.repaired_blocks) + ", members_left " + std::to_string(c.members_left) +
+         ", members_joined " + std::to_string(c.members_joined);
+}
+
+// The namespaces of a test: a bridge and three namespaces on it, kvstashd started in them by
+// StartNodes, the clients the test makes. Processes end (and stopped ones run again) before
+// the namespaces go, the bridge last, also when a test fails.
+class ChaosFixture : public ::testing::Test {
  protected:
+  static constexpr int kSpaces = 3;
+
   void SetUp() override {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root (network namespaces)";
+    if (std::string e = Ip({"-V"}); !e.empty()) GTEST_SKIP() << "needs ip (iproute2): " << e;
     std::string why;
     bridge_ = Bridge::Create(&why);
     if (bridge_ == nullptr) GTEST_SKIP() << "no bridge here: " << why;
-    for (int n = 1; n <= 2; ++n) {
+    for (int n = 1; n <= kSpaces; ++n) {
       auto ns = NetNs::Create(n, *bridge_, &why);
       if (ns == nullptr) GTEST_SKIP() << "no network namespace here: " << why;
       spaces_.push_back(std::move(ns));
@@ -179,20 +428,58 @@ class ChaosTest : public ::testing::Test {
     // This side's UCX on the bridge only, as the nodes' on their veth (a node reaches no other
     // address of this side).
     ::setenv("UCX_NET_DEVICES", bridge_->dev().c_str(), 1);
-    connector::NodeClientOptions options;
-    for (const auto& ns : spaces_) {
-      daemons_.push_back(std::make_unique<NsDaemon>(*ns));
-      ASSERT_NE(daemons_.back()->port(), 0) << "kvstashd did not start in " << ns->name();
-      options.nodes.push_back({ns->ip(), daemons_.back()->port()});
+  }
+  void TearDown() override {
+    for (auto& daemon : daemons_) daemon->Resume();
+  }
+
+  // A kvstashd in each of the first `count` namespaces, `args` added to its command line.
+  void StartNodes(size_t count, const std::vector<std::string>& args = {}) {
+    ASSERT_LE(count, spaces_.size());
+    for (size_t n = 0; n < count; ++n) {
+      daemons_.push_back(std::make_unique<NsDaemon>(*spaces_[n], args));
+      ASSERT_NE(daemons_.back()->port(), 0) << "kvstashd did not start in " << spaces_[n]->name();
     }
+  }
+
+  // A client of every node started, over UCX's TCP, with `replicas`.
+  NodeClientOptions Options(size_t replicas) const {
+    NodeClientOptions options;
+    for (const auto& daemon : daemons_) options.nodes.push_back(daemon->address());
     options.transport.tls = "tcp";
-    options.timeout = 10000ms;
+    options.timeout = kDeadline;
     options.connect_timeout = 2000ms;
-    options.lookup_budget = 100ms;
+    options.lookup_budget = kBudget;
     options.probe_interval = 200ms;
-    auto client = NodeClient::Create(options);
-    ASSERT_TRUE(client.ok()) << client.status().ToString();
-    client_ = std::move(*client);
+    options.replicas = replicas;
+    return options;
+  }
+  // A client, kept until the test ends (nullptr and a failure when it cannot be made).
+  NodeClient* Client(NodeClientOptions options) {
+    auto client = NodeClient::Create(std::move(options));
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    if (!client.ok()) return nullptr;
+    clients_.push_back(std::move(*client));
+    return clients_.back().get();
+  }
+
+  std::unique_ptr<Bridge> bridge_;  // first: it goes last
+  std::vector<std::unique_ptr<NetNs>> spaces_;
+  std::vector<std::unique_ptr<NsDaemon>> daemons_;
+  std::vector<std::unique_ptr<NodeClient>> clients_;  // last: they go first
+};
+
+// Two nodes, a client of both (100 ms budget) and kKeys blocks stored: the network faults.
+class ChaosTest : public ChaosFixture {
+ protected:
+  void SetUp() override {
+    ChaosFixture::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_NO_FATAL_FAILURE(StartNodes(2));
+    NodeClientOptions options = Options(1);
+    options.lookup_budget = 100ms;
+    client_ = Client(options);
+    ASSERT_NE(client_, nullptr);
     for (int k = 0; k < kKeys; ++k) {
       keys_.push_back(Key(k));
       blocks_.emplace_back(kBlock);
@@ -200,18 +487,7 @@ class ChaosTest : public ::testing::Test {
     }
     std::vector<transport::Bytes> views(blocks_.begin(), blocks_.end());
     ASSERT_TRUE(client_->Put(keys_, views).ok());
-    ASSERT_TRUE(AllHitWithin(30s));
-  }
-
-  // Asks until every key hits (a lookup may miss its budget on a busy machine).
-  bool AllHitWithin(std::chrono::seconds limit) {
-    const auto deadline = Clock::now() + limit;
-    while (Clock::now() < deadline) {
-      const std::vector<LookupResult> r = client_->Lookup(keys_);
-      if (std::count(r.begin(), r.end(), LookupResult::kHit) == kKeys) return true;
-      std::this_thread::sleep_for(50ms);
-    }
-    return false;
+    ASSERT_TRUE(AllHitWithin(*client_, Ids(0, kKeys), 30s));
   }
 
   // One lookup: how long it took, the faulty node's keys never HIT wrongly and the healthy
@@ -221,34 +497,20 @@ class ChaosTest : public ::testing::Test {
     int healthy_hits = 0, healthy = 0;
   };
   Round LookupRound(size_t faulty) {
-    const std::string at = spaces_[faulty]->ip() + ":" + std::to_string(daemons_[faulty]->port());
+    const NodeAddress at = daemons_[faulty]->address();
     Round round;
     const auto start = Clock::now();
     const std::vector<LookupResult> r = client_->Lookup(keys_);
     round.took = Clock::now() - start;
     for (int k = 0; k < kKeys; ++k) {
-      if (client_->PlacesOf(keys_[k])[0].ToString() == at) continue;
+      if (Same(client_->PlacesOf(keys_[k])[0], at)) continue;
       ++round.healthy;
       round.healthy_hits += r[k] == LookupResult::kHit ? 1 : 0;
     }
     return round;
   }
 
-  // Every block reads back whole and right (no wrong byte, whatever happened).
-  void ExpectEveryBlockRight() {
-    std::vector<std::byte> out(kBlock);
-    for (int k = 0; k < kKeys; ++k) {
-      auto got = client_->Get(keys_[k], out);
-      ASSERT_TRUE(got.ok()) << "key " << k << ": " << got.status().ToString();
-      EXPECT_EQ(*got, kBlock);
-      EXPECT_TRUE(MatchesPattern(k, out)) << "key " << k;
-    }
-  }
-
-  std::unique_ptr<Bridge> bridge_;  // first: it goes last
-  std::vector<std::unique_ptr<NetNs>> spaces_;
-  std::vector<std::unique_ptr<NsDaemon>> daemons_;
-  std::unique_ptr<NodeClient> client_;
+  NodeClient* client_ = nullptr;
   std::vector<BlockKey> keys_;
   std::vector<std::vector<std::byte>> blocks_;
 };
@@ -260,15 +522,16 @@ TEST_F(ChaosTest, ANodeCutOffCostsLookupsTheirBudgetThenNothingAndComesBack) {
   int healthy_rounds = 0;
   for (int i = 0; i < 10; ++i) {
     const Round round = LookupRound(1);
-    EXPECT_LT(round.took, 5s) << "lookup " << i << " waited for the cut-off node";
+    EXPECT_LT(round.took, kBound) << "lookup " << i << " waited for the cut-off node";
     healthy_rounds += round.healthy_hits == round.healthy ? 1 : 0;
   }
   // The healthy node's keys hit in (nearly) every round; a busy machine may miss a budget.
   EXPECT_GE(healthy_rounds, 8);
   EXPECT_GT(client_->counters().skipped_calls, 0u);
   spaces_[1]->Cut(false);
-  EXPECT_TRUE(AllHitWithin(60s)) << "the cluster did not converge after the cut was healed";
-  ExpectEveryBlockRight();
+  EXPECT_TRUE(AllHitWithin(*client_, Ids(0, kKeys), 60s))
+      << "the cluster did not converge after the cut was healed";
+  ExpectEveryBlockRight(*client_, Ids(0, kKeys));
 }
 
 // Added latency on one node: past the lookup budget (200 ms) its keys miss and nothing waits
@@ -277,19 +540,21 @@ TEST_F(ChaosTest, LatencyOnOneNodeMissesItsKeysOnlyPastTheBudget) {
   if (std::string e = spaces_[1]->Netem("delay 50ms"); !e.empty()) {
     GTEST_SKIP() << "tc netem is not available here: " << e;
   }
-  EXPECT_TRUE(AllHitWithin(30s)) << "50 ms of latency is within the 100 ms budget";
+  EXPECT_TRUE(AllHitWithin(*client_, Ids(0, kKeys), 30s))
+      << "50 ms of latency is within the 100 ms budget";
   ASSERT_EQ(spaces_[1]->Netem("delay 200ms"), "");
   int healthy_rounds = 0;
   for (int i = 0; i < 10; ++i) {
     const Round round = LookupRound(1);
-    EXPECT_LT(round.took, 5s) << "lookup " << i << " waited for the slow node";
+    EXPECT_LT(round.took, kBound) << "lookup " << i << " waited for the slow node";
     healthy_rounds += round.healthy_hits == round.healthy ? 1 : 0;
   }
   EXPECT_GE(healthy_rounds, 8);
   EXPECT_GT(client_->counters().late_keys, 0u);
   EXPECT_EQ(spaces_[1]->Netem(""), "");
-  EXPECT_TRUE(AllHitWithin(60s)) << "the cluster did not converge once the latency was gone";
-  ExpectEveryBlockRight();
+  EXPECT_TRUE(AllHitWithin(*client_, Ids(0, kKeys), 60s))
+      << "the cluster did not converge once the latency was gone";
+  ExpectEveryBlockRight(*client_, Ids(0, kKeys));
 }
 
 // 5 % loss on one node: TCP repairs it; nothing is wrong, every key hits in time.
@@ -297,9 +562,129 @@ TEST_F(ChaosTest, LossOnOneNodeLosesNoByteAndEveryKeyHits) {
   if (std::string e = spaces_[1]->Netem("loss 5%"); !e.empty()) {
     GTEST_SKIP() << "tc netem is not available here: " << e;
   }
-  EXPECT_TRUE(AllHitWithin(60s));
-  ExpectEveryBlockRight();
+  EXPECT_TRUE(AllHitWithin(*client_, Ids(0, kKeys), 60s));
+  ExpectEveryBlockRight(*client_, Ids(0, kKeys));
   EXPECT_EQ(spaces_[1]->Netem(""), "");
+}
+
+// A node stopped (SIGSTOP: a paused VM, a process stuck in the kernel), its connections open
+// and silent, for kStop; then it runs again. 20 s, as issue 30 names it: its connections sit
+// silent that long and many probes time out before one brings it back.
+using ChaosStopTest = ChaosFixture;
+constexpr auto kStop = 20s;
+// Keys stored before the stop, and at most this many in all (new ones stored while it lasts):
+// each node's 8 MiB CPU tier (128 blocks) holds its share of them with two replicas on three
+// nodes, so that no miss is an eviction.
+constexpr size_t kBefore = 48, kMost = 120;
+
+// Two replicas on three nodes, one stopped: while it is, every round of lookups, reads and stores
+// goes on within the bound, every key hits (its other replica holds it, also those stored
+// meanwhile), every block reads right and every store takes. Once it runs again, a probe brings
+// it back and it is used again: the client's lookups reach it, and it holds every key placed on
+// it, the ones stored while it was stopped too (copied there by reads, as a lookup found it
+// missing them).
+TEST_F(ChaosStopTest, WithTwoReplicasAStoppedNodeCostsNoHitNoWrongByteAndNoWait) {
+  ASSERT_NO_FATAL_FAILURE(StartNodes(3));
+  NodeClient* client = Client(Options(2));
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(Store(*client, Ids(0, kBefore)).ok());
+  ASSERT_TRUE(AllHitWithin(*client, Ids(0, kBefore), 30s));
+  NsDaemon& stopped = *daemons_[1];
+  const NodeAddress at = stopped.address();
+
+  ASSERT_TRUE(stopped.Stop());
+  Workload work(*client, Ids(0, kBefore), 1000, kMost);
+  work.RoundsUntil(Clock::now() + kStop, 4);
+  stopped.Resume();
+  ExpectNoOffence(work, "node " + at.ToString() + " stopped, two replicas");
+  const connector::BlockStoreCounters during = client->counters();
+  std::cout << "[ chaos    ] " << Describe(during) << std::endl;
+  EXPECT_GT(during.skipped_calls, 0u) << "the stopped node was never skipped as suspect";
+  EXPECT_EQ(during.unserved_keys, 0u) << "keys none of whose replicas answered";
+  EXPECT_GT(during.probes, 0u);
+
+  // Back: the client's own lookups reach it again (its lookup hits grow by them alone: the
+  // stats call is answered after whatever came before it), and a client of it alone finds every
+  // key placed on it. Each round reads every key, which copies those stored meanwhile to it.
+  std::vector<uint64_t> on_it;
+  for (uint64_t id : work.known()) {
+    for (const NodeAddress& place : client->PlacesOf(Key(id))) {
+      if (Same(place, at)) on_it.push_back(id);
+    }
+  }
+  ASSERT_FALSE(on_it.empty());
+  NodeClientOptions alone = Options(1);
+  alone.nodes = {at};
+  NodeClient* solo = Client(alone);
+  ASSERT_NE(solo, nullptr);
+  const std::vector<BlockKey> all = KeysOf(work.known()), mine = KeysOf(on_it);
+  std::vector<std::vector<std::byte>> blocks(all.size(), std::vector<std::byte>(kBlock));
+  const std::vector<transport::MutableBytes> outs(blocks.begin(), blocks.end());
+  bool used = false, holds = false;
+  size_t held = 0;
+  for (const auto until = Clock::now() + 60s; !(used && holds) && Clock::now() < until;) {
+    auto before = client->Stats(at);
+    (void)client->Lookup(all);
+    auto after = client->Stats(at);
+    used = used || (before.ok() && after.ok() &&
+                    (*after)["node.lookup_hits"] > (*before)["node.lookup_hits"]);
+    (void)client->Get(all, outs);
+    const std::vector<LookupResult> r = solo->Lookup(mine);
+    held = static_cast<size_t>(std::count(r.begin(), r.end(), LookupResult::kHit));
+    holds = held == mine.size();
+    if (!(used && holds)) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(used) << "the client never sent the node a lookup again after it ran again";
+  EXPECT_TRUE(holds) << "the node holds " << held << " of its " << mine.size() << " keys";
+  EXPECT_TRUE(AllHitWithin(*client, work.known(), 30s));
+  ExpectEveryBlockRight(*client, work.known());
+  ExpectEveryBlockRight(*solo, on_it);
+}
+
+// One replica on two nodes, one stopped: while it is, only its keys miss (the other node's hit in
+// every round, also those stored meanwhile), every call is within the bound, every hit reads
+// right, and a store fails only for the stopped node's keys (naming it). Once it runs again every
+// key it held hits again, and the keys whose stores failed store now.
+//
+// FAILS at a37ab70 (issue 30, point 4; the test states the rule, the client is to be fixed): the
+// first store after the stop, sent while the node is not yet suspect (one lookup missed its
+// budget, suspect_after is 2), waits the whole 10 s deadline: "round 1: store of 4 blocks took
+// 10001 ms". With one replica a store has no bound but the deadline (WaitForReplicas waits for
+// one replica to hold each block, and the only one is the stopped node); every later call is
+// bounded, as the node is suspect by then.
+TEST_F(ChaosStopTest, WithOneReplicaOnlyAStoppedNodesKeysMissAndNoCallWaits) {
+  ASSERT_NO_FATAL_FAILURE(StartNodes(2));
+  NodeClient* client = Client(Options(1));
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(Store(*client, Ids(0, kBefore)).ok());
+  ASSERT_TRUE(AllHitWithin(*client, Ids(0, kBefore), 30s));
+  NsDaemon& stopped = *daemons_[1];
+  const NodeAddress at = stopped.address();
+  const auto on_stopped = [&](uint64_t id) { return Same(client->PlacesOf(Key(id))[0], at); };
+
+  ASSERT_TRUE(stopped.Stop());
+  Workload work(*client, Ids(0, kBefore), 1000, kMost);
+  work.must_hit = [&](uint64_t id) { return !on_stopped(id); };
+  work.must_miss = on_stopped;
+  work.store_may_fail = [&](const Status& s) {
+    const bool unreachable = s.code() == StatusCode::kUnavailable ||
+                             s.code() == StatusCode::kDeadlineExceeded ||
+                             s.code() == StatusCode::kCancelled;
+    return unreachable && std::string(s.message()).find(at.ToString()) != std::string::npos;
+  };
+  work.RoundsUntil(Clock::now() + kStop, 4);
+  stopped.Resume();
+  ExpectNoOffence(work, "node " + at.ToString() + " stopped, one replica");
+  std::cout << "[ chaos    ] " << Describe(client->counters()) << std::endl;
+  EXPECT_GT(client->counters().skipped_calls, 0u) << "the stopped node was never skipped";
+  EXPECT_GT(client->counters().probes, 0u);
+
+  EXPECT_TRUE(AllHitWithin(*client, Ids(0, kBefore), 30s))
+      << "the stopped node's keys did not hit again once it ran";
+  ExpectEveryBlockRight(*client, Ids(0, kBefore));
+  ASSERT_TRUE(Store(*client, work.known()).ok());
+  EXPECT_TRUE(AllHitWithin(*client, work.known(), 30s));
+  ExpectEveryBlockRight(*client, work.known());
 }
 
 }  // namespace
