@@ -364,6 +364,9 @@ class Workload {
   // Which errors of a store are expected (a stopped node's keys with one replica); none unless
   // told. The other blocks of a failed store are stored all the same.
   std::function<bool(const Status&)> store_may_fail = [](const Status&) { return false; };
+  // Which keys the faulty node holds (a copy of): the first key of every round's store is one,
+  // so that the first store of a fault meets the node whatever the placement. Empty: any keys.
+  std::function<bool(uint64_t)> faulty_key;
 
   // One round, storing `fresh` blocks: new keys while there are fewer than `most`.
   void Round(size_t fresh) {
@@ -394,15 +397,21 @@ class Workload {
                          " bytes, not its own");
       }
     }
-    std::vector<uint64_t> stored;
-    for (size_t i = 0; i < fresh; ++i) {
+    // The next key to store: a new one while there are fewer than `most`, else one known; of
+    // the faulty node when asked (new numbers skipped so are never used).
+    const auto next = [&](bool on_faulty) {
       if (known_.size() < most_) {
-        stored.push_back(next_++);
-        known_.push_back(stored.back());
-      } else {
-        stored.push_back(known_[again_++ % known_.size()]);
+        while (on_faulty && !faulty_key(next_)) ++next_;
+        known_.push_back(next_++);
+        return known_.back();
       }
-    }
+      for (size_t n = 0; on_faulty && n < known_.size(); ++n, ++again_) {
+        if (faulty_key(known_[again_ % known_.size()])) break;
+      }
+      return known_[again_++ % known_.size()];
+    };
+    std::vector<uint64_t> stored;
+    for (size_t i = 0; i < fresh; ++i) stored.push_back(next(i == 0 && faulty_key != nullptr));
     if (stored.empty()) return;
     start = Clock::now();
     const Status status = Store(client_, stored);
@@ -675,6 +684,11 @@ TEST_F(ChaosStopTest, WithTwoReplicasAStoppedNodeCostsNoHitNoWrongByteAndNoWait)
 
   ASSERT_TRUE(stopped.Stop());
   Workload work(*client, Ids(0, kBefore), 1000, kMost);
+  work.faulty_key = [&](uint64_t id) {
+    const std::vector<NodeAddress> places = client->PlacesOf(Key(id));
+    return std::any_of(places.begin(), places.end(),
+                       [&](const NodeAddress& a) { return Same(a, at); });
+  };
   work.RoundsUntil(Clock::now() + kStop, 4);
   stopped.Resume();
   ExpectNoOffence(work, "node " + at.ToString() + " stopped, two replicas");
@@ -747,6 +761,7 @@ TEST_F(ChaosStopTest, WithOneReplicaOnlyAStoppedNodesKeysMissAndNoCallWaits) {
   Workload work(*client, Ids(0, kBefore), 1000, kMost);
   work.must_hit = [&](uint64_t id) { return !on_stopped(id); };
   work.must_miss = on_stopped;
+  work.faulty_key = on_stopped;
   work.store_may_fail = [&](const Status& s) {
     const bool unreachable = s.code() == StatusCode::kUnavailable ||
                              s.code() == StatusCode::kDeadlineExceeded ||
