@@ -380,7 +380,7 @@ class Workload {
       const uint64_t id = known_[i];
       if (r[i] == LookupResult::kHit) hits.push_back(id);
       if (r[i] != LookupResult::kHit && must_hit(id)) {
-        misses.Add(Where(id) + " missed (" + std::to_string(static_cast<int>(r[i])) + ")");
+        misses.Add(Where(id) + (r[i] == LookupResult::kRetry ? " read RETRY" : " missed"));
       }
       if (r[i] == LookupResult::kHit && must_miss(id)) hits_wrongly.Add(Where(id) + " hit");
     }
@@ -434,7 +434,8 @@ class Workload {
   Clock::duration slowest() const { return slowest_; }
   const std::string& slowest_call() const { return slowest_call_; }
 
-  // Calls that took the bound or longer.
+  // Calls that took the bound or longer; keys that missed (or read RETRY) but must hit, and hit
+  // but must miss; hits that did not read, or read wrong; stores that failed unexpectedly.
   Tally over_bound, misses, hits_wrongly, failed_reads, wrong_blocks, failed_stores;
 
  private:
