@@ -63,6 +63,14 @@ class FaultChannel::Impl {
     return held;
   }
 
+  std::vector<std::shared_ptr<Held>> ReleaseAll() {
+    MutexLock lock(&mu_);
+    std::vector<std::shared_ptr<Held>> all;
+    for (auto& [id, held] : held_) all.push_back(std::move(held));
+    held_.clear();
+    return all;
+  }
+
   void Count(Fault::Kind kind) {
     MutexLock lock(&mu_);
     switch (kind) {
@@ -195,6 +203,13 @@ void FaultChannel::Cancel(uint64_t id) {
     return;
   }
   inner_->Cancel(id);
+}
+
+void FaultChannel::Reset(const Status& why) {
+  for (const std::shared_ptr<Held>& held : impl_->ReleaseAll()) {
+    held->Complete(Status(StatusCode::kUnavailable, std::string(why.message())));
+  }
+  inner_->Reset(why);
 }
 
 void FaultChannel::ConnectAsync(std::function<void(const Status&)> done) {

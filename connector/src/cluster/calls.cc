@@ -161,10 +161,16 @@ void NodeClient::Impl::WaitWatching(transport::CallGroup& group, const std::vect
       probe.handled = true;
       for (size_t k = 0; k < calls.size(); ++k) {
         if (calls[k].member != probe.member || !out(k)) continue;
-        probe.member->channel->Cancel(calls[k].id);
         (*abandoned)[k] = true;
         accounting_->Abandoned();
       }
+      // Cancelled calls whose transfer is under way would hold their buffers to the deadline:
+      // the connection goes, and every call out to the node with it.
+      probe.member->channel->Reset(UnavailableError(
+          "node {} answered neither its calls within {} ms nor a probe within {} ms; its "
+          "connection is reset",
+          probe.member->state->name(), options_.lookup_budget.count(),
+          options_.probe_timeout.count()));
     }
   }
 }

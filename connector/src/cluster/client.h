@@ -224,9 +224,10 @@ class NodeClient::Impl {
   };
   // Waits for `group` until its calls are done or `settled` holds; within a budget
   // (lookup_budget < timeout), past `started` + lookup_budget, the node of each call still out
-  // is probed (an echo, deadline probe_timeout) and the calls of a node whose probe finds it
-  // unreachable (stopped, cut off) are cancelled: (*abandoned)[k] set for each. A node that
-  // answers its probe is alive and slow: its calls are waited for, to their deadline.
+  // is probed (an echo, deadline probe_timeout) and the connection of a node whose probe finds
+  // it unreachable (stopped, cut off) is reset, failing every call out to it, transfers under
+  // way included: (*abandoned)[k] set for each of these. A node that answers its probe is alive
+  // and slow: its calls are waited for, to their deadline.
   void WaitWatching(transport::CallGroup& group, const std::vector<OutCall>& calls,
                     const std::function<bool()>& settled, transport::Clock::time_point started,
                     std::vector<bool>* abandoned);

@@ -520,6 +520,14 @@ class LoopbackChannel : public Channel {
       done(network->EnsureConnected(client));
     });
   }
+  void Reset(const Status& why) override {
+    LoopbackNetwork::Impl* network = network_.get();
+    network->executor().Run([network, client = client_, why] {
+      const uint64_t id = client->connection_id.load();
+      if (id != 0)
+        network->Disconnect(id, Status(StatusCode::kUnavailable, std::string(why.message())));
+    });
+  }
   std::optional<ServerLimits> server_limits() const override {
     MutexLock lock(&client_->limits_mu);
     return client_->limits;

@@ -76,6 +76,8 @@ void RpcClient::ConnectAsync(std::function<void(const Status&)> done) {
   impl_->ConnectAsync(std::move(done));
 }
 
+void RpcClient::Reset(const Status& why) { impl_->Reset(why); }
+
 Status RpcClient::SendRawForTesting(Bytes header, Bytes data, std::function<void(Status)> sent) {
   KVSTASH_RETURN_IF_ERROR(impl_->Connect());
   return impl_->SendRaw(header, data, std::move(sent));

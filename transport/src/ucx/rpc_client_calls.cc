@@ -60,6 +60,12 @@ void RpcClient::Impl::Cancel(uint64_t id) {
   });
 }
 
+void RpcClient::Impl::Reset(Status why) {
+  worker_->Run([this, why = std::move(why)] {
+    Disconnect(Status(StatusCode::kUnavailable, std::string(why.message())));
+  });
+}
+
 void RpcClient::Impl::Start(std::unique_ptr<PendingCall> owned) {
   PendingCall* call = owned.get();
   calls_.emplace(call->id, std::move(owned));

@@ -154,6 +154,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   // rpc_client_calls.cc
   uint64_t Call(uint16_t method, Bytes request, const CallOptions& options, ResponseCallback done);
   void Cancel(uint64_t id);
+  // Closes the connection now, failing every call out with `why` (Channel::Reset).
+  void Reset(Status why);
 
   // rpc_client_loose_frames.cc
   Status SendRaw(Bytes header, Bytes data, std::function<void(Status)> sent);

@@ -61,6 +61,8 @@ class FaultChannel : public Channel {
                 ResponseCallback done) override;
   void Cancel(uint64_t id) override;
   void ConnectAsync(std::function<void(const Status&)> done) override;
+  // Completes the calls it holds (dropped, delayed) with `why` too.
+  void Reset(const Status& why) override;
   std::optional<ServerLimits> server_limits() const override;
 
   FaultCounts counts() const;

@@ -192,6 +192,10 @@ class Channel {
   virtual void Cancel(uint64_t id) = 0;
   // Connects unless connected; `done` runs once with the outcome.
   virtual void ConnectAsync(std::function<void(const Status&)> done) = 0;
+  // Closes the connection now (a peer that answers nothing, not even a probe): every call out
+  // fails with Unavailable naming `why`, transfers under way included (their buffers are free
+  // once their callbacks ran); the next call connects again.
+  virtual void Reset(const Status& why) = 0;
   // What the server stated at the latest hello; nullopt before the first connection.
   virtual std::optional<ServerLimits> server_limits() const = 0;
   // Whether payloads now move through the server's shared memory (a client on its host copies
@@ -245,6 +249,7 @@ class RpcClient : public Channel {
   // Starts connecting unless connected or connecting; `done` runs once on the progress thread
   // with the outcome (OK at once when connected). For connecting to many servers in parallel.
   void ConnectAsync(std::function<void(const Status&)> done) override;
+  void Reset(const Status& why) override;
 
   // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
   // first. No reply is matched to it. `sent`, when given, runs on the client's thread once UCX
