@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "kvstash/http/prometheus_text.h"
 #include "protocol_json.h"
 
 namespace kvstash::worker {
@@ -122,22 +123,6 @@ Result<json> ParseObject(std::string_view body, std::string_view what) {
     return InternalError("{} is not a JSON object: {:.200}", what, body);
   }
   return parsed;
-}
-
-// Prometheus label value: backslash, double quote and newline escaped.
-std::string LabelValue(std::string_view s) {
-  std::string out;
-  for (const char c : s) {
-    if (c == '\\' || c == '"') {
-      out += '\\';
-      out += c;
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -418,16 +403,16 @@ Result<WorkerTotals> ParseTotals(std::string_view body) {
 }
 
 std::string MetricsText(const WorkerTotals& totals, const WorkerInfo& info) {
-  std::string out =
-      "# HELP kvstash_worker_info The model this worker serves and its role (always 1)\n"
-      "# TYPE kvstash_worker_info gauge\n";
-  out += fmt::format("kvstash_worker_info{{model=\"{}\",role=\"{}\"}} 1\n", LabelValue(info.model),
-                     RoleName(info.role));
+  using prometheus::MetricType;
+  http::PrometheusWriter out;
+  out.Add("kvstash_worker_info", MetricType::Gauge,
+          "The model this worker serves and its role (always 1)", 1,
+          {{"model", info.model}, {"role", std::string(RoleName(info.role))}});
   for (const TotalField& f : kTotals) {
-    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", f.metric, f.help, f.metric,
-                       f.gauge ? "gauge" : "counter", f.metric, totals.*f.member);
+    out.Add(f.metric, f.gauge ? MetricType::Gauge : MetricType::Counter, f.help,
+            static_cast<double>(totals.*f.member));
   }
-  return out;
+  return out.Text();
 }
 
 }  // namespace kvstash::worker

@@ -61,8 +61,9 @@ Result<WorkerInfo> ParseModels(std::string_view body);
 json TotalsJson(const WorkerTotals& totals);
 Result<WorkerTotals> ParseTotals(std::string_view body);
 
-// GET /metrics: the totals as Prometheus text exposition (format 0.0.4), every counter
-// kvstash_worker_*_total, plus kvstash_worker_running_requests and kvstash_worker_info.
+// GET /metrics: the totals as Prometheus text exposition (format 0.0.4, kvstash::http's
+// PrometheusWriter), every counter kvstash_worker_*_total, plus kvstash_worker_running_requests
+// and kvstash_worker_info.
 std::string MetricsText(const WorkerTotals& totals, const WorkerInfo& info);
 
 }  // namespace kvstash::worker
