@@ -264,7 +264,7 @@ TEST_F(ChaosTest, ANodeCutOffCostsLookupsTheirBudgetThenNothingAndComesBack) {
   }
   // The healthy node's keys hit in (nearly) every round; a busy machine may miss a budget.
   EXPECT_GE(healthy_rounds, 8);
-  EXPECT_GT(client_->counters().skipped_calls, 0u);
+  EXPECT_GT(client_->counters()[ClientCounter::kSkippedCalls], 0u);
   spaces_[1]->Cut(false);
   EXPECT_TRUE(AllHitWithin(60s)) << "the cluster did not converge after the cut was healed";
   ExpectEveryBlockRight();
@@ -285,7 +285,7 @@ TEST_F(ChaosTest, LatencyOnOneNodeMissesItsKeysOnlyPastTheBudget) {
     healthy_rounds += round.healthy_hits == round.healthy ? 1 : 0;
   }
   EXPECT_GE(healthy_rounds, 8);
-  EXPECT_GT(client_->counters().late_keys, 0u);
+  EXPECT_GT(client_->counters()[ClientCounter::kLateKeys], 0u);
   EXPECT_EQ(spaces_[1]->Netem(""), "");
   EXPECT_TRUE(AllHitWithin(60s)) << "the cluster did not converge once the latency was gone";
   ExpectEveryBlockRight();

@@ -125,7 +125,7 @@ TEST_F(ClusterIsolationTest, AStoreWaitsForOneReplicaNotForAStoppedOne) {
   Status put;
   EXPECT_LT(Took([&] { put = Put(*client, keys, blocks); }), kBound);
   EXPECT_TRUE(put.ok()) << put.ToString();  // node 0 holds every block
-  EXPECT_GT(client->counters().abandoned_calls, 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kAbandonedCalls], 0u);
   // Read back from node 0 alone: every block whole.
   connector::NodeClientOptions alone;
   alone.nodes = {client->nodes()[0]};
@@ -157,7 +157,7 @@ TEST_F(ClusterIsolationTest, AReadOfAStoppedReplicaIsHedgedToTheOther) {
     ASSERT_TRUE(got[k].ok()) << k << ": " << got[k].status().ToString();
     EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, read[k])) << k;
   }
-  EXPECT_GE(client->counters().abandoned_calls, keys.size());
+  EXPECT_GE(client->counters()[ClientCounter::kAbandonedCalls], keys.size());
 }
 
 TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers) {
@@ -174,12 +174,13 @@ TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers)
   }
   // Skipped now, and probed (echoes no call waits for) while the calls go on.
   const auto until = std::chrono::steady_clock::now() + 30s;
-  while (client->counters().probes < 3 && std::chrono::steady_clock::now() < until) {
+  while (client->counters()[ClientCounter::kProbes] < 3 &&
+         std::chrono::steady_clock::now() < until) {
     EXPECT_LT(Took([&] { (void)client->Lookup(keys); }), kBound);
     std::this_thread::sleep_for(5ms);
   }
-  EXPECT_GE(client->counters().probes, 3u);
-  EXPECT_GT(client->counters().skipped_calls, 0u);
+  EXPECT_GE(client->counters()[ClientCounter::kProbes], 3u);
+  EXPECT_GT(client->counters()[ClientCounter::kSkippedCalls], 0u);
   // It answers again: a probe brings it back and its keys hit.
   stopped_[1] = false;
   bool hit = false;

@@ -714,12 +714,7 @@ void HttpWorkerServer::PublishTotals(bool engine_done) {
     t.stored_bytes = s.bytes_stored;
     t.blocks_loaded = s.blocks_loaded;
     t.blocks_stored = s.blocks_stored;
-    t.node_unreachable = s.node_unreachable;
-    t.node_refusals = s.node_refusals;
-    t.touched_keys = s.touched_keys;
-    t.node_unserved_keys = s.node_unserved_keys;
-    t.members_joined = s.members_joined;
-    t.members_left = s.members_left;
+    t.client = s.client;
   }
   MutexLock lock(&mu_);
   totals_ = t;

@@ -61,6 +61,7 @@ inline constexpr std::array<ClientCounterDef, kClientCounterCount> kClientCounte
      "Calls sent to offload nodes (a batch over a node's limits is split into several)"},
     {ClientCounter::kUnreachable, "unreachable", "node_unreachable", CounterKind::kCounter,
      "Calls to offload nodes that were down or late (their blocks were misses)"},
+    // Errors, logged: a lookup's keys read as misses for the caller to go on, never silently.
     {ClientCounter::kRefused, "refused", "node_refusals", CounterKind::kCounter,
      "Calls an offload node refused (an error: a limit, a wrong token, a quota) or answered "
      "with a reply that did not parse"},
@@ -68,6 +69,8 @@ inline constexpr std::array<ClientCounterDef, kClientCounterCount> kClientCounte
      "Keys whose use the offload nodes were told of"},
     {ClientCounter::kPinnedKeys, "pinned_keys", "node_pinned_keys", CounterKind::kCounter,
      "Keys the offload nodes pinned against eviction until their load was done"},
+    // Misses and failed stores, where unreachable counts the calls. With replicas, a node that
+    // is down costs keys here only for keys it held alone.
     {ClientCounter::kUnservedKeys, "unserved_keys", "node_unserved_keys", CounterKind::kCounter,
      "Keys of lookups, loads and stores that no offload node answered (every replica down)"},
     {ClientCounter::kRepairedBlocks, "repaired_blocks", "node_repaired_blocks",
@@ -77,6 +80,7 @@ inline constexpr std::array<ClientCounterDef, kClientCounterCount> kClientCounte
      "Offload nodes that joined the followed cluster (etcd) after the client started"},
     {ClientCounter::kMembersLeft, "members_left", "members_left", CounterKind::kCounter,
      "Offload nodes that left the followed cluster (etcd)"},
+    // Suspect: a node that stopped answering (connector::NodeClientOptions::suspect_after).
     {ClientCounter::kSkippedCalls, "skipped_calls", "node_skipped_calls", CounterKind::kCounter,
      "Calls not sent because their node was suspect (their keys missed, or went to another "
      "replica)"},
