@@ -21,8 +21,9 @@ pkg_check_modules(PROTOBUF_LITE REQUIRED IMPORTED_TARGET protobuf-lite)
 find_program(KVSTASH_PROTOC protoc REQUIRED)
 # UCX (ucp + ucs), standalone Asio (header only).
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
-# Prometheus metrics of the node (prometheus-cpp's core: the metric families and the text
-# format; kvstash::http serves them, not prometheus-cpp-pull's civetweb).
+# Prometheus metrics of the node and the worker (prometheus-cpp's core: the metric families and
+# the text format, written through kvstash::http's PrometheusWriter; kvstash::http serves them,
+# not prometheus-cpp-pull's civetweb).
 pkg_check_modules(PROMETHEUS REQUIRED IMPORTED_TARGET prometheus-cpp-core)
 find_path(ASIO_INCLUDE_DIR asio.hpp REQUIRED)
 # cpp-httplib (the request parsing and routing of kvstash's HTTP servers, kvstash::http; the

@@ -505,9 +505,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
       uint64_t n = 0;
       for (const auto& c : clients) {
         const connector::BlockStoreCounters now = c->counters();
-        n += now.unserved_keys + now.refused;
+        n += now[ClientCounter::kUnservedKeys] + now[ClientCounter::kRefused];
       }
-      return n - (before.unserved_keys + before.refused);
+      return n - (before[ClientCounter::kUnservedKeys] + before[ClientCounter::kRefused]);
     };
     auto last = start;
     uint64_t last_bytes = 0;
@@ -532,7 +532,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     // Touches still in flight land before the counters are read.
     for (const auto& c : clients) c->WaitForTouches();
     errors = errors_now();
-    for (const auto& c : clients) repaired += c->counters().repaired_blocks;
+    for (const auto& c : clients) repaired += c->counters()[ClientCounter::kRepairedBlocks];
 
     Latencies all;
     for (Latencies& l : latencies) {

@@ -348,14 +348,7 @@ void KvConnector::NoteFailure(const BlockJobResult& r) {
 
 KvConnectorStats KvConnector::stats() const {
   KvConnectorStats s = stats_;
-  const BlockStoreCounters c = client_->counters();
-  s.node_calls = c.calls;
-  s.node_unreachable = c.unreachable;
-  s.node_refusals = c.refused;
-  s.touched_keys = c.touched_keys;
-  s.node_unserved_keys = c.unserved_keys;
-  s.members_joined = c.members_joined;
-  s.members_left = c.members_left;
+  s.client = client_->counters();
   s.live_nodes = client_->nodes().size();
   return s;
 }

@@ -154,6 +154,6 @@ Result<uint64_t> NodeClient::BlockBytes(const NodeAddress& node) {
   return limits.block_bytes;
 }
 BlockStoreCounters NodeClient::counters() const { return impl_->counters(); }
-uint64_t NodeClient::unreachable() const { return impl_->counters().unreachable; }
+uint64_t NodeClient::unreachable() const { return impl_->counters()[ClientCounter::kUnreachable]; }
 
 }  // namespace kvstash::connector

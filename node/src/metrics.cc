@@ -1,9 +1,7 @@
 #include "kvstash/node/metrics.h"
 
 #include <httplib.h>
-#include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
-#include <prometheus/text_serializer.h>
 
 #include <charconv>
 #include <chrono>
@@ -12,6 +10,7 @@
 
 #include "counters.h"
 #include "kvstash/http/http_front.h"
+#include "kvstash/http/prometheus_text.h"
 
 namespace kvstash::node {
 namespace {
@@ -115,43 +114,34 @@ std::vector<MetricFamily> EtcdFamilies(const membership::Registration& registrat
           "kvstash_etcd_errors_total", "Calls to etcd that failed", MetricType::Counter, {errors}}};
 }
 
-class NodeCollectable : public prometheus::Collectable {
+// /metrics: the registry's exported counters, then the families of their own.
+class NodeMetrics {
  public:
-  NodeCollectable(NodeServer& node, const membership::Registration* registration)
+  NodeMetrics(NodeServer& node, const membership::Registration* registration)
       : node_(node), registration_(registration) {}
 
-  std::vector<MetricFamily> Collect() const override {
+  std::string Text() const {
     const std::map<std::string, uint64_t> counters = node_.Counters();
-    // The registry's exported counters, each family where its first counter is; a counter the
-    // node does not report now (ARC's lists under LRU) reads 0.
-    std::vector<MetricFamily> families;
-    std::map<const MetricFamilyDef*, size_t> index;
+    // The registry's exported counters, each family where its first counter is (the writer
+    // joins a family's samples); a counter the node does not report now (ARC's lists under LRU)
+    // reads 0.
+    http::PrometheusWriter out;
     for (const CounterDef& def : CounterDefs()) {
       if (def.family == nullptr) continue;
-      auto [it, added] = index.try_emplace(def.family, families.size());
-      if (added) families.push_back({def.family->name, def.family->help, def.family->type, {}});
       auto value = counters.find(def.name);
-      ClientMetric metric;
-      for (const auto& [name, label] : def.labels) metric.label.push_back({name, label});
-      const double v = value == counters.end() ? 0.0 : static_cast<double>(value->second);
-      if (def.family->type == MetricType::Counter) {
-        metric.counter.value = v;
-      } else {
-        metric.gauge.value = v;
-      }
-      families[it->second].metric.push_back(std::move(metric));
+      http::MetricLabels labels;
+      for (const auto& [name, label] : def.labels) labels.push_back({name, label});
+      out.Add(def.family->name, def.family->type, def.family->help,
+              value == counters.end() ? 0.0 : static_cast<double>(value->second),
+              std::move(labels));
     }
-    families.push_back(RequestSeconds(node_.Latencies()));
-    families.push_back(FaultedShare(node_));
-    for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) {
-      families.push_back(std::move(family));
-    }
+    out.Add(RequestSeconds(node_.Latencies()));
+    out.Add(FaultedShare(node_));
+    for (MetricFamily& family : NamespaceFamilies(node_.Namespaces())) out.Add(std::move(family));
     if (registration_ != nullptr) {
-      for (MetricFamily& family : EtcdFamilies(*registration_)) {
-        families.push_back(std::move(family));
-      }
+      for (MetricFamily& family : EtcdFamilies(*registration_)) out.Add(std::move(family));
     }
-    return families;
+    return out.Text();
   }
 
  private:
@@ -161,14 +151,14 @@ class NodeCollectable : public prometheus::Collectable {
 
 // /healthz: answers while the daemon serves (it is ready as soon as it listens), with the share
 // of its memory faulted in.
-class Up : public prometheus::Collectable {
+class Up {
  public:
   explicit Up(const NodeServer& node) : node_(node) {}
-  std::vector<MetricFamily> Collect() const override {
-    ClientMetric up;
-    up.gauge.value = 1;
-    return {MetricFamily{"kvstash_up", "1 while the node serves", MetricType::Gauge, {up}},
-            FaultedShare(node_)};
+  std::string Text() const {
+    http::PrometheusWriter out;
+    out.Add("kvstash_up", MetricType::Gauge, "1 while the node serves", 1);
+    out.Add(FaultedShare(node_));
+    return out.Text();
   }
 
  private:
@@ -195,12 +185,6 @@ constexpr size_t kMaxRequestBytes = 8192;
 constexpr size_t kMetricsThreads = 2;
 constexpr std::chrono::milliseconds kRequestTimeout{5000};
 constexpr std::chrono::milliseconds kWriteTimeout{10000};
-constexpr const char* kExpositionType = "text/plain; version=0.0.4; charset=utf-8";
-
-// The text exposition of `collectable`'s families.
-std::string Exposition(const prometheus::Collectable& collectable) {
-  return prometheus::TextSerializer().Serialize(collectable.Collect());
-}
 
 }  // namespace
 
@@ -210,7 +194,7 @@ class MetricsEndpoint::Impl {
   Impl(NodeServer& node, const membership::Registration* registration)
       : node_metrics(node, registration), up(node) {}
 
-  const NodeCollectable node_metrics;
+  const NodeMetrics node_metrics;
   const Up up;
   std::unique_ptr<http::HttpFront> front;  // last: stopped before what it reads
 };
@@ -258,10 +242,10 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Create(
   httplib::Server& router = impl->front->router();
   router.Get("/metrics",
              [metrics = &impl->node_metrics](const httplib::Request&, httplib::Response& res) {
-               res.set_content(Exposition(*metrics), kExpositionType);
+               res.set_content(metrics->Text(), http::kPrometheusContentType);
              });
   router.Get("/healthz", [up = &impl->up](const httplib::Request&, httplib::Response& res) {
-    res.set_content(Exposition(*up), kExpositionType);
+    res.set_content(up->Text(), http::kPrometheusContentType);
   });
   impl->front->Start();
   return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(std::move(impl)));

@@ -21,10 +21,10 @@ counted in `stats()`), never as an exception; puts and gets to it raise `Unavail
 import enum as _enum
 
 __all__ = [
-    "Client", "Handle", "KeyState", "key", "Error", "Cancelled", "Unknown", "InvalidArgument",
-    "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted",
-    "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",
-    "DataLoss", "Unauthenticated",
+    "Client", "Handle", "KeyState", "key", "client_counters", "Error", "Cancelled", "Unknown",
+    "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
+    "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
+    "Internal", "Unavailable", "DataLoss", "Unauthenticated",
 ]
 
 
@@ -92,6 +92,12 @@ def key(hash_bytes, group=0):
     if not 0 <= group < 2**32:
         raise InvalidArgument(f"key: group {group} is outside 0..2**32-1")
     return bytes(hash_bytes) + int(group).to_bytes(4, "big")
+
+
+def client_counters():
+    """{name: help} of every counter in Client.stats()["client"] (besides "replicas"), in the
+    order of the client's counter registry (kvstash/common/client_counters.h)."""
+    return {c["name"]: c["help"] for c in _kvstash.client_counters()}
 
 
 Handle = _kvstash.Handle
@@ -174,7 +180,10 @@ class Client:
         return self._c.block_bytes()
 
     def stats(self):
-        """{"client": its counters, "nodes": {"HOST:PORT": the node's counters or {"error": ...}}}."""
+        """{"client": its counters, "nodes": {"HOST:PORT": the node's counters or {"error": ...}}}.
+
+        "client" holds every counter of client_counters() by its name (calls, unreachable,
+        refused, touched_keys, ..., probes, abandoned_calls) and "replicas"."""
         return self._c.stats()
 
     def close(self):

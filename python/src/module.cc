@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvstash/common/block_key.h"
+#include "kvstash/common/client_counters.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
 #include "kvstash/common/token_file.h"
@@ -364,21 +365,10 @@ class Client {
 
   py::dict Stats() {
     const std::shared_ptr<connector::NodeClient> client = Get();
-    const connector::BlockStoreCounters c = client->counters();
     py::dict own;
-    own["calls"] = c.calls;
-    own["unreachable"] = c.unreachable;
-    own["refused"] = c.refused;
-    own["touched_keys"] = c.touched_keys;
-    own["pinned_keys"] = c.pinned_keys;
-    own["unserved_keys"] = c.unserved_keys;
-    own["repaired_blocks"] = c.repaired_blocks;
-    own["members_joined"] = c.members_joined;
-    own["members_left"] = c.members_left;
-    own["skipped_calls"] = c.skipped_calls;
-    own["late_keys"] = c.late_keys;
-    own["probes"] = c.probes;
-    own["abandoned_calls"] = c.abandoned_calls;
+    // Every counter of the client's registry (kvstash/common/client_counters.h) by its name.
+    client->counters().ForEach(
+        [&own](const ClientCounterDef& def, uint64_t value) { own[def.name] = value; });
     own["replicas"] = client->replicas();
     py::dict nodes;
     // The members now (a followed cluster's may change meanwhile: one that left is an error).
@@ -441,6 +431,21 @@ PYBIND11_MODULE(_kvstash, m) {
         return py::make_tuple(k.hash.lo, k.hash.hi, k.group);
       },
       "The (hash_lo, hash_hi, group) a key maps to.");
+
+  m.def(
+      "client_counters",
+      [] {
+        py::list out;
+        for (const kvstash::ClientCounterDef& def : kvstash::kClientCounterDefs) {
+          py::dict row;
+          row["name"] = def.name;
+          row["help"] = def.help;
+          row["kind"] = def.kind == kvstash::CounterKind::kCounter ? "counter" : "gauge";
+          out.append(row);
+        }
+        return out;
+      },
+      "The client's counter registry: [{name, help, kind}], the keys of stats()['client'].");
 
   py::class_<Handle>(m, "Handle")
       .def("done", &Handle::done)

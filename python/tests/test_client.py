@@ -226,6 +226,24 @@ def test_touch_reaches_the_node(node):
         assert stats["nodes"][node.address]["node.touched_keys"] >= 3
 
 
+def test_stats_has_every_counter_of_the_client_registry(node):
+    """Every row of the client's counter registry (kvstash/common/client_counters.h) is in
+    stats()["client"] by its name, with the names read before the registry kept."""
+    counters = kvstash.client_counters()
+    assert {"calls", "unreachable", "refused", "touched_keys", "pinned_keys", "unserved_keys",
+            "repaired_blocks", "members_joined", "members_left", "skipped_calls", "late_keys",
+            "probes", "abandoned_calls"} <= set(counters)
+    assert all(isinstance(help, str) and help for help in counters.values())
+    with kvstash.Client(node.address) as client:
+        client.put(keys_of(2), [pattern(i) for i in range(2)])
+        own = client.stats()["client"]
+        for name in counters:
+            assert name in own, name
+            assert isinstance(own[name], int), name
+        assert set(own) == set(counters) | {"replicas"}
+        assert own["calls"] > 0
+
+
 def test_a_client_follows_a_cluster_in_etcd_and_replicas_survive_a_killed_node(start_node, etcd):
     nodes = [start_node("--etcd", etcd, "--cluster", "py", "--etcd-ttl-s", "2")
              for _ in range(3)]

@@ -56,6 +56,15 @@ class FakeNodeStore {
     std::lock_guard lock(mu_);
     fault_ = fault;
   }
+  // What the client's counters() reports (all zero unless set).
+  void set_counters(const connector::BlockStoreCounters& counters) {
+    std::lock_guard lock(mu_);
+    counters_ = counters;
+  }
+  connector::BlockStoreCounters counters() const {
+    std::lock_guard lock(mu_);
+    return counters_;
+  }
   void set_put_delay(std::chrono::milliseconds delay) {
     std::lock_guard lock(mu_);
     put_delay_ = delay;
@@ -193,6 +202,7 @@ class FakeNodeStore {
   size_t pinned_gets_ = 0;
   std::vector<TouchCall> touches_;
   std::map<BlockKey, int> pins_;
+  connector::BlockStoreCounters counters_;
 };
 
 // The connector's view of a FakeNodeStore: one node.
@@ -217,7 +227,7 @@ class FakeStoreClient : public connector::BlockStoreClient {
   void Touch(std::span<const BlockKey> keys) override { store_->Touch(keys); }
   void Pin(std::span<const BlockKey> keys) override { store_->Pin(keys); }
   void Unpin(std::span<const BlockKey> keys) override { store_->Unpin(keys); }
-  connector::BlockStoreCounters counters() const override { return {}; }
+  connector::BlockStoreCounters counters() const override { return store_->counters(); }
 
  private:
   FakeNodeStore* store_;

@@ -22,6 +22,9 @@
 namespace kvstash::node {
 namespace {
 
+using ::kvstash::ClientCounter;
+using ::kvstash::ClientCounterDef;
+
 using namespace std::chrono_literals;
 using connector::NodeAddress;
 using connector::NodeClient;
@@ -136,7 +139,7 @@ TEST_F(ClusterIsolationTest, AStoreWaitsForOneReplicaNotForAStoppedOne) {
   Status put;
   EXPECT_LT(Took([&] { put = Put(*client, keys, blocks); }), kBound);
   EXPECT_TRUE(put.ok()) << put.ToString();  // node 0 holds every block
-  EXPECT_GT(client->counters().abandoned_calls, 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kAbandonedCalls], 0u);
   // Read back from node 0 alone: every block whole.
   connector::NodeClientOptions alone;
   alone.nodes = {client->nodes()[0]};
@@ -168,7 +171,7 @@ TEST_F(ClusterIsolationTest, AReadOfAStoppedReplicaIsHedgedToTheOther) {
     ASSERT_TRUE(got[k].ok()) << k << ": " << got[k].status().ToString();
     EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, read[k])) << k;
   }
-  EXPECT_GE(client->counters().abandoned_calls, keys.size());
+  EXPECT_GE(client->counters()[ClientCounter::kAbandonedCalls], keys.size());
 }
 
 TEST_F(ClusterIsolationTest, WithOneReplicaAStoppedNodeCostsAProbeNotTheDeadline) {
@@ -186,8 +189,8 @@ TEST_F(ClusterIsolationTest, WithOneReplicaAStoppedNodeCostsAProbeNotTheDeadline
   Result<size_t> got = size_t{0};
   EXPECT_LT(Took([&] { got = client->Get(keys[0], out); }), kBound);
   EXPECT_TRUE(Unreachable(got.status())) << got.status().ToString();
-  EXPECT_GT(client->counters().probes, 0u);
-  EXPECT_GT(client->counters().abandoned_calls, 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kProbes], 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kAbandonedCalls], 0u);
 }
 
 TEST_F(ClusterIsolationTest, ASlowNodeThatAnswersItsProbeIsWaitedFor) {
@@ -203,7 +206,7 @@ TEST_F(ClusterIsolationTest, ASlowNodeThatAnswersItsProbeIsWaitedFor) {
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, out));
   }
-  EXPECT_EQ(client->counters().abandoned_calls, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kAbandonedCalls], 0u);
 }
 
 TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers) {
@@ -220,12 +223,13 @@ TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers)
   }
   // Skipped now, and probed (echoes no call waits for) while the calls go on.
   const auto until = std::chrono::steady_clock::now() + 30s;
-  while (client->counters().probes < 3 && std::chrono::steady_clock::now() < until) {
+  while (client->counters()[ClientCounter::kProbes] < 3 &&
+         std::chrono::steady_clock::now() < until) {
     EXPECT_LT(Took([&] { (void)client->Lookup(keys); }), kBound);
     std::this_thread::sleep_for(5ms);
   }
-  EXPECT_GE(client->counters().probes, 3u);
-  EXPECT_GT(client->counters().skipped_calls, 0u);
+  EXPECT_GE(client->counters()[ClientCounter::kProbes], 3u);
+  EXPECT_GT(client->counters()[ClientCounter::kSkippedCalls], 0u);
   // It answers again: a probe brings it back and its keys hit.
   stopped_[1] = false;
   bool hit = false;

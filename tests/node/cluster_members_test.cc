@@ -19,6 +19,9 @@
 namespace kvstash::node {
 namespace {
 
+using ::kvstash::ClientCounter;
+using ::kvstash::ClientCounterDef;
+
 using connector::NodeAddress;
 using connector::NodeClient;
 using ::kvstash::testing::FillPattern;
@@ -131,8 +134,8 @@ TEST_F(ClusterMembersTest, AJoinOrALeaveMovesOnlyThatNodesKeysAndKeepsTheOthersC
   // b was connected once for all of this: a member that stays keeps its channel.
   const uint16_t b_port = static_cast<uint16_t>(std::stoi(b.address.substr(9)));
   EXPECT_EQ(connects_[b_port], 1);
-  EXPECT_EQ(client->counters().members_joined, 1u);
-  EXPECT_EQ(client->counters().members_left, 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kMembersJoined], 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kMembersLeft], 1u);
 }
 
 // etcd drops a node whose lease lapsed while it was cut off from etcd, not from the client: it
@@ -149,7 +152,7 @@ TEST_F(ClusterMembersTest, ANodeItsSourceDropsButThatAnswersStaysUntilItFails) {
   uint64_t on_a = 0;
   while (Home(*client, on_a) != a.address) ++on_a;
   EXPECT_TRUE(ReadsBack(*client, on_a));
-  EXPECT_EQ(client->counters().members_left, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kMembersLeft], 0u);
   members_->Set({a, b});  // listed again: a member as before
   members_->Set({b});
   EXPECT_EQ(client->nodes().size(), 2u);
@@ -160,7 +163,7 @@ TEST_F(ClusterMembersTest, ANodeItsSourceDropsButThatAnswersStaysUntilItFails) {
   (void)client->Lookup(keys);
   ASSERT_EQ(client->nodes().size(), 1u);
   EXPECT_EQ(client->nodes()[0].ToString(), b.address);
-  EXPECT_EQ(client->counters().members_left, 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kMembersLeft], 1u);
   ASSERT_TRUE(Store(*client, on_a, on_a + 1).ok());
   EXPECT_TRUE(ReadsBack(*client, on_a));
 }

@@ -137,7 +137,7 @@ TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRes
   nodes.push_back(Node());
   ASSERT_TRUE(WaitForNodes(*client, 4, 5s));
   // At least the new one (a node whose 2 s lease lapsed under load and came back counts again).
-  EXPECT_GE(client->counters().members_joined, 1u);
+  EXPECT_GE(client->counters()[ClientCounter::kMembersJoined], 1u);
   // Keys the new node now ranks first for miss (it never had them); the rest still hit.
   const std::string fourth = AddressOf(*nodes.back());
   size_t moved = 0;
@@ -159,9 +159,9 @@ TEST_F(EtcdClientsTest, AClientSeesTheNodesAndPlacesKeysOnOneThatJoinsWithoutRes
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_EQ((*stats)["cpu.resident_blocks"], moved);
   const BlockStoreCounters c = client->counters();
-  EXPECT_EQ(c.unreachable, 0u);
-  EXPECT_EQ(c.refused, 0u);
-  EXPECT_EQ(c.unserved_keys, 0u);
+  EXPECT_EQ(c[ClientCounter::kUnreachable], 0u);
+  EXPECT_EQ(c[ClientCounter::kRefused], 0u);
+  EXPECT_EQ(c[ClientCounter::kUnservedKeys], 0u);
 }
 
 TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
@@ -182,10 +182,10 @@ TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
   for (uint64_t i = 0; i < 40; ++i) {
     EXPECT_EQ(meanwhile[i], was_dead[i] ? LookupResult::kMiss : LookupResult::kHit) << i;
   }
-  EXPECT_GT(client->counters().unserved_keys, 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kUnservedKeys], 0u);
 
   ASSERT_TRUE(WaitForNodes(*client, 2, 8s));
-  EXPECT_EQ(client->counters().members_left, 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kMembersLeft], 1u);
   const BlockStoreCounters before = client->counters();
   const std::vector<LookupResult> after = Lookup(*client, 0, 40);
   for (uint64_t i = 0; i < 40; ++i) {
@@ -197,9 +197,9 @@ TEST_F(EtcdClientsTest, AKilledNodesKeysMissNeverErrorOnceItsLeaseExpires) {
   ASSERT_TRUE(Store(*client, 0, 40).ok());
   for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
   const BlockStoreCounters c = client->counters();
-  EXPECT_EQ(c.unreachable, before.unreachable);
-  EXPECT_EQ(c.unserved_keys, before.unserved_keys);
-  EXPECT_EQ(c.refused, 0u);
+  EXPECT_EQ(c[ClientCounter::kUnreachable], before[ClientCounter::kUnreachable]);
+  EXPECT_EQ(c[ClientCounter::kUnservedKeys], before[ClientCounter::kUnservedKeys]);
+  EXPECT_EQ(c[ClientCounter::kRefused], 0u);
 }
 
 TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheSecondCopy) {
@@ -218,8 +218,8 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheS
   for (LookupResult r : Lookup(*client, 0, 30)) EXPECT_EQ(r, LookupResult::kHit);
   EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
   ASSERT_TRUE(Store(*client, 100, 10).ok());  // one replica left is enough for a store
-  EXPECT_GT(client->counters().unreachable, 0u);
-  EXPECT_EQ(client->counters().unserved_keys, 0u);
+  EXPECT_GT(client->counters()[ClientCounter::kUnreachable], 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kUnservedKeys], 0u);
 
   // After it: the survivors hold every block still.
   ASSERT_TRUE(WaitForNodes(*client, 2, 8s));
@@ -227,11 +227,11 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheS
   for (LookupResult r : Lookup(*client, 100, 10)) EXPECT_EQ(r, LookupResult::kHit);
   EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
   const BlockStoreCounters c = client->counters();
-  EXPECT_EQ(c.unserved_keys, 0u);
-  EXPECT_EQ(c.refused, 0u);
+  EXPECT_EQ(c[ClientCounter::kUnservedKeys], 0u);
+  EXPECT_EQ(c[ClientCounter::kRefused], 0u);
   // The blocks whose second replica is now the other survivor were copied there by that read
   // (the lookup found them missing), so a second node lost costs no hits either.
-  EXPECT_GT(c.repaired_blocks, 0u);
+  EXPECT_GT(c[ClientCounter::kRepairedBlocks], 0u);
   nodes[1]->process().Kill(SIGKILL);
   for (LookupResult r : Lookup(*client, 0, 30)) EXPECT_EQ(r, LookupResult::kHit);
   EXPECT_EQ(ReadBack(*client, 0, 30), 30u);
@@ -255,7 +255,7 @@ TEST_F(EtcdClientsTest, ClientsKeepTheirLastSetWhileEtcdIsAway) {
   std::this_thread::sleep_for(3s);
   EXPECT_TRUE(WaitForNodes(*client, 3, 5s));
   for (LookupResult r : Lookup(*client, 0, 40)) EXPECT_EQ(r, LookupResult::kHit);
-  EXPECT_EQ(client->counters().unserved_keys, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kUnservedKeys], 0u);
 
   // A client that starts while etcd is down says so, naming the endpoint.
   etcd_.Stop();

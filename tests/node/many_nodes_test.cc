@@ -237,14 +237,14 @@ TEST(ManyNodesTest, AStoppedNodeCostsALookupItsBudgetThenIsSkippedUntilItAnswers
     EXPECT_LT(lookup_elapsed(&r), 5s) << "lookup " << i << " waited for the stopped node";
     check(r);
   }
-  EXPECT_GT(client.counters().late_keys, 0u);
+  EXPECT_GT(client.counters()[ClientCounter::kLateKeys], 0u);
   // Suspect: skipped at once, several times.
-  const uint64_t skipped = client.counters().skipped_calls;
+  const uint64_t skipped = client.counters()[ClientCounter::kSkippedCalls];
   for (int i = 0; i < 5; ++i) {
     EXPECT_LT(lookup_elapsed(&r), 5s);
     check(r);
   }
-  EXPECT_GE(client.counters().skipped_calls, skipped + 5);
+  EXPECT_GE(client.counters()[ClientCounter::kSkippedCalls], skipped + 5);
   // A store to it fails at once (one replica), naming the node; the other node's keys store.
   int on_stopped = 0;
   while (::kvstash::testing::HomeIndex(client, keys[on_stopped]) != 1) ++on_stopped;
@@ -310,7 +310,7 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
     EXPECT_TRUE(MatchesPattern(k, read[k])) << k;
   }
   // The lookup found each key on one replica only: the read copied it to the other.
-  EXPECT_EQ(both->counters().repaired_blocks, static_cast<uint64_t>(kKeys));
+  EXPECT_EQ(both->counters()[ClientCounter::kRepairedBlocks], static_cast<uint64_t>(kKeys));
   for (const connector::NodeAddress& address : addresses) {
     std::unique_ptr<NodeClient> one = make({address}, 1);
     for (LookupResult r : one->Lookup(keys)) EXPECT_EQ(r, LookupResult::kHit) << address.ToString();
@@ -318,7 +318,7 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
   // Nothing is left to repair: the next read copies nothing.
   (void)both->Lookup(keys);
   ASSERT_TRUE(both->Get(keys, outs)[0].ok());
-  EXPECT_EQ(both->counters().repaired_blocks, static_cast<uint64_t>(kKeys));
+  EXPECT_EQ(both->counters()[ClientCounter::kRepairedBlocks], static_cast<uint64_t>(kKeys));
   both->Unpin(keys);
   both->WaitForTouches();
   // The pins went to both replicas: each node pinned the keys it holds, so 16 in all.
@@ -329,9 +329,9 @@ TEST(ManyNodesTest, ReplicasTakeTheBestAnswerAndReadsFallBackToTheNextReplica) {
     pinned += (*stats)["node.pinned_keys"];
   }
   EXPECT_EQ(pinned, static_cast<uint64_t>(kKeys));
-  EXPECT_EQ(both->counters().pinned_keys, static_cast<uint64_t>(kKeys));
-  EXPECT_EQ(both->counters().unserved_keys, 0u);
-  EXPECT_EQ(both->counters().refused, 0u);
+  EXPECT_EQ(both->counters()[ClientCounter::kPinnedKeys], static_cast<uint64_t>(kKeys));
+  EXPECT_EQ(both->counters()[ClientCounter::kUnservedKeys], 0u);
+  EXPECT_EQ(both->counters()[ClientCounter::kRefused], 0u);
   // A key neither holds reads as NotFound, never as an error.
   const BlockKey absent = Key(1000);
   std::vector<std::byte> out(kBlock);

@@ -131,12 +131,12 @@ TEST_P(NodeClientSplitTest, BatchesOverTheLimitsAreSplitAndEveryKeyHits) {
   ASSERT_NE(client, nullptr);
   const std::vector<BlockKey> keys = Keys(0, 40);
   PutAll(*client, keys);
-  const uint64_t calls_before = client->counters().calls;
+  const uint64_t calls_before = client->counters()[ClientCounter::kCalls];
 
   const std::vector<LookupResult> states = client->Lookup(keys);
   EXPECT_EQ(std::count(states.begin(), states.end(), LookupResult::kHit), 40);
   // At least 40 / 8 lookup calls went out (more with two nodes: each gets its own).
-  EXPECT_GE(client->counters().calls - calls_before, 5u);
+  EXPECT_GE(client->counters()[ClientCounter::kCalls] - calls_before, 5u);
   auto strict = client->LookupStrict(keys);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();
   EXPECT_EQ(client->LookupPrefix(keys), 40u);
@@ -145,7 +145,7 @@ TEST_P(NodeClientSplitTest, BatchesOverTheLimitsAreSplitAndEveryKeyHits) {
   uint64_t touched = 0;
   for (int n = 0; n < GetParam(); ++n) touched += Counter(*client, n, "node.touched_keys");
   EXPECT_EQ(touched, 40u);
-  EXPECT_EQ(client->counters().touched_keys, 40u);
+  EXPECT_EQ(client->counters()[ClientCounter::kTouchedKeys], 40u);
 
   std::vector<std::vector<std::byte>> bufs(keys.size(), std::vector<std::byte>(kBlock));
   std::vector<transport::MutableBytes> outs(bufs.begin(), bufs.end());
@@ -154,8 +154,8 @@ TEST_P(NodeClientSplitTest, BatchesOverTheLimitsAreSplitAndEveryKeyHits) {
     ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status().ToString();
     EXPECT_TRUE(MatchesPattern(keys[i].hash.lo, bufs[i])) << i;
   }
-  EXPECT_EQ(client->counters().refused, 0u);
-  EXPECT_EQ(client->counters().unreachable, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kUnreachable], 0u);
 }
 
 TEST_P(NodeClientSplitTest, TheMessageLimitSplitsToo) {
@@ -169,7 +169,7 @@ TEST_P(NodeClientSplitTest, TheMessageLimitSplitsToo) {
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();
   EXPECT_EQ(std::count(strict->begin(), strict->end(), LookupResult::kHit), 400);
   EXPECT_TRUE(client->TouchSync(keys).ok());
-  EXPECT_EQ(client->counters().refused, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, NodeClientSplitTest, ::testing::Values(1, 2));
@@ -235,8 +235,8 @@ TEST(NodeClientErrorsTest, ARefusalIsCountedAndReturnedNeverASilentMiss) {
   ASSERT_NE(wrong, nullptr);
   const std::vector<LookupResult> states = wrong->Lookup(Keys(0, 3));
   EXPECT_EQ(states, std::vector<LookupResult>(3, LookupResult::kMiss));  // the engine goes on ...
-  EXPECT_GE(wrong->counters().refused, 1u);                              // ... but it is counted
-  EXPECT_EQ(wrong->counters().unreachable, 0u);
+  EXPECT_GE(wrong->counters()[ClientCounter::kRefused], 1u);             // ... but it is counted
+  EXPECT_EQ(wrong->counters()[ClientCounter::kUnreachable], 0u);
   auto strict = wrong->LookupStrict(Keys(0, 3));
   EXPECT_EQ(strict.status().code(), StatusCode::kUnauthenticated) << strict.status().ToString();
   std::filesystem::remove(token_file);
@@ -255,7 +255,7 @@ TEST(NodeClientErrorsTest, ABlockOfTheWrongSizeIsRefusedBeforeItsBytesMove) {
   EXPECT_EQ(put.code(), StatusCode::kInvalidArgument) << put.ToString();
   EXPECT_THAT(std::string(put.message()), HasSubstr(std::to_string(kBlock)));
   // Every refusal counted, the first logged with the value and the limit, once.
-  EXPECT_EQ(client->counters().refused, 3u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 3u);
   EXPECT_EQ(Occurrences(log, "refused a call"), 1u) << log;
   EXPECT_THAT(log, HasSubstr("a block of 32768 bytes; the node's block size is 65536"));
   EXPECT_EQ(Counter(*client, 0, "node.bytes_in"), 0u);
@@ -275,8 +275,10 @@ TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
   // Logged once when the node went down, however many calls failed since; after two failures
   // it is suspect, and calls skip it (counted apart).
   EXPECT_EQ(Occurrences(log, "is unreachable"), 1u) << log;
-  EXPECT_GE(client->counters().unreachable, 2u);
-  EXPECT_GE(client->counters().unreachable + client->counters().skipped_calls, 4u);
+  EXPECT_GE(client->counters()[ClientCounter::kUnreachable], 2u);
+  EXPECT_GE(client->counters()[ClientCounter::kUnreachable] +
+                client->counters()[ClientCounter::kSkippedCalls],
+            4u);
   ASSERT_TRUE(strict.ok()) << strict.status().ToString();  // down is not a refusal
   for (size_t i = 0; i < keys.size(); ++i) {
     EXPECT_EQ((*strict)[i], ::kvstash::testing::HomeIndex(*client, keys[i]) == 1
@@ -284,8 +286,8 @@ TEST(NodeClientErrorsTest, AnUnreachableNodeIsMissesCountedApartFromRefusals) {
                                 : LookupResult::kHit)
         << i;
   }
-  EXPECT_GE(client->counters().unreachable, 1u);
-  EXPECT_EQ(client->counters().refused, 0u);
+  EXPECT_GE(client->counters()[ClientCounter::kUnreachable], 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 0u);
   // Touches of a dead node's keys are counted, never thrown.
   EXPECT_EQ(client->TouchSync(keys).code(), StatusCode::kUnavailable);
 }

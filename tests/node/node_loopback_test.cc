@@ -132,8 +132,8 @@ TEST_F(NodeLoopbackTest, ADroppedFrameIsADeadlineAndChangesNothing) {
   EXPECT_EQ(Put(*client, 1).code(), StatusCode::kDeadlineExceeded);
   // The dropped lookup reads as misses, counted as an unreachable node, not as a refusal.
   EXPECT_EQ(client->Lookup(Keys({Key(1)})), std::vector<LookupResult>{LookupResult::kMiss});
-  EXPECT_EQ(client->counters().unreachable, 2u);
-  EXPECT_EQ(client->counters().refused, 0u);
+  EXPECT_EQ(client->counters()[ClientCounter::kUnreachable], 2u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 0u);
   EXPECT_EQ(Counter("cpu.resident_blocks"), 0u);
   // The next frames arrive.
   ASSERT_TRUE(Put(*client, 1).ok());
@@ -169,7 +169,7 @@ TEST_F(NodeLoopbackTest, ACorruptedFrameIsRefusedAndACorruptPayloadNeverStored) 
   auto refused = client->LookupStrict(Keys({Key(1)}));
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("unparseable"));
-  EXPECT_EQ(client->counters().refused, 1u);
+  EXPECT_EQ(client->counters()[ClientCounter::kRefused], 1u);
   // The checksum the client sent catches the flipped byte: DataLoss, nothing stored.
   EXPECT_EQ(Put(*client, 1).code(), StatusCode::kDataLoss);
   EXPECT_EQ(Counter("node.checksum_failures"), 1u);

@@ -210,25 +210,19 @@ TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {
   WorkerTotals t;
   uint64_t v = 1;
   // Distinct values, so a field read from another's name shows.
-  for (uint64_t* field : {&t.requests,           &t.failed_requests,
-                          &t.cancelled_requests, &t.prompt_tokens,
-                          &t.generation_tokens,  &t.local_hit_tokens,
-                          &t.node_tokens,        &t.computed_tokens,
-                          &t.running_requests,   &t.steps,
-                          &t.prefill_tokens,     &t.decode_tokens,
-                          &t.preemptions,        &t.load_failures,
-                          &t.loaded_bytes,       &t.stored_bytes,
-                          &t.blocks_loaded,      &t.blocks_stored,
-                          &t.node_unreachable,   &t.node_refusals,
-                          &t.touched_keys,       &t.node_unserved_keys,
-                          &t.members_joined,     &t.members_left}) {
+  for (uint64_t* field :
+       {&t.requests, &t.failed_requests, &t.cancelled_requests, &t.prompt_tokens,
+        &t.generation_tokens, &t.local_hit_tokens, &t.node_tokens, &t.computed_tokens,
+        &t.running_requests, &t.steps, &t.prefill_tokens, &t.decode_tokens, &t.preemptions,
+        &t.load_failures, &t.loaded_bytes, &t.stored_bytes, &t.blocks_loaded, &t.blocks_stored}) {
     *field = 1000 + v++;
   }
+  for (const ClientCounterDef& def : kClientCounterDefs) t.client[def.id] = 1000 + v++;
   const Result<WorkerTotals> back = ParseTotals(Dump(TotalsJson(t)));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(Dump(TotalsJson(*back)), Dump(TotalsJson(t)));
-  EXPECT_EQ(back->touched_keys, t.touched_keys);
-  EXPECT_EQ(back->node_refusals, t.node_refusals);
+  EXPECT_EQ(back->requests, t.requests);
+  EXPECT_EQ(back->client, t.client);
 
   WorkerInfo info;
   info.model = "odd \"name\"\\";
@@ -237,26 +231,53 @@ TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {
   EXPECT_NE(text.find("kvstash_worker_info{model=\"odd \\\"name\\\"\\\\\",role=\"prefill\"} 1\n"),
             std::string::npos)
       << text;
-  for (const auto& [name, value] : std::vector<std::pair<std::string, uint64_t>>{
-           {"kvstash_worker_requests_total", t.requests},
-           {"kvstash_worker_prompt_tokens_total", t.prompt_tokens},
-           {"kvstash_worker_generation_tokens_total", t.generation_tokens},
-           {"kvstash_worker_node_tokens_total", t.node_tokens},
-           {"kvstash_worker_load_failures_total", t.load_failures},
-           {"kvstash_worker_loaded_bytes_total", t.loaded_bytes},
-           {"kvstash_worker_stored_bytes_total", t.stored_bytes},
-           {"kvstash_worker_node_unreachable_total", t.node_unreachable},
-           {"kvstash_worker_node_refusals_total", t.node_refusals},
-           {"kvstash_worker_touched_keys_total", t.touched_keys},
-           {"kvstash_worker_node_unserved_keys_total", t.node_unserved_keys},
-           {"kvstash_worker_members_joined_total", t.members_joined},
-           {"kvstash_worker_members_left_total", t.members_left},
-           {"kvstash_worker_running_requests", t.running_requests}}) {
+  std::vector<std::pair<std::string, uint64_t>> metrics = {
+      {"kvstash_worker_requests_total", t.requests},
+      {"kvstash_worker_prompt_tokens_total", t.prompt_tokens},
+      {"kvstash_worker_generation_tokens_total", t.generation_tokens},
+      {"kvstash_worker_node_tokens_total", t.node_tokens},
+      {"kvstash_worker_load_failures_total", t.load_failures},
+      {"kvstash_worker_loaded_bytes_total", t.loaded_bytes},
+      {"kvstash_worker_stored_bytes_total", t.stored_bytes},
+      // The client's counters that predate its registry keep their names.
+      {"kvstash_worker_node_unreachable_total", t.client[ClientCounter::kUnreachable]},
+      {"kvstash_worker_node_refusals_total", t.client[ClientCounter::kRefused]},
+      {"kvstash_worker_touched_keys_total", t.client[ClientCounter::kTouchedKeys]},
+      {"kvstash_worker_node_unserved_keys_total", t.client[ClientCounter::kUnservedKeys]},
+      {"kvstash_worker_members_joined_total", t.client[ClientCounter::kMembersJoined]},
+      {"kvstash_worker_members_left_total", t.client[ClientCounter::kMembersLeft]},
+      {"kvstash_worker_running_requests", t.running_requests}};
+  // And every row of the registry is one.
+  for (const ClientCounterDef& def : kClientCounterDefs) {
+    metrics.emplace_back(ClientCounterMetric(def), t.client[def.id]);
+  }
+  for (const auto& [name, value] : metrics) {
     EXPECT_NE(text.find("\n" + name + " " + std::to_string(value) + "\n"), std::string::npos)
         << name << " in\n"
         << text;
     EXPECT_NE(text.find("# TYPE " + name + " "), std::string::npos) << name;
   }
+  // No two totals share a name: one family per JSON field, and kvstash_worker_info.
+  size_t families = 0;
+  for (size_t at = text.find("# TYPE "); at != std::string::npos;
+       at = text.find("# TYPE ", at + 1)) {
+    ++families;
+  }
+  EXPECT_EQ(families, TotalsJson(t).size() + 1) << text;
+}
+
+TEST(ProtocolTest, ClientCountersKeepTheirNamesAndParseWantsEveryOne) {
+  EXPECT_EQ(ClientCounterMetric(kClientCounterDefs[static_cast<size_t>(ClientCounter::kRefused)]),
+            "kvstash_worker_node_refusals_total");
+  EXPECT_EQ(ClientCounterMetric(kClientCounterDefs[static_cast<size_t>(ClientCounter::kProbes)]),
+            "kvstash_worker_node_probes_total");
+  // A stats reply without one of the client's counters is an error that names it.
+  json reply = TotalsJson(WorkerTotals{});
+  reply.erase("node_abandoned_calls");
+  const Result<WorkerTotals> parsed = ParseTotals(Dump(reply));
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("node_abandoned_calls"), std::string::npos)
+      << parsed.status().ToString();
 }
 
 TEST(ProtocolTest, ErrorsAreOpenAisShapeAndInvalidUtf8NeverThrows) {

@@ -5,13 +5,15 @@
 #include <limits>
 #include <utility>
 
+#include "kvstash/http/prometheus_text.h"
 #include "protocol_json.h"
 
 namespace kvstash::worker {
 namespace {
 
-// Every running total: its /kvstash/stats field, its Prometheus name and help, and whether it
-// is a gauge (else a counter).
+// Every running total of the worker's own: its /kvstash/stats field, its Prometheus name and
+// help, and whether it is a gauge (else a counter). The offload client's counters follow them,
+// from their own registry (WorkerTotals::client, kvstash/common/client_counters.h).
 struct TotalField {
   const char* json;
   const char* metric;
@@ -58,22 +60,6 @@ constexpr TotalField kTotals[] = {
      &WorkerTotals::blocks_loaded},
     {"blocks_stored", "kvstash_worker_stored_blocks_total", "Blocks stored on the offload nodes",
      &WorkerTotals::blocks_stored},
-    {"node_unreachable", "kvstash_worker_node_unreachable_total",
-     "Calls to offload nodes that were down or late (their blocks were misses)",
-     &WorkerTotals::node_unreachable},
-    {"node_refusals", "kvstash_worker_node_refusals_total",
-     "Calls an offload node refused (an error: a limit, a wrong token, a quota)",
-     &WorkerTotals::node_refusals},
-    {"touched_keys", "kvstash_worker_touched_keys_total",
-     "Keys whose use the offload nodes were told of", &WorkerTotals::touched_keys},
-    {"node_unserved_keys", "kvstash_worker_node_unserved_keys_total",
-     "Keys of lookups, loads and stores that no offload node answered (every replica down)",
-     &WorkerTotals::node_unserved_keys},
-    {"members_joined", "kvstash_worker_members_joined_total",
-     "Offload nodes that joined the followed cluster (etcd) after the worker started",
-     &WorkerTotals::members_joined},
-    {"members_left", "kvstash_worker_members_left_total",
-     "Offload nodes that left the followed cluster (etcd)", &WorkerTotals::members_left},
 };
 
 // The member `key` of object `o`, or null.
@@ -122,22 +108,6 @@ Result<json> ParseObject(std::string_view body, std::string_view what) {
     return InternalError("{} is not a JSON object: {:.200}", what, body);
   }
   return parsed;
-}
-
-// Prometheus label value: backslash, double quote and newline escaped.
-std::string LabelValue(std::string_view s) {
-  std::string out;
-  for (const char c : s) {
-    if (c == '\\' || c == '"') {
-      out += '\\';
-      out += c;
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -405,6 +375,8 @@ Result<WorkerInfo> ParseModels(std::string_view body) {
 json TotalsJson(const WorkerTotals& totals) {
   json out = json::object();
   for (const TotalField& f : kTotals) out[f.json] = totals.*f.member;
+  totals.client.ForEach(
+      [&out](const ClientCounterDef& def, uint64_t value) { out[def.export_name] = value; });
   return out;
 }
 
@@ -414,20 +386,34 @@ Result<WorkerTotals> ParseTotals(std::string_view body) {
   for (const TotalField& f : kTotals) {
     KVSTASH_ASSIGN_OR_RETURN(totals.*f.member, UintField(reply, f.json, "the worker's stats"));
   }
+  for (const ClientCounterDef& def : kClientCounterDefs) {
+    KVSTASH_ASSIGN_OR_RETURN(totals.client[def.id],
+                             UintField(reply, def.export_name, "the worker's stats"));
+  }
   return totals;
 }
 
+std::string ClientCounterMetric(const ClientCounterDef& def) {
+  return fmt::format("kvstash_worker_{}{}", def.export_name,
+                     def.kind == CounterKind::kCounter ? "_total" : "");
+}
+
 std::string MetricsText(const WorkerTotals& totals, const WorkerInfo& info) {
-  std::string out =
-      "# HELP kvstash_worker_info The model this worker serves and its role (always 1)\n"
-      "# TYPE kvstash_worker_info gauge\n";
-  out += fmt::format("kvstash_worker_info{{model=\"{}\",role=\"{}\"}} 1\n", LabelValue(info.model),
-                     RoleName(info.role));
+  using prometheus::MetricType;
+  http::PrometheusWriter out;
+  out.Add("kvstash_worker_info", MetricType::Gauge,
+          "The model this worker serves and its role (always 1)", 1,
+          {{"model", info.model}, {"role", std::string(RoleName(info.role))}});
   for (const TotalField& f : kTotals) {
-    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", f.metric, f.help, f.metric,
-                       f.gauge ? "gauge" : "counter", f.metric, totals.*f.member);
+    out.Add(f.metric, f.gauge ? MetricType::Gauge : MetricType::Counter, f.help,
+            static_cast<double>(totals.*f.member));
   }
-  return out;
+  totals.client.ForEach([&out](const ClientCounterDef& def, uint64_t value) {
+    out.Add(ClientCounterMetric(def),
+            def.kind == CounterKind::kCounter ? MetricType::Counter : MetricType::Gauge, def.help,
+            static_cast<double>(value));
+  });
+  return out.Text();
 }
 
 }  // namespace kvstash::worker

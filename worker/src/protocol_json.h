@@ -58,11 +58,16 @@ Result<Completion> ParseCompletion(std::string_view body);
 json ModelsJson(const WorkerInfo& info, int64_t created);
 Result<WorkerInfo> ParseModels(std::string_view body);
 
+// GET /kvstash/stats: every total, the offload client's counters each under its export_name.
+// ParseTotals wants every one of them.
 json TotalsJson(const WorkerTotals& totals);
 Result<WorkerTotals> ParseTotals(std::string_view body);
 
-// GET /metrics: the totals as Prometheus text exposition (format 0.0.4), every counter
-// kvstash_worker_*_total, plus kvstash_worker_running_requests and kvstash_worker_info.
+// GET /metrics: the totals as Prometheus text exposition (format 0.0.4, kvstash::http's
+// PrometheusWriter), every counter kvstash_worker_*_total, plus kvstash_worker_running_requests
+// and kvstash_worker_info; the offload client's counters under ClientCounterMetric's names.
 std::string MetricsText(const WorkerTotals& totals, const WorkerInfo& info);
+// A client counter's name in /metrics: kvstash_worker_<export_name>, with _total for a counter.
+std::string ClientCounterMetric(const ClientCounterDef& def);
 
 }  // namespace kvstash::worker

@@ -18,6 +18,7 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/http/http_front.h"
+#include "kvstash/http/prometheus_text.h"
 #include "protocol_json.h"
 
 namespace kvstash::worker {
@@ -241,7 +242,7 @@ void HttpWorkerServer::Route() {
     res.set_content(Dump(TotalsJson(FreshTotals())), "application/json");
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(MetricsText(FreshTotals(), info_), "text/plain; version=0.0.4; charset=utf-8");
+    res.set_content(MetricsText(FreshTotals(), info_), http::kPrometheusContentType);
   });
   http.set_error_handler(httplib::Server::HandlerWithResponse(
       [this](const httplib::Request& req, httplib::Response& res) {
@@ -713,12 +714,7 @@ void HttpWorkerServer::PublishTotals(bool engine_done) {
     t.stored_bytes = s.bytes_stored;
     t.blocks_loaded = s.blocks_loaded;
     t.blocks_stored = s.blocks_stored;
-    t.node_unreachable = s.node_unreachable;
-    t.node_refusals = s.node_refusals;
-    t.touched_keys = s.touched_keys;
-    t.node_unserved_keys = s.node_unserved_keys;
-    t.members_joined = s.members_joined;
-    t.members_left = s.members_left;
+    t.client = s.client;
   }
   MutexLock lock(&mu_);
   totals_ = t;

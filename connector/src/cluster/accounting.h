@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cluster/node_health.h"
+#include "kvstash/common/client_counters.h"
 #include "kvstash/connector/block_store_client.h"
 
 namespace kvstash::connector {
@@ -16,56 +17,38 @@ namespace kvstash::connector {
 // down, came back, or refused something. Thread-safe.
 class Accounting {
  public:
-  void CallStarted() { calls_.fetch_add(1, std::memory_order_relaxed); }
-  void Touched(size_t keys) { touched_keys_.fetch_add(keys, std::memory_order_relaxed); }
-  void Pinned(size_t keys) { pinned_keys_.fetch_add(keys, std::memory_order_relaxed); }
-  void Unserved(size_t keys) { unserved_.fetch_add(keys, std::memory_order_relaxed); }
+  void CallStarted() { counters_.Add(ClientCounter::kCalls); }
+  void Touched(size_t keys) { counters_.Add(ClientCounter::kTouchedKeys, keys); }
+  void Pinned(size_t keys) { counters_.Add(ClientCounter::kPinnedKeys, keys); }
+  void Unserved(size_t keys) { counters_.Add(ClientCounter::kUnservedKeys, keys); }
   // A call not sent to a suspect node; a lookup's keys not answered within its budget.
-  void Skipped() { skipped_.fetch_add(1, std::memory_order_relaxed); }
-  void Probed() { probes_.fetch_add(1, std::memory_order_relaxed); }
+  void Skipped() { counters_.Add(ClientCounter::kSkippedCalls); }
+  void Probed() { counters_.Add(ClientCounter::kProbes); }
   // A call to a replica given up (cancelled) once another answered.
-  void Abandoned() { abandoned_.fetch_add(1, std::memory_order_relaxed); }
-  void Late(size_t keys) { late_keys_.fetch_add(keys, std::memory_order_relaxed); }
+  void Abandoned() { counters_.Add(ClientCounter::kAbandonedCalls); }
+  void Late(size_t keys) { counters_.Add(ClientCounter::kLateKeys, keys); }
   // A call refused here, before it went (what the node would refuse).
   void RefusedHere(NodeHealth& n, const Status& status) {
-    refused_.fetch_add(1, std::memory_order_relaxed);
+    counters_.Add(ClientCounter::kRefused);
     n.RefusedHere(status);
   }
-  void Repaired(size_t blocks) { repaired_.fetch_add(blocks, std::memory_order_relaxed); }
+  void Repaired(size_t blocks) { counters_.Add(ClientCounter::kRepairedBlocks, blocks); }
   void MembersChanged(size_t joined, size_t left) {
-    joined_.fetch_add(joined, std::memory_order_relaxed);
-    left_.fetch_add(left, std::memory_order_relaxed);
+    counters_.Add(ClientCounter::kMembersJoined, joined);
+    counters_.Add(ClientCounter::kMembersLeft, left);
   }
 
   // Records the outcome of a call to a node (NodeHealth::Record: up, down, suspect, and the
   // logs): unreachable ones and refusals are counted.
   void Record(NodeHealth& n, const Status& status) {
-    if (Unreachable(status)) unreachable_.fetch_add(1, std::memory_order_relaxed);
-    if (n.Record(status)) refused_.fetch_add(1, std::memory_order_relaxed);
+    if (Unreachable(status)) counters_.Add(ClientCounter::kUnreachable);
+    if (n.Record(status)) counters_.Add(ClientCounter::kRefused);
   }
 
-  BlockStoreCounters counters() const {
-    BlockStoreCounters c;
-    c.calls = calls_.load(std::memory_order_relaxed);
-    c.unreachable = unreachable_.load(std::memory_order_relaxed);
-    c.refused = refused_.load(std::memory_order_relaxed);
-    c.touched_keys = touched_keys_.load(std::memory_order_relaxed);
-    c.pinned_keys = pinned_keys_.load(std::memory_order_relaxed);
-    c.unserved_keys = unserved_.load(std::memory_order_relaxed);
-    c.repaired_blocks = repaired_.load(std::memory_order_relaxed);
-    c.members_joined = joined_.load(std::memory_order_relaxed);
-    c.members_left = left_.load(std::memory_order_relaxed);
-    c.skipped_calls = skipped_.load(std::memory_order_relaxed);
-    c.late_keys = late_keys_.load(std::memory_order_relaxed);
-    c.probes = probes_.load(std::memory_order_relaxed);
-    c.abandoned_calls = abandoned_.load(std::memory_order_relaxed);
-    return c;
-  }
+  BlockStoreCounters counters() const { return counters_.Snapshot(); }
 
  private:
-  std::atomic<uint64_t> calls_{0}, unreachable_{0}, refused_{0}, touched_keys_{0}, pinned_keys_{0},
-      unserved_{0}, repaired_{0}, joined_{0}, left_{0}, skipped_{0}, late_keys_{0}, probes_{0},
-      abandoned_{0};
+  AtomicClientCounters counters_;  // kvstash/common/client_counters.h
 };
 
 }  // namespace kvstash::connector

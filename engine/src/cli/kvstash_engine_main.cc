@@ -16,6 +16,7 @@
 #include "CLI/CLI.hpp"
 #include "bench_command.h"
 #include "cli_common.h"
+#include "kvstash/common/client_counters.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/engine/engine.h"
 #include "kvstash/engine/node_offload.h"
@@ -64,15 +65,14 @@ int RunGenerate(const ModelFlags& f, const std::string& prompt_text, size_t max_
     if (show_ttft) std::printf(" ttft_ms=%.3f", ttft_ms);
     if (const KvOffload* offload = e.offload()) {
       const OffloadStats s = offload->stats();
-      std::printf(
-          " node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu "
-          "node_unreachable=%llu node_refusals=%llu touched_keys=%llu",
-          r->num_external_tokens, static_cast<unsigned long long>(s.bytes_loaded),
-          static_cast<unsigned long long>(s.bytes_stored),
-          static_cast<unsigned long long>(e.counters().load_failures),
-          static_cast<unsigned long long>(s.node_unreachable),
-          static_cast<unsigned long long>(s.node_refusals),
-          static_cast<unsigned long long>(s.touched_keys));
+      std::printf(" node_tokens=%zu loaded_bytes=%llu stored_bytes=%llu load_failures=%llu",
+                  r->num_external_tokens, static_cast<unsigned long long>(s.bytes_loaded),
+                  static_cast<unsigned long long>(s.bytes_stored),
+                  static_cast<unsigned long long>(e.counters().load_failures));
+      // The node client's counters, every row of its registry by the name workers export.
+      s.client.ForEach([](const ClientCounterDef& def, uint64_t value) {
+        std::printf(" %s=%llu", def.export_name, static_cast<unsigned long long>(value));
+      });
     }
     std::printf("\n");
   }
@@ -145,10 +145,10 @@ int main(int argc, char** argv) {
                 "also print prompt_tokens=.. cached_tokens=.. computed_tokens=.. (prompt tokens "
                 "the prefix cache held, and prompt tokens run through the model); with --nodes "
                 "also node_tokens=.. (prompt tokens loaded from the nodes), the bytes loaded and "
-                "stored, loads that fell back to recomputing, node_unreachable=.. (calls to "
-                "nodes that were down or late: their blocks are misses), node_refusals=.. "
-                "(calls a node refused: an error, logged) and touched_keys=.. (keys whose use "
-                "the nodes were told of)");
+                "stored, loads that fell back to recomputing, and the node client's counters: "
+                "node_unreachable=.. (calls to nodes that were down or late: their blocks are "
+                "misses), node_refusals=.. (calls a node refused: an error, logged), "
+                "touched_keys=.. (keys whose use the nodes were told of), node_calls=.., ...");
 
   ModelFlags chat_flags;
   chat_flags.model = "builtin:tiny-state-hybrid";

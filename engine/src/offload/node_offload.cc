@@ -99,12 +99,7 @@ class NodeKvOffload : public KvOffload {
     s.blocks_loaded = c.blocks_loaded;
     s.blocks_stored = c.blocks_stored;
     s.blocks_load_failed = c.blocks_load_failed;
-    s.node_unreachable = c.node_unreachable;
-    s.node_refusals = c.node_refusals;
-    s.touched_keys = c.touched_keys;
-    s.node_unserved_keys = c.node_unserved_keys;
-    s.members_joined = c.members_joined;
-    s.members_left = c.members_left;
+    s.client = c.client;
     s.live_nodes = c.live_nodes;
     return s;
   }

@@ -14,44 +14,15 @@
 #include <vector>
 
 #include "kvstash/common/block_key.h"
+#include "kvstash/common/client_counters.h"
 #include "kvstash/common/status.h"
 
 namespace kvstash::connector {
 
-// What a client's calls to the nodes met since it was created. Monotonic. Nothing here is a
-// miss: a block a node does not hold is an answer, not an error.
-struct BlockStoreCounters {
-  uint64_t calls = 0;  // calls sent (a batch over a node's limits is split into several)
-  // Calls to a node that was down or slower than the deadline: their keys read as misses.
-  uint64_t unreachable = 0;
-  // Calls that failed otherwise: refused by the node (over a limit, a bad request, a wrong
-  // token, a quota) or answered with a reply that does not parse. Errors, logged; a lookup's
-  // keys read as misses for the caller to go on, but never silently.
-  uint64_t refused = 0;
-  uint64_t touched_keys = 0;  // keys sent in touches
-  uint64_t pinned_keys = 0;   // keys nodes pinned (Pin)
-  // Keys of lookups, stores and reads that none of their nodes (replicas) answered, because
-  // every one was unreachable: misses and failed stores, where unreachable counts the calls.
-  // With replicas, a node that is down costs calls here only for keys it held alone.
-  uint64_t unserved_keys = 0;
-  // Blocks copied to replicas that lacked them (a lookup found them on another replica; the
-  // next read copied them over).
-  uint64_t repaired_blocks = 0;
-  // Members of a followed cluster that joined or left the client's set after its first read.
-  uint64_t members_joined = 0;
-  uint64_t members_left = 0;
-  // Calls not sent because their node was suspect (it stopped answering; see NodeClientOptions::
-  // suspect_after): their keys read as misses, or went to another replica.
-  uint64_t skipped_calls = 0;
-  // Keys of lookups whose node had not answered within the lookup's budget: read as misses
-  // (also in unserved_keys).
-  uint64_t late_keys = 0;
-  // Echoes sent to suspect nodes to see whether they answer again.
-  uint64_t probes = 0;
-  // Calls given up once they were not needed: a store's calls to a replica that had not
-  // answered a budget after another replica held every block, a read hedged to another replica.
-  uint64_t abandoned_calls = 0;
-};
+// What a client's calls to the nodes met since it was created: a value per row of the client's
+// counter registry (kvstash/common/client_counters.h, where each counter is named and
+// explained), read as counters[ClientCounter::kCalls] or row by row with ForEach. Monotonic.
+using BlockStoreCounters = ClientCounters;
 
 struct NodeAddress {
   std::string host;

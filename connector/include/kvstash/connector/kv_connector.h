@@ -46,11 +46,8 @@ struct KvConnectorStats {
   uint64_t load_jobs = 0, blocks_loaded = 0, blocks_load_failed = 0, bytes_loaded = 0;
   uint64_t store_jobs = 0, blocks_stored = 0, blocks_store_failed = 0, bytes_stored = 0;
   double load_seconds = 0;  // time spent waiting for loads
-  // The node client's counters (BlockStoreCounters): calls, calls to nodes that were down or
-  // late (misses), calls the nodes refused (errors), keys touched.
-  uint64_t node_calls = 0, node_unreachable = 0, node_refusals = 0, touched_keys = 0;
-  // Keys no node (replica) answered; members of a followed cluster that joined and left.
-  uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
+  // The node client's counters, every row of its registry (kvstash/common/client_counters.h).
+  BlockStoreCounters client;
   uint64_t live_nodes = 0;  // the nodes the client places keys on now
 };
 

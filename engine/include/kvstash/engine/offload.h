@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvstash/common/client_counters.h"
 #include "kvstash/common/status.h"
 #include "kvstash/engine/kv_cache_manager.h"
 #include "kvstash/engine/model_runner.h"
@@ -24,12 +25,9 @@ namespace kvstash::engine {
 struct OffloadStats {
   uint64_t bytes_loaded = 0, bytes_stored = 0;
   uint64_t blocks_loaded = 0, blocks_stored = 0, blocks_load_failed = 0;
-  // Calls to nodes that were down or late (their blocks are misses), calls a node refused (an
-  // error: a limit, a wrong token, a quota), keys touched on the nodes.
-  uint64_t node_unreachable = 0, node_refusals = 0, touched_keys = 0;
-  // Keys no node answered (every replica unreachable); nodes of a followed cluster (etcd)
-  // that joined and left.
-  uint64_t node_unserved_keys = 0, members_joined = 0, members_left = 0;
+  // The node client's counters (calls to nodes that were down or late, calls a node refused,
+  // keys touched, ...): every row of kvstash/common/client_counters.h.
+  ClientCounters client;
   uint64_t live_nodes = 0;  // offload nodes keys are placed on now
 };
 

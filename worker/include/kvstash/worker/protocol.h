@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvstash/common/client_counters.h"
 #include "kvstash/common/status.h"
 
 namespace kvstash::worker {
@@ -96,12 +97,10 @@ struct WorkerTotals {
   uint64_t stored_bytes = 0;
   uint64_t blocks_loaded = 0;
   uint64_t blocks_stored = 0;
-  uint64_t node_unreachable = 0;
-  uint64_t node_refusals = 0;
-  uint64_t touched_keys = 0;
-  uint64_t node_unserved_keys = 0;  // keys no node (replica) answered
-  uint64_t members_joined = 0;      // nodes of a followed cluster (etcd) that joined
-  uint64_t members_left = 0;        // and left
+  // The offload node client's counters: every row of its registry
+  // (kvstash/common/client_counters.h), each under its export_name (node_unreachable,
+  // node_refusals, touched_keys, ...).
+  ClientCounters client;
 };
 
 // The most tokens one request may ask for (max_tokens).
