@@ -124,14 +124,21 @@ TEST_F(EtcdNodesTest, BadMembershipSettingsAreRefusedBeforeTheNodeStarts) {
   EXPECT_NE(out.err.find("advertise"), std::string::npos) << out.err;
   out = run({"--etcd", etcd_.endpoint(), "--cluster", "t", "--etcd-ttl-s", "1"});
   EXPECT_EQ(out.exit_code, 2);
+  out = run({"--zone", "rack-1"});
+  EXPECT_EQ(out.exit_code, 2);
+  EXPECT_NE(out.err.find("zone: given without --etcd"), std::string::npos) << out.err;
+  out = run({"--etcd", etcd_.endpoint(), "--cluster", "t", "--zone", "rack 1"});
+  EXPECT_EQ(out.exit_code, 2);
+  EXPECT_NE(out.err.find("zone"), std::string::npos) << out.err;
 }
 
-TEST_F(EtcdNodesTest, TheAdvertisedAddressIsWhatClientsSee) {
-  auto node = Node({"--advertise", "10.1.2.3:9999"});
+TEST_F(EtcdNodesTest, TheAdvertisedAddressAndZoneAreWhatClientsSee) {
+  auto node = Node({"--advertise", "10.1.2.3:9999", "--zone", "rack-1"});
   auto watcher = Watch();
   ASSERT_NE(watcher, nullptr);
   ASSERT_TRUE(WaitForMembers(*watcher, 1, 5s));
   EXPECT_EQ(watcher->members()[0].address, "10.1.2.3:9999");
+  EXPECT_EQ(watcher->members()[0].zone, "rack-1");
 }
 
 }  // namespace
