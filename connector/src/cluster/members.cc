@@ -102,8 +102,16 @@ std::shared_ptr<const Snapshot> MemberSet::Current() const {
 }
 
 std::shared_ptr<const Snapshot> MemberSet::snapshot() const {
-  if (lingering_.load(std::memory_order_acquire) != 0) DropFailedLingering();
-  return Current();
+  std::shared_ptr<const Snapshot> current = Current();
+  if (lingering_.load(std::memory_order_acquire) == 0) return current;
+  // Lock-free unless a lingering member has failed: every call passes here.
+  for (const auto& member : current->members) {
+    if (member->state->lingering() && member->state->suspect()) {
+      DropFailedLingering();
+      return Current();
+    }
+  }
+  return current;
 }
 
 void MemberSet::DropFailedLingering() const {
