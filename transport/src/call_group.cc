@@ -35,33 +35,7 @@ void CallGroup::Post(std::function<void()> copy) {
 }
 
 void CallGroup::Wait() {
-  while (true) {
-    std::function<void()> copy;
-    uint64_t seen = 0;
-    {
-      MutexLock lock(&mu_);
-      if (copies_.empty() && outstanding_ == 0) return;
-      if (!copies_.empty()) {
-        copy = std::move(copies_.front());
-        copies_.pop_front();
-      } else {
-        seen = events_.load(std::memory_order_relaxed);
-      }
-    }
-    if (copy) {
-      copy();
-      continue;
-    }
-    // The transport answers in microseconds: poll a while before sleeping, as the progress
-    // thread does, since a sleeping thread takes tens of microseconds to wake.
-    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-    while (events_.load(std::memory_order_acquire) == seen &&
-           std::chrono::steady_clock::now() < spin_until) {
-      sched_yield();
-    }
-    MutexLock lock(&mu_);
-    while (copies_.empty() && outstanding_ != 0) cv_.Wait(&mu_);
-  }
+  (void)WaitUntil([] { return false; }, std::chrono::steady_clock::time_point::max());
 }
 
 bool CallGroup::WaitUntil(const std::function<bool()>& enough,
@@ -90,9 +64,15 @@ bool CallGroup::WaitUntil(const std::function<bool()>& enough,
            std::chrono::steady_clock::now() < spin_until) {
       sched_yield();
     }
+    // The transport answers in microseconds: polled a while above before sleeping, as the
+    // progress thread does, since a sleeping thread takes tens of microseconds to wake.
     MutexLock lock(&mu_);
     while (copies_.empty() && outstanding_ != 0 &&
            events_.load(std::memory_order_relaxed) == seen) {
+      if (until == std::chrono::steady_clock::time_point::max()) {
+        cv_.Wait(&mu_);
+        continue;
+      }
       const auto now = std::chrono::steady_clock::now();
       if (now >= until) break;
       cv_.WaitFor(&mu_, until - now);
