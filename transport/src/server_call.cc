@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "kvstash/transport/rpc.h"
+#include "kvstash/transport/channel.h"
 
 namespace kvstash::transport {
 

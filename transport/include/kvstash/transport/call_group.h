@@ -12,7 +12,7 @@
 #include <functional>
 
 #include "kvstash/common/mutex.h"
-#include "kvstash/transport/rpc.h"
+#include "kvstash/transport/channel.h"
 
 namespace kvstash::transport {
 

@@ -192,6 +192,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
   Result<MemoryRegion> Allocate(size_t bytes);
 
  private:
+  std::function<void()> Unmapper(void* memh) const;
   Worker(const TransportOptions& options) : options_(options) {}
   void Loop();
 

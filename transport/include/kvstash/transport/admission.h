@@ -1,10 +1,10 @@
-// What a server decides at a client's hello, the same on every transport.
+// What a server decides at a client's hello, the same on every transport (UCX, loopback).
 #pragma once
 
 #include <string_view>
 
 #include "kvstash/common/status.h"
-#include "kvstash/transport/rpc.h"
+#include "kvstash/transport/channel.h"
 
 namespace kvstash::transport {
 

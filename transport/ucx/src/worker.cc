@@ -64,41 +64,6 @@ void* UcpEndpoint::Close(bool force) {
   return request;
 }
 
-MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept
-    : context_(std::exchange(other.context_, nullptr)),
-      memh_(std::exchange(other.memh_, nullptr)),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)),
-      id_(std::exchange(other.id_, 0)),
-      rkey_(std::exchange(other.rkey_, {})) {}
-
-MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    context_ = std::exchange(other.context_, nullptr);
-    memh_ = std::exchange(other.memh_, nullptr);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    id_ = std::exchange(other.id_, 0);
-    rkey_ = std::exchange(other.rkey_, {});
-  }
-  return *this;
-}
-
-MemoryRegion::~MemoryRegion() { Reset(); }
-
-void MemoryRegion::Reset() {
-  if (memh_ != nullptr) {
-    ucp_mem_unmap(static_cast<ucp_context_h>(context_), static_cast<ucp_mem_h>(memh_));
-  }
-  context_ = nullptr;
-  memh_ = nullptr;
-  data_ = nullptr;
-  size_ = 0;
-  id_ = 0;
-  rkey_.clear();
-}
-
 namespace {
 std::atomic<uint64_t> next_region_id{1};
 }  // namespace
@@ -333,6 +298,13 @@ bool Worker::DiscardRendezvous(void* descriptor, size_t length) {
   return true;
 }
 
+// The release of a region this worker's context mapped: unmapped while the context lives (a
+// region must not outlive its client or server, which own the context).
+std::function<void()> Worker::Unmapper(void* memh) const {
+  ucp_context_h context = context_.get();
+  return [context, memh] { ucp_mem_unmap(context, static_cast<ucp_mem_h>(memh)); };
+}
+
 Result<MemoryRegion> Worker::Register(MutableBytes memory) {
   if (memory.empty()) return InvalidArgumentError("cannot register 0 bytes");
   ucp_mem_map_params_t params{};
@@ -342,13 +314,7 @@ Result<MemoryRegion> Worker::Register(MutableBytes memory) {
   ucp_mem_h memh = nullptr;
   KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_.get(), &params, &memh),
                                   fmt::format("registering {} bytes", memory.size())));
-  MemoryRegion region;
-  region.context_ = context_.get();
-  region.memh_ = memh;
-  region.data_ = memory.data();
-  region.size_ = memory.size();
-  region.id_ = next_region_id.fetch_add(1);
-  return region;
+  return MemoryRegion(memory, memh, next_region_id.fetch_add(1), {}, Unmapper(memh));
 }
 
 Result<MemoryRegion> Worker::Allocate(size_t bytes) {
@@ -369,20 +335,16 @@ Result<MemoryRegion> Worker::Allocate(size_t bytes) {
     ucp_mem_unmap(context_.get(), memh);
     return queried;
   }
-  MemoryRegion region;
-  region.context_ = context_.get();
-  region.memh_ = memh;
-  region.data_ = static_cast<std::byte*>(attr.address);
-  region.size_ = bytes;
-  region.id_ = next_region_id.fetch_add(1);
   // The packed key lets a process on this host map the memory (mapped payloads).
+  std::string packed;
   void* rkey = nullptr;
   size_t rkey_size = 0;
   if (ucp_rkey_pack(context_.get(), memh, &rkey, &rkey_size) == UCS_OK) {
-    region.rkey_.assign(static_cast<const char*>(rkey), rkey_size);
+    packed.assign(static_cast<const char*>(rkey), rkey_size);
     ucp_rkey_buffer_release(rkey);
   }
-  return region;
+  return MemoryRegion({static_cast<std::byte*>(attr.address), bytes}, memh,
+                      next_region_id.fetch_add(1), std::move(packed), Unmapper(memh));
 }
 
 }  // namespace kvstash::transport

@@ -1,27 +1,16 @@
 #pragma once
 
-// Request/response RPC over UCX active messages, with block payloads moved zero-copy.
+// The call interface a service and its clients are written against, whatever carries the calls:
+// a client's Channel, a server's Listener and the ServerCall a handler answers. UCX implements
+// it (rpc.h, kvstash::transport_ucx), so does the in-process loopback (loopback.h,
+// kvstash::transport_testing); every implementation passes the contract suite
+// (tests/transport/contract_test.cc, ctest label `contract`), which is what this interface
+// promises.
 //
-// Every call carries a small message (protobuf bytes, see proto/wire.proto) and at most one
-// payload each way: a request payload (a put: the server receives it straight into memory it
-// chooses) and a reply payload (a get: the client receives it straight into the buffer it
-// gave). Large payloads go by UCX rendezvous, so the bytes are copied once, by the transport
-// (shared memory: a single CMA/posix copy; TCP: the socket), from registered memory to
-// registered memory.
-//
-// Connections: the server listens on a TCP port. A client connects there, sends wire.Hello
-// with its UCX worker address and receives wire.HelloReply with the server's; both then open
-// UCX endpoints to each other's worker. The TCP socket stays open as a liveness channel: when
-// either process dies, the other side sees it close at once, whatever the UCX transport.
-// (A UCX sockaddr listener cannot carry shared-memory transports in UCX 1.13: measured
-// "Destination is unreachable" with UCX_TLS=shm.)
-//
-// Threads: each RpcServer owns one UCX worker and one progress thread, which also runs an Asio
-// io_context (sockets, deadline timers). So does each RpcClient, unless it is given a
-// ClientWorker: then the connections of every client on that ClientWorker share its worker
-// and thread (one per process is the intent: a client per node, many engine threads, one
-// thread driving UCX). The progress thread spins while there is traffic and sleeps on the
-// worker's event fd when idle. Every callback runs on that thread and must not block.
+// Every call carries a small message (bytes; a service puts its protobuf there) and at most one
+// payload each way: a request payload (the server receives it straight into memory it chooses)
+// and a reply payload (the client receives it straight into the buffer it gave). Every callback
+// runs on the transport's progress thread and must not block.
 
 #include <chrono>
 #include <cstddef>
@@ -66,14 +55,18 @@ struct TransportOptions {
   std::string shm_dir;
 };
 
-class Worker;
-
-// Memory registered with one endpoint's UCX context, so payloads move from and into it without
-// a registration per call. Move-only; unregisters (and frees, when it allocated) on
-// destruction. Must not outlive the RpcClient/RpcServer that registered it.
+// Memory a transport knows, so payloads move from and into it without a registration per call
+// (UCX: registered with its context, or allocated where a client on the same host can map it).
+// Move-only; the transport's release (unregister, free) runs on destruction. Must not outlive
+// the client or server that made it.
 class MemoryRegion {
  public:
   MemoryRegion() = default;
+  // For implementations: `handle` is theirs (UCX: the ucp_mem_h), `id` unique in the process,
+  // `packed_rkey` what a process on the same host maps it with (empty where none can), and
+  // `release` runs once when the region goes.
+  MemoryRegion(MutableBytes bytes, void* handle, uint64_t id, std::string packed_rkey,
+               std::function<void()> release);
   MemoryRegion(MemoryRegion&& other) noexcept;
   MemoryRegion& operator=(MemoryRegion&& other) noexcept;
   MemoryRegion(const MemoryRegion&) = delete;
@@ -86,23 +79,20 @@ class MemoryRegion {
   bool Contains(Bytes span) const {
     return span.data() >= data_ && span.data() + span.size() <= data_ + size_;
   }
-  // For the transport's own use: the UCX memory handle (ucp_mem_h); a process-unique id; and
-  // for memory allocated through UCX (AllocateMemory), its packed remote key, with which a
-  // process on the same host maps it (empty for registered memory).
-  void* handle() const { return memh_; }
+  // For the transport's own use (see the constructor).
+  void* handle() const { return handle_; }
   uint64_t id() const { return id_; }
   const std::string& packed_rkey() const { return rkey_; }
 
  private:
-  friend class Worker;
   void Reset();
 
-  void* context_ = nullptr;  // ucp_context_h
-  void* memh_ = nullptr;     // ucp_mem_h
+  void* handle_ = nullptr;
   std::byte* data_ = nullptr;
   size_t size_ = 0;
   uint64_t id_ = 0;
   std::string rkey_;
+  std::function<void()> release_;
 };
 
 // The outcome of one call, passed to its callback.
@@ -202,93 +192,6 @@ class Channel {
   // them into and out of its memory itself): no network carries them, so a checksum of them
   // guards nothing. False until connected.
   virtual bool payloads_mapped() const { return false; }
-};
-
-// The client end of one connection to one server. Connects on the first call (or Connect)
-// and again on the next call after the connection is lost. Thread-safe: calls may start on
-// any thread; callbacks run on the client's progress thread (its own, or its ClientWorker's).
-class RpcClient : public Channel {
- public:
-  static Result<std::unique_ptr<RpcClient>> Create(ClientOptions options);
-  // Fails every call still outstanding with Cancelled, then closes the connection.
-  ~RpcClient() override;
-
-  // Connects now (normally the first call does); blocks. Not on the progress thread.
-  Status Connect();
-
-  // Starts a call of `method` with `request` bytes (copied). `done` runs exactly once, on the
-  // progress thread: with the reply, or with DeadlineExceeded, Cancelled, Unavailable (the
-  // connection failed or was lost) or the server's error. Returns the call's id, for Cancel.
-  uint64_t Call(uint16_t method, Bytes request, const CallOptions& options,
-                ResponseCallback done) override;
-
-  // Completes call `id` with Cancelled (and tells the server) unless it already completed.
-  // Buffers it used are no longer touched when its callback runs.
-  void Cancel(uint64_t id) override;
-
-  // Call and wait. Not on the progress thread. The reply message is copied into *reply.
-  Status CallSync(uint16_t method, Bytes request, const CallOptions& options,
-                  std::vector<std::byte>* reply, size_t* payload_bytes = nullptr);
-
-  // Registers caller memory, or allocates memory UCX can share (shared-memory transports map
-  // it directly). Thread-safe.
-  Result<MemoryRegion> RegisterMemory(MutableBytes memory);
-  Result<MemoryRegion> AllocateMemory(size_t bytes);
-
-  // True on this client's progress thread.
-  bool OnProgressThread() const;
-  // Runs fn on the progress thread (inline when already there).
-  void RunOnProgressThread(std::function<void()> fn);
-  TransportStats stats() const;
-  uint64_t connection_id() const;
-  // The limits the server stated at the latest hello, tightened by this client's own
-  // (TransportOptions); nullopt before the first connection. A server restarted with other
-  // limits is seen at the reconnection. Thread-safe.
-  std::optional<ServerLimits> server_limits() const override;
-  bool payloads_mapped() const override;
-  // Starts connecting unless connected or connecting; `done` runs once on the progress thread
-  // with the outcome (OK at once when connected). For connecting to many servers in parallel.
-  void ConnectAsync(std::function<void(const Status&)> done) override;
-  void Reset(const Status& why) override;
-
-  // Sends raw frame bytes (AM header, AM data) on the connection, for fuzz tests. Connects
-  // first. No reply is matched to it. `sent`, when given, runs on the client's thread once UCX
-  // has finished the send: for a rendezvous payload, once the server took or let go of it.
-  Status SendRawForTesting(Bytes header, Bytes data, std::function<void(Status)> sent = nullptr);
-
-  class Impl;
-
- private:
-  RpcClient(std::shared_ptr<ClientWorker> worker, std::unique_ptr<Impl> impl);
-  std::shared_ptr<ClientWorker> worker_;  // declared first: outlives impl_
-  std::unique_ptr<Impl> impl_;
-};
-
-// A UCX worker and progress thread that many RpcClients share: every connection of every
-// client created with it (ClientOptions::worker) is driven by this one thread, and replies
-// are routed to their client by connection id. On a machine with few cores, one spinning
-// progress thread per process instead of one per connection leaves the cores to the work.
-// Callbacks of all its clients run on its thread, one at a time. Lives while any of its
-// clients does.
-class ClientWorker {
- public:
-  static Result<std::shared_ptr<ClientWorker>> Create(const TransportOptions& options);
-  ~ClientWorker();
-  ClientWorker(const ClientWorker&) = delete;
-  ClientWorker& operator=(const ClientWorker&) = delete;
-
-  const TransportOptions& options() const;
-  // Frames that named no connection of this worker's clients (dropped).
-  uint64_t unrouted_frames() const;
-  // The UCX worker address its clients' hellos carry (for tests that speak the hello).
-  std::string AddressForTesting() const;
-
-  class Impl;
-  Impl& impl() { return *impl_; }
-
- private:
-  explicit ClientWorker(std::shared_ptr<Impl> impl);
-  std::shared_ptr<Impl> impl_;
 };
 
 // One request on a server, as the transport that carries it implements it (UCX, loopback).
@@ -397,40 +300,6 @@ class Listener {
   virtual void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) = 0;
   virtual TransportStats stats() const = 0;
   virtual size_t connection_count() const = 0;
-};
-
-// The server end: accepts connections and dispatches requests to handlers by method.
-// Handlers run on the progress thread and must not block (hand slow work to another thread and
-// reply from there). Register handlers before Start. Thread-safe after Start.
-class RpcServer : public Listener {
- public:
-  static Result<std::unique_ptr<RpcServer>> Create(ServerOptions options);
-  ~RpcServer() override;
-
-  void Handle(uint16_t method, Handler handler) override;
-  // Runs on the progress thread when a connection ends (the client closed or died, or the
-  // server is stopping), after its outstanding payload transfers failed. Register before Start.
-  void OnDisconnect(std::function<void(uint64_t connection_id)> fn) override;
-  // Binds and starts accepting; port() is known after it returns.
-  Status Start() override;
-  // Stops accepting, closes every connection (OnDisconnect runs for each) and joins the
-  // progress thread; after it no handler runs. Idempotent; the destructor calls it.
-  void Stop() override;
-  uint16_t port() const override;
-
-  Result<MemoryRegion> RegisterMemory(MutableBytes memory);
-  Result<MemoryRegion> AllocateMemory(size_t bytes) override;
-  bool OnProgressThread() const;
-  void RunOnProgressThread(std::function<void()> fn) override;
-  void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) override;
-  TransportStats stats() const override;
-  size_t connection_count() const override;
-
-  class Impl;
-
- private:
-  explicit RpcServer(std::shared_ptr<Impl> impl);
-  std::shared_ptr<Impl> impl_;  // shared with calls still held by handlers
 };
 
 }  // namespace kvstash::transport

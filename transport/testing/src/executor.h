@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "kvstash/common/mutex.h"
-#include "kvstash/transport/rpc.h"
+#include "kvstash/transport/channel.h"
 
 namespace kvstash::transport {
 

@@ -25,7 +25,7 @@
 #include <functional>
 #include <memory>
 
-#include "kvstash/transport/rpc.h"
+#include "kvstash/transport/channel.h"
 
 namespace kvstash::transport {
 

@@ -1,4 +1,4 @@
-#include "hello.h"
+#include "kvstash/transport/admission.h"
 
 #include <string>
 

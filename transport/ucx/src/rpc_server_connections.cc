@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "bootstrap.h"
-#include "hello.h"
+#include "kvstash/transport/admission.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
 #include "rpc_server_impl.h"

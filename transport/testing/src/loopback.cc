@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "executor.h"
-#include "hello.h"
+#include "kvstash/transport/admission.h"
 #include "kvstash/common/mutex.h"
 
 namespace kvstash::transport {
