@@ -180,7 +180,7 @@ class Build:
                     self.errors.append(f"error: {where}: add_subdirectory({sub}) names a variable; "
                                        "this check reads CMake files as text and cannot follow it")
                     continue
-                child = os.path.normpath(os.path.join(folder, sub)) if folder else os.path.normpath(sub)
+                child = os.path.normpath(os.path.join(folder, sub))
                 if not os.path.isfile(os.path.join(self.root, child, "CMakeLists.txt")):
                     self.errors.append(f"error: {where}: add_subdirectory({sub}): no "
                                        f"{child}/CMakeLists.txt")
@@ -345,7 +345,8 @@ def check(root, path, doc):
         """The row whose area holds `folder`: the deepest row at or above it."""
         best = None
         for row in by_folder.values():
-            if is_under(folder, row.folder) and (best is None or len(row.folder) > len(best.folder)):
+            deeper = best is None or len(row.folder) > len(best.folder)
+            if is_under(folder, row.folder) and deeper:
                 best = row
         return best
 

@@ -118,8 +118,8 @@ class SyntheticTreeTest(unittest.TestCase):
         self.assertEqual((code, errors), (0, ""))
 
     def test_a_build_folder_without_a_row_fails(self):
-        self.edit_doc("| `alpha/` | `kvstash::alpha`, `alphad` | the alpha library and its daemon |\n",
-                      "")
+        self.edit_doc(
+            "| `alpha/` | `kvstash::alpha`, `alphad` | the alpha library and its daemon |\n", "")
         self.fails_with(r"`kvstash_alpha` / `kvstash::alpha` \(alpha/CMakeLists.txt:2\) is in no "
                         r"row's area: add a row for `alpha/`",
                         r"`alphad` \(alpha/CMakeLists.txt:4\) is in no row's area")
@@ -138,7 +138,8 @@ class SyntheticTreeTest(unittest.TestCase):
         self.fails_with(r"row `beta/` does not name `beta_tool` \(beta/sub/CMakeLists.txt:2\)")
 
     def test_a_folder_that_does_not_exist_fails(self):
-        self.edit_doc("| `scripts/` | | scripts |", "| `scripts/` | | scripts |\n| `gamma/` | | gone |")
+        self.edit_doc("| `scripts/` | | scripts |",
+                      "| `scripts/` | | scripts |\n| `gamma/` | | gone |")
         self.fails_with(r"row `gamma/`: no such folder")
 
     def test_a_target_named_in_another_rows_area_fails(self):
@@ -171,7 +172,8 @@ class SyntheticTreeTest(unittest.TestCase):
         self.fails_with(r"row `beta/` does not name `beta_files`")
 
     def test_a_row_twice_fails(self):
-        self.edit_doc("| `scripts/` | | scripts |", "| `scripts/` | | scripts |\n| `scripts/` | | again |")
+        self.edit_doc("| `scripts/` | | scripts |",
+                      "| `scripts/` | | scripts |\n| `scripts/` | | again |")
         self.fails_with(r"row `scripts/` again")
 
     def test_an_unreadable_target_cell_fails(self):
