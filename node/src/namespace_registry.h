@@ -1,9 +1,10 @@
 #pragma once
 
-// The namespaces a node serves, by their exact names. A namespace's id (the 32 bits its blocks'
-// keys carry) is given by the node, in order of first appearance, never derived from the name:
-// an id computed from a name (it was xxh3 of it) lets a client choose a name whose id is another
-// tenant's and read and write that tenant's blocks. Two names can never share an id here.
+// The namespaces a node serves, by their exact names (the namespace, its id and the key's field:
+// docs/semantics.md §18). A namespace's id (the 32 bits its blocks' keys carry) is given by the
+// node, in order of first appearance, never derived from the name: an id computed from a name
+// (it was xxh3 of it) lets a client choose a name whose id is another tenant's and read and
+// write that tenant's blocks. Two names can never share an id here.
 //
 // With a file (the node's SSD directory), the table survives restarts, so blocks on SSD stay
 // with their namespace: a registration appends one line before the name is used, so no block of

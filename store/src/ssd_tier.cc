@@ -134,7 +134,8 @@ bool DecodeRecord(std::string_view bytes, SlotId* slot, SlotRecord* r) {
 }
 
 // xxh3-64 of the bytes, seeded with the key and the sequence number: bytes left in a slot by
-// an earlier block, or by a torn write of a later one, do not match the record.
+// an earlier block, or by a torn write of a later one, do not match the record. The disk's
+// copy only: docs/semantics.md §18 lists the other checksums.
 uint64_t BlockChecksum(const BlockKey& key, uint64_t seq, std::span<const std::byte> data) {
   char seed_bytes[kIndexKeyBytes + 8];
   const std::string k = EncodeKey(key);

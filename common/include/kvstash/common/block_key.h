@@ -1,7 +1,7 @@
-// The vocabulary every layer shares: the key a block is stored under, a lookup's answer for one
-// key, and the two scans over a request's keys (docs/semantics.md §1, §7.4). The connector,
-// the node, the store and the wire (kvstash/proto/convert.h) all speak these, so there is one
-// key type, one hash for in-memory tables and one tri-state.
+// The vocabulary every layer shares: the key a block is stored under (what identifies a block is
+// docs/semantics.md §18), a lookup's answer for one key, and the two scans over a request's keys
+// (§1, §7.4). The connector, the node, the store and the wire (kvstash/proto/convert.h) all
+// speak these, so there is one key type, one hash for in-memory tables and one tri-state.
 #pragma once
 
 #include <cstddef>
@@ -16,13 +16,14 @@
 
 namespace kvstash {
 
-// A node-local id for a namespace (model + KV layout fingerprint: dtype, heads, head size, block
-// size, TP rank). A node derives it from the name a client gives at hello, so incompatible
-// layouts never mix; a client's keys carry 0 and the node fills in the connection's.
+// The id a node gives a namespace (the name a client gives at hello): its own, in the order
+// names reach it, never derived from the name. A client's keys carry 0, "the connection's", and
+// the node fills in the connection's id (docs/semantics.md §18).
 using NamespaceId = uint32_t;
 
-// (namespace, group, block hash): one block of one KV-cache group of one prefix. The block hash
-// is chained, so the key commits to the whole prefix. A value type, 24 bytes.
+// (namespace id, group, block hash): one block of one KV-cache group of one prefix in one
+// namespace. The block hash is chained, so the key commits to the whole prefix. A value type,
+// 24 bytes. docs/semantics.md §18 says what each field is and which checksum guards the block.
 struct BlockKey {
   BlockHash hash;
   uint32_t group = 0;

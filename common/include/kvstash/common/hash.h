@@ -1,5 +1,6 @@
-// Hashing: xxh3 from libxxhash for everything that leaves the process (block hashes), and a
-// cheap 64-bit mixer for in-memory hash tables.
+// Hashing: xxh3 from libxxhash for everything that leaves the process (block hashes,
+// checksums: which covers what is docs/semantics.md §18), and a cheap 64-bit mixer for
+// in-memory hash tables.
 #pragma once
 
 #include <cstddef>
@@ -32,7 +33,8 @@ uint64_t Xxh3Hash64(std::span<const std::byte> bytes, uint64_t seed = 0);
 
 // The chained block hash: XXH3-128 over (parent hash, token ids, extra keys), each part
 // length-prefixed so that different splits never collide. The root block's parent is a
-// zero hash. `extra_keys` carries LoRA name, multimodal identifiers, cache salt (any bytes).
+// zero hash. `extra_keys` carries LoRA name, multimodal identifiers, cache salt (any bytes; the
+// engine's is its model fingerprint, so two models never share a hash: docs/semantics.md §18).
 BlockHash ChainBlockHash(const BlockHash& parent, std::span<const uint32_t> token_ids,
                          std::span<const std::byte> extra_keys = {});
 

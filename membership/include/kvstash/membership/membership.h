@@ -3,7 +3,8 @@
 // A kvstash cluster's membership in etcd. Each node keeps a key under the cluster's prefix,
 // "/kvstash/<cluster>/nodes/<address>", holding its NodeRecord as JSON and bound to a lease it
 // keeps alive (Registration), so a node that dies leaves the set once its lease expires.
-// Clients read the prefix and watch it (MembershipWatcher). etcd does the consensus.
+// Clients read the prefix and watch it (MembershipWatcher). etcd does the consensus. The rules
+// a client and a node follow: docs/semantics.md §15.
 
 #include <atomic>
 #include <chrono>
@@ -29,12 +30,14 @@ std::string MembersPrefix(std::string_view cluster);
 
 // What a node publishes of itself.
 struct NodeRecord {
-  std::string address;  // HOST:PORT clients connect to
+  // HOST:PORT clients connect to; its text is the member's identity and placement hash
+  // (docs/semantics.md §15, §16).
+  std::string address;
   uint64_t block_bytes = 0;
   uint64_t cpu_bytes = 0;
   uint64_t ssd_bytes = 0;  // 0: no SSD tier
   std::string policy;      // "lru" or "arc"
-  std::string zone;        // failure domain (kvstashd --zone); empty: none
+  std::string zone;        // failure domain (kvstashd --zone; docs/semantics.md §16); empty: none
 
   std::string ToJson() const;
   // InvalidArgument for JSON that is not a record, or one without an address.

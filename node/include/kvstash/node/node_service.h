@@ -50,7 +50,7 @@ struct NodeServiceOptions {
   std::optional<size_t> default_namespace_quota_blocks;
   // The most namespaces (distinct names given at hello or in quotas) the node serves; a hello
   // naming one more is refused. Each name holds its id in the store's keys for the node's life
-  // (docs/semantics.md §1: ids are the node's, by exact name).
+  // (docs/semantics.md §18: ids are the node's, by exact name).
   size_t max_namespaces = 65536;
   // The time leases are measured in; empty: std::chrono::steady_clock. Tests give their own.
   std::function<std::chrono::steady_clock::time_point()> clock;
@@ -91,8 +91,8 @@ class NodeService {
 
   // The start of every request of `connection`, whose client named `key_namespace` at hello:
   // makes its session at its first request and renews its lease. The namespace's id, which the
-  // request's keys carry; AdmitNamespace's errors when the name has no id yet and cannot get
-  // one.
+  // request's keys carry (docs/semantics.md §18); AdmitNamespace's errors when the name has no id
+  // yet and cannot get one.
   Result<NamespaceId> BeginRequest(uint64_t connection, std::string_view key_namespace);
 
   // Each key's result, in order; counted.
@@ -120,10 +120,10 @@ class NodeService {
   // counted and the message names the namespace).
   Result<PutSlot> BeginPut(uint64_t connection, const BlockKey& key, size_t length);
   // The bytes of a BeginPut are in the slot (`received` OK) or could not arrive. Commits the
-  // block when they are in and match `checksum` (xxh3-64; 0: unchecked), aborts it otherwise, so
-  // a block is readable whole or not at all. `received`, or DataLoss for a checksum mismatch.
-  // When the session ended while the bytes were arriving, the block is aborted and the session
-  // ends now.
+  // block when they are in and match `checksum` (xxh3-64; 0: unchecked; docs/semantics.md
+  // §18), aborts it otherwise, so a block is readable whole or not at all. `received`, or DataLoss
+  // for a checksum mismatch. When the session ended while the bytes were arriving, the block is
+  // aborted and the session ends now.
   Status EndPut(uint64_t connection, const BlockKey& key, Status received, uint64_t checksum);
 
   // Pins each key held in the CPU tier for the session (one pin per call; a key may be pinned

@@ -7,7 +7,8 @@
 
 namespace kvstash::wire {
 
-// The key on the wire: hash and group. The namespace never travels (it is the connection's).
+// The key on the wire: hash and group. The namespace never travels (it is the connection's;
+// docs/semantics.md §18).
 Key ToWire(const BlockKey& key);
 void ToWire(const BlockKey& key, Key* out);
 // The key of a request, in the namespace of the connection it came on.

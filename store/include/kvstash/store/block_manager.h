@@ -25,7 +25,8 @@ enum class EvictionPolicy : uint8_t { kLru, kArc };
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 std::string_view EvictionPolicyName(EvictionPolicy policy);
 
-// Ceilings on the blocks each namespace may hold in one tier, counting blocks being written.
+// Ceilings on the blocks each namespace may hold in one tier, counting blocks being written; by
+// namespace id (docs/semantics.md §18).
 // A ceiling reserves nothing: namespaces under theirs, and those without one, compete for the
 // rest of the tier through the policy as usual.
 struct NamespaceQuotas {

@@ -73,7 +73,7 @@ struct SsdWrite {
 // slot * stride with direct I/O; RocksDB holds only a small index record per block (slot,
 // length, sequence number, checksum). Every read verifies the block's checksum, which also
 // covers the key and the sequence number, so a torn, stale or corrupt slot is never served: it
-// reads as a miss, is dropped and counted.
+// reads as a miss, is dropped and counted (docs/semantics.md §18: which checksum covers what).
 //
 // Crash safety: a block's index record is written only after its bytes are in the slot file,
 // and an evicted block's record is deleted before its slot is reused; Create rebuilds the index
