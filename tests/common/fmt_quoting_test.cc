@@ -1,5 +1,5 @@
 // kvstash's log lines quote what a peer sent, escaped ({:?}; the node's refusal of a client,
-// transport/src/ucx/rpc_server_connections.cc), and a name cut short or not UTF-8 can end in half
+// transport/ucx/src/rpc_server_connections.cc), and a name cut short or not UTF-8 can end in half
 // a character. Built by clang, formatting such a string aborted in fmt ("core.h:405: assertion
 // failed: negative value") in a program that has no copies of fmt's templates of its own: it
 // took them from libspdlog, which Debian's package exports and which comes first in the link

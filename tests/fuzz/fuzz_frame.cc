@@ -1,5 +1,5 @@
 // Fuzz target `frame`: the RPC frame as a node and a client read it out of a UCX active message
-// (transport/include/kvstash/transport/frame.h). Every frame a node receives goes through
+// (transport/ucx/include/kvstash/transport/frame.h). Every frame a node receives goes through
 // ParseFrame before anything else looks at it (RpcServer's Dispatch, which needs UCX past that
 // point), and a client parses the node's frames and their error messages the same way.
 //
@@ -25,7 +25,7 @@
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::transport::internal {
-// How a client turns a node's error frame into a Status: transport/src/ucx/rpc_client_frames.cc,
+// How a client turns a node's error frame into a Status: transport/ucx/src/rpc_client_frames.cc,
 // declared in the private rpc_client_impl.h (not included here: it brings UCX's and Asio's
 // headers).
 Status StatusFromWireError(uint16_t code, Bytes message);

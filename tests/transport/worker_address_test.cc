@@ -1,4 +1,4 @@
-// The check of a peer's UCX worker address (transport/src/ucx/worker_address.h), against real
+// The check of a peer's UCX worker address (transport/ucx/src/worker_address.h), against real
 // addresses of this machine's UCX: every valid one passes, every truncation and the garbage that
 // once aborted a node (64 bytes of 0xff, "addr version 15") is refused with a message, and no
 // mutation of a valid address makes the reader go past its bytes (AddressSanitizer would say).
