@@ -8,8 +8,9 @@
         client.get(keys, [bytearray(len(block_bytes))])
 
 Keys are bytes in vLLM's OffloadKey layout: the block hash bytes followed by the KV group index as
-4 big-endian bytes (`kvstash.key`). The node key is the xxh3-128 of the hash bytes and the group,
-so any vLLM OffloadKey is a kvstash key as it is.
+4 big-endian bytes (`kvstash.key`). The node key's hash is the xxh3-128 of the hash bytes only and
+its group is the group as it is, so any vLLM OffloadKey is a kvstash key as it is (a block's
+identity: docs/semantics.md §18).
 
 Block buffers are handed to the C++ client as they are (no copy in Python); each must be
 C-contiguous and exactly the nodes' block size (`Client.block_bytes()`). The GIL is released
