@@ -5,7 +5,9 @@ of a component it does not depend on in the build.
     scripts/lib/include_arrows.py [--root DIR]
 
 Configures a scratch build of the tree at DIR (default: this checkout; no CUDA, no tests, no
-benchmarks: the product's targets only) and reads from that build, not from a list kept here:
+benchmarks, no Python module: the product's libraries and programs only; finding pybind11 alone
+took as long as the rest of the configure, and the module sits on top, where nothing includes
+it) and reads from that build, not from a list kept here:
   - the link graph, from `cmake --graphviz`: a component may include what it links, directly or
     through what that links, and nothing else;
   - each target's sources, from CMake's file API: a library's folder is where its sources'
@@ -48,7 +50,7 @@ def configure(root, scratch):
     dot = os.path.join(scratch, "deps.dot")
     run = subprocess.run(
         ["cmake", "-S", root, "-B", scratch, "-DKVSTASH_WITH_CUDA=OFF", "-DKVSTASH_BUILD_TESTS=OFF",
-         "-DKVSTASH_BUILD_BENCHMARKS=OFF", "--graphviz=" + dot],
+         "-DKVSTASH_BUILD_BENCHMARKS=OFF", "-DKVSTASH_BUILD_PYTHON=OFF", "--graphviz=" + dot],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if run.returncode != 0:
         sys.stderr.write(run.stdout)
