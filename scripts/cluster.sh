@@ -15,7 +15,7 @@
 # that command with those variables exported, then stops the cluster and exits with the
 # command's status; without one it runs until Ctrl-C. For example:
 #
-#   scripts/cluster.sh -n 3 -p 1 -d 1 -- sh -c 'build/engine/kvstash-engine chat \
+#   scripts/cluster.sh -n 3 -p 1 -d 1 -- sh -c 'build/tools/kvstash-engine/kvstash-engine chat \
 #       --prefill-worker $KVSTASH_PREFILL_WORKERS --decode-worker $KVSTASH_DECODE_WORKERS'
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/setup.sh"

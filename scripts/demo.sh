@@ -38,7 +38,7 @@ decode="$KVSTASH_ADDRESS"
 echo "decode worker        $decode"
 
 kvstash_log "multi-turn chat on $MODEL: prefill worker, then decode worker, per turn"
-"$KVSTASH_BUILD_DIR/engine/kvstash-engine" chat --model "$MODEL" \
+"$KVSTASH_BUILD_DIR/tools/kvstash-engine/kvstash-engine" chat --model "$MODEL" \
   --prefill-worker "$prefill" --decode-worker "$decode" \
   --turns 6 --user-tokens 480 --max-new-tokens 32 "$@"
 kvstash_log "stopping the cluster"

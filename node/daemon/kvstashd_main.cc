@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "daemon_config.h"
@@ -158,14 +159,7 @@ int main(int argc, char** argv) {
       "stops within a second), 1 if the node cannot start or flush, 2 for bad settings (a "
       "--cpu-bytes this machine cannot give among them). On start it prints one line "
       "`kvstashd listening on ADDRESS:PORT` on stdout.");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return kExitUsage;
-  }
+  if (std::optional<int> exit = cli::ParseCommandLine(app, argc, argv)) return *exit;
   if (Status s = SetLogLevel(flags.log_level); !s.ok()) {
     return errors.Fail(kExitUsage, fmt::format("log-level: {}", s.message()));
   }

@@ -55,7 +55,7 @@ kvstash_start_worker() {
   local name="$1"
   shift
   local out="$KVSTASH_CLUSTER_LOGS/$name.out"
-  "$KVSTASH_BUILD_DIR/engine/kvstash-engine" serve --listen 127.0.0.1 --port 0 "$@" \
+  "$KVSTASH_BUILD_DIR/tools/kvstash-engine/kvstash-engine" serve --listen 127.0.0.1 --port 0 "$@" \
     >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
   local pid=$!
   KVSTASH_CLUSTER_PIDS_WORKERS+=("$pid")

@@ -1,5 +1,5 @@
 // `kvstash`: the command-line tool for operators and developers of kvstash.
-#include <iostream>
+#include <optional>
 
 #include "commands.h"
 #include "kvstash/bench/bench.h"
@@ -14,15 +14,7 @@ int main(int argc, char** argv) {
   kvstash::cli::AddNodeCommands(app, &exit_code);
   kvstash::cli::AddTraceCommand(app, &exit_code);
   kvstash::bench::AddBenchCommand(app, &exit_code);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return kvstash::cli::kExitUsage;
-  }
+  // The subcommand runs in its callback, during the parse, and leaves its exit code.
+  if (std::optional<int> exit = kvstash::cli::ParseCommandLine(app, argc, argv)) return *exit;
   return exit_code;
 }

@@ -243,8 +243,7 @@ int RunStats(const NodeFlags& flags) {
     const std::string name = node.ToString();
     auto counters = (*client)->Stats(node);
     if (!counters.ok()) {
-      std::cerr << "kvstash stats: " << counters.status().message() << "\n";
-      code = kExitFailure;
+      code = Errors("stats").Fail(kExitFailure, counters.status().message());
       continue;
     }
     if (flags.json) {

@@ -1,3 +1,5 @@
+#include <fmt/format.h>
+
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -21,14 +23,14 @@ void AddTraceCommand(CLI::App& app, int* exit_code) {
       "and `tracker N`; then operations lookup, prefix, window W, store, commit, abort, load, "
       "unload, touch (each followed by keys), events, state, reset. `#` starts a comment.");
   cmd->callback([file, exit_code] {
+    const ErrorReporter errors("kvstash trace");
     std::ifstream stream;
     std::istream* in = &std::cin;
     std::string name = "<stdin>";
     if (!file->empty() && *file != "-") {
       stream.open(*file);
       if (!stream) {
-        std::cerr << "kvstash trace: cannot open '" << *file << "'\n";
-        *exit_code = kExitFailure;
+        *exit_code = errors.Fail(kExitFailure, fmt::format("cannot open '{}'", *file));
         return;
       }
       in = &stream;
@@ -37,8 +39,7 @@ void AddTraceCommand(CLI::App& app, int* exit_code) {
     Status status = store::ReplayTrace(*in, std::cout);
     std::cout.flush();
     if (!status.ok()) {
-      std::cerr << "kvstash trace: " << name << ": " << status.message() << "\n";
-      *exit_code = status.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;
+      *exit_code = errors.Fail(ExitCodeFor(status), fmt::format("{}: {}", name, status.message()));
       return;
     }
     *exit_code = kExitOk;

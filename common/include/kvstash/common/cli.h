@@ -1,13 +1,21 @@
 #pragma once
 
 // What every kvstash program (kvstash, kvstashd, kvstash-engine) agrees on when it fails: the
-// exit codes, which status becomes which code, and how the error is printed. One place, so a
-// script that runs any of them reads their failures the same way.
+// exit codes, which status becomes which code, and how the error is printed, a bad command line
+// included (ParseCommandLine). One place, so a script that runs any of them reads their failures
+// the same way.
 
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "kvstash/common/status.h"
+
+// Declared, not included: every program declares its flags with CLI11, and only they need its
+// header (the libraries below them do not).
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace kvstash::cli {
 
@@ -32,5 +40,12 @@ class ErrorReporter {
  private:
   std::string name_;
 };
+
+// Parses the command line into `app`, the flags every kvstash program declares with CLI11 (a
+// subcommand's callback, if it has one, runs here). nullopt when the program goes on; else the
+// code it exits with: kExitOk after --help (printed on standard output), kExitUsage for a bad
+// argument, printed as the program's other errors are: "NAME: message (see NAME SUBCOMMAND
+// --help)" on standard error, NAME the app's name.
+std::optional<int> ParseCommandLine(CLI::App& app, int argc, const char* const* argv);
 
 }  // namespace kvstash::cli

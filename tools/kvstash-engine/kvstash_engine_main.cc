@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -268,11 +269,7 @@ int main(int argc, char** argv) {
   BenchFlags bench_flags;
   AddBenchCommand(app, &bench_flags);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? kExitOk : kExitUsage;
-  }
+  if (std::optional<int> exit = ::kvstash::cli::ParseCommandLine(app, argc, argv)) return *exit;
   if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role, ttft);
   if (serve->parsed()) return RunServe(serve_model_flags, serve_flags);
   if (chat->parsed() && !remote.decode_worker.empty()) {
