@@ -9,7 +9,7 @@
 #include "kvstash/membership/membership.h"
 
 namespace kvstash::connector {
-size_t KeysPerCall(const ServerLimits& limits) {
+size_t KeysPerCall(const transport::ServerLimits& limits) {
   // A node that states no key limit gets the daemon's default.
   size_t keys = limits.max_keys_per_request == 0 ? 4096 : limits.max_keys_per_request;
   if (limits.max_message_bytes != 0) {

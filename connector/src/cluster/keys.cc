@@ -1,23 +1,21 @@
 // The cluster client's calls of keys alone: touches, pins and their releases.
 
-#include <fmt/format.h>
+#include "cluster/keys.h"
 
 #include <algorithm>
-#include <set>
-#include <thread>
-
-#include "cluster/client.h"
+#include <future>
+#include <utility>
 
 namespace kvstash::connector {
 
-void NodeClient::Impl::Pin(std::span<const BlockKey> keys) {
+void KeyCalls::Pin(std::span<const BlockKey> keys) {
   if (keys.empty()) return;
   const auto topology = members_.snapshot();
   const Members& members = topology->members;
   std::vector<std::vector<size_t>> by_node;
   std::vector<bool> wanted;
   std::vector<Placement> places;
-  ByNode(members, keys, &by_node, &wanted, &places);
+  placer_.ByNode(members, keys, &by_node, &wanted, &places);
   {
     MutexLock lock(&pins_mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -29,20 +27,20 @@ void NodeClient::Impl::Pin(std::span<const BlockKey> keys) {
   }
   (void)StartKeyCalls<wire::LoadRequest>(
       members, by_node, wanted, keys, [this](Member& member, const wire::LoadRequest& request) {
-        StartAsync(member, wire::METHOD_LOAD, request,
-                   [this, state = member.state](const Outcome& outcome) {
-                     wire::LoadReply reply;
-                     const Status status = ParseReply(outcome, &reply);
-                     accounting_->Record(*state, status);
-                     if (status.ok()) {
-                       accounting_->Pinned(static_cast<size_t>(
-                           std::count(reply.pinned().begin(), reply.pinned().end(), true)));
-                     }
-                   });
+        calls_.StartAsync(member, wire::METHOD_LOAD, request,
+                          [this, state = member.state](const Outcome& outcome) {
+                            wire::LoadReply reply;
+                            const Status status = ParseReply(outcome, &reply);
+                            accounting_.Record(*state, status);
+                            if (status.ok()) {
+                              accounting_.Pinned(static_cast<size_t>(
+                                  std::count(reply.pinned().begin(), reply.pinned().end(), true)));
+                            }
+                          });
       });
 }
 
-void NodeClient::Impl::Unpin(std::span<const BlockKey> keys) {
+void KeyCalls::Unpin(std::span<const BlockKey> keys) {
   if (keys.empty()) return;
   const auto topology = members_.snapshot();
   Members members;
@@ -61,7 +59,7 @@ void NodeClient::Impl::Unpin(std::span<const BlockKey> keys) {
     for (size_t i = 0; i < keys.size(); ++i) {
       auto it = pins_.find(keys[i]);
       if (it == pins_.end()) {
-        const Placement p = Place(topology->members, keys[i]);
+        const Placement p = placer_.Place(topology->members, keys[i]);
         for (uint32_t r = 0; r < p.count; ++r) add(topology->members[p.nodes[r]], i);
         continue;
       }
@@ -75,35 +73,36 @@ void NodeClient::Impl::Unpin(std::span<const BlockKey> keys) {
   const std::vector<bool> wanted(members.size(), true);
   (void)StartKeyCalls<wire::ReleaseRequest>(
       members, by_node, wanted, keys, [this](Member& member, const wire::ReleaseRequest& request) {
-        StartAsync(member, wire::METHOD_RELEASE, request,
-                   [this, state = member.state](const Outcome& outcome) {
-                     accounting_->Record(*state, ParseReply(outcome, (wire::ReleaseReply*)nullptr));
-                   });
+        calls_.StartAsync(member, wire::METHOD_RELEASE, request,
+                          [this, state = member.state](const Outcome& outcome) {
+                            accounting_.Record(*state,
+                                               ParseReply(outcome, (wire::ReleaseReply*)nullptr));
+                          });
       });
 }
 
-void NodeClient::Impl::Touch(std::span<const BlockKey> keys) {
+void KeyCalls::Touch(std::span<const BlockKey> keys) {
   if (keys.empty()) return;
-  (void)StartKeyCalls<wire::TouchRequest>(
-      keys, [this](Member& member, const wire::TouchRequest& request) {
-        accounting_->Touched(static_cast<size_t>(request.keys_size()));
-        StartAsync(member, wire::METHOD_TOUCH, request,
-                   [this, state = member.state](const Outcome& outcome) {
-                     accounting_->Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
-                   });
-      });
+  (void)StartKeyCalls<wire::TouchRequest>(keys, [this](Member& member,
+                                                       const wire::TouchRequest& request) {
+    accounting_.Touched(static_cast<size_t>(request.keys_size()));
+    calls_.StartAsync(member, wire::METHOD_TOUCH, request,
+                      [this, state = member.state](const Outcome& outcome) {
+                        accounting_.Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
+                      });
+  });
 }
 
-Status NodeClient::Impl::TouchSync(std::span<const BlockKey> keys) {
+Status KeyCalls::TouchSync(std::span<const BlockKey> keys) {
   std::vector<std::pair<std::shared_ptr<NodeHealth>, std::future<Outcome>>> calls;
   Status first = StartKeyCalls<wire::TouchRequest>(
       keys, [&](Member& member, const wire::TouchRequest& request) {
-        accounting_->Touched(static_cast<size_t>(request.keys_size()));
-        calls.emplace_back(member.state, Start(member, wire::METHOD_TOUCH, request));
+        accounting_.Touched(static_cast<size_t>(request.keys_size()));
+        calls.emplace_back(member.state, calls_.Start(member, wire::METHOD_TOUCH, request));
       });
   for (auto& [state, future] : calls) {
     const Status status = ParseReply(future.get(), (wire::TouchReply*)nullptr);
-    accounting_->Record(*state, status);
+    accounting_.Record(*state, status);
     if (!status.ok() && first.ok()) first = AtNode(state->name(), status);
   }
   return first;

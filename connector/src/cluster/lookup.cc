@@ -1,24 +1,22 @@
 // The cluster client's lookups: per node, within the budget (semantics §14).
 
-#include <fmt/format.h>
+#include "cluster/lookup.h"
 
 #include <algorithm>
-#include <set>
-#include <thread>
+#include <future>
 
-#include "cluster/client.h"
+#include "kvstash/proto/convert.h"
 
 namespace kvstash::connector {
 
-std::vector<LookupResult> NodeClient::Impl::Lookup(std::span<const BlockKey> keys,
-                                                   Status* refusal) {
+std::vector<LookupResult> ClusterLookup::Lookup(std::span<const BlockKey> keys, Status* refusal) {
   std::vector<LookupResult> states(keys.size(), LookupResult::kMiss);
   const auto topology = members_.snapshot();
   const Members& members = topology->members;
   std::vector<std::vector<size_t>> by_node;
   std::vector<bool> wanted;
-  ByNode(members, keys, &by_node, &wanted);
-  const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+  placer_.ByNode(members, keys, &by_node, &wanted);
+  const std::vector<Result<transport::ServerLimits>> limits = calls_.LimitsOf(members, wanted);
   // Nodes answer within the budget or their keys read as misses: never wait for the slowest.
   // A budget of the whole deadline waits for every call's outcome (each ends by then).
   const bool bounded = options_.lookup_budget < options_.timeout;
@@ -54,11 +52,12 @@ std::vector<LookupResult> NodeClient::Impl::Lookup(std::span<const BlockKey> key
     }
     auto promise = std::make_shared<std::promise<Outcome>>();
     calls.push_back(promise->get_future());
-    StartWith(*members[c.node], wire::METHOD_LOOKUP, request, {},
-              [accounting = accounting_, promise, state = members[c.node]->state](Outcome outcome) {
-                accounting->Record(*state, outcome.status);
-                promise->set_value(std::move(outcome));
-              });
+    calls_.StartWith(
+        *members[c.node], wire::METHOD_LOOKUP, request, {},
+        [accounting = accounting_, promise, state = members[c.node]->state](Outcome outcome) {
+          accounting->Record(*state, outcome.status);
+          promise->set_value(std::move(outcome));
+        });
   }
   std::vector<bool> late(members.size(), false);
   for (size_t k = 0; k < chunks.size(); ++k) {
@@ -101,21 +100,8 @@ std::vector<LookupResult> NodeClient::Impl::Lookup(std::span<const BlockKey> key
     }
   }
   accounting_->Unserved(static_cast<size_t>(std::count(answered.begin(), answered.end(), false)));
-  if (options_.replicas > 1) NoteRepairs(keys, states, missed_at);
+  if (options_.replicas > 1) repair_.Note(keys, states, missed_at);
   return states;
-}
-
-void NodeClient::Impl::NoteRepairs(std::span<const BlockKey> keys,
-                                   const std::vector<LookupResult>& states,
-                                   std::vector<std::vector<std::shared_ptr<Member>>>& missed_at) {
-  MutexLock lock(&repairs_mu_);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (states[i] != LookupResult::kHit || missed_at[i].empty()) continue;
-    if (repairs_.size() >= kMaxRepairs && !repairs_.contains(keys[i])) continue;
-    std::vector<std::weak_ptr<Member>>& to = repairs_[keys[i]];
-    to.assign(missed_at[i].begin(), missed_at[i].end());
-  }
-  repairs_pending_.store(!repairs_.empty(), std::memory_order_relaxed);
 }
 
 }  // namespace kvstash::connector

@@ -1,60 +1,27 @@
 // The cluster client's reads: the best-ranked healthy replica, hedged to the next.
 
+#include "cluster/read.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <memory>
 #include <set>
 #include <thread>
+#include <utility>
 
-#include "cluster/client.h"
+#include "kvstash/proto/convert.h"
 
 namespace kvstash::connector {
 
-void NodeClient::Impl::Repair(std::span<const BlockKey> keys,
-                              std::span<const transport::MutableBytes> outs,
-                              const std::vector<Result<size_t>>& results) {
-  if (!repairs_pending_.load(std::memory_order_relaxed)) return;
-  std::vector<std::pair<size_t, std::shared_ptr<Member>>> todo;  // key index, replica
-  {
-    MutexLock lock(&repairs_mu_);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto it = repairs_.find(keys[i]);
-      if (it == repairs_.end()) continue;
-      if (results[i].ok()) {
-        for (const std::weak_ptr<Member>& weak : it->second) {
-          if (std::shared_ptr<Member> member = weak.lock()) todo.emplace_back(i, member);
-        }
-      }
-      repairs_.erase(it);
-    }
-    repairs_pending_.store(!repairs_.empty(), std::memory_order_relaxed);
-  }
-  if (todo.empty()) return;
-  transport::CallGroup group;
-  std::vector<std::future<Outcome>> calls;
-  calls.reserve(todo.size());
-  for (const auto& [i, member] : todo) {
-    const Bytes block = outs[i].first(*results[i]);
-    calls.push_back(StartPut(group, *member, keys[i], block));
-  }
-  group.Wait();
-  size_t repaired = 0;
-  for (size_t k = 0; k < todo.size(); ++k) {
-    const Status status = ParseReply(calls[k].get(), (wire::PutBlockReply*)nullptr);
-    accounting_->Record(*todo[k].second->state, status);
-    repaired += status.ok() ? 1 : 0;
-  }
-  accounting_->Repaired(repaired);
-}
-
-std::vector<Result<size_t>> NodeClient::Impl::Get(std::span<const BlockKey> keys,
-                                                  std::span<const transport::MutableBytes> outs) {
+std::vector<Result<size_t>> ClusterRead::Get(std::span<const BlockKey> keys,
+                                             std::span<const transport::MutableBytes> outs) {
   std::vector<Result<size_t>> results = ReadReplicas(keys, outs);
-  if (keys.size() == outs.size()) Repair(keys, outs, results);
+  if (keys.size() == outs.size()) repair_.Repair(keys, outs, results);
   return results;
 }
 
-std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
+std::vector<Result<size_t>> ClusterRead::ReadReplicas(
     std::span<const BlockKey> keys, std::span<const transport::MutableBytes> outs) {
   std::vector<Result<size_t>> results(keys.size(), Result<size_t>(size_t{0}));
   if (keys.size() != outs.size()) {
@@ -66,9 +33,10 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
   const auto topology = members_.snapshot();
   const Members& members = topology->members;
   std::vector<Placement> places(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) places[i] = Place(members, keys[i]);
+  for (size_t i = 0; i < keys.size(); ++i) places[i] = placer_.Place(members, keys[i]);
   // Each member's limits, asked (connecting) only once a key's read comes to it.
-  std::vector<Result<ServerLimits>> limits(members.size(), Result<ServerLimits>(ServerLimits{}));
+  std::vector<Result<transport::ServerLimits>> limits(
+      members.size(), Result<transport::ServerLimits>(transport::ServerLimits{}));
   std::vector<bool> asked(members.size(), false);
   // Per key: the replica asked next, and the error to give if none has the block.
   std::vector<uint32_t> rank(keys.size(), 0);
@@ -83,13 +51,13 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
   };
   // The end of key i's read without its block.
   auto give_error = [&](size_t i) {
-    if (Unreachable(errors[i])) accounting_->Unserved(1);
+    if (Unreachable(errors[i])) accounting_.Unserved(1);
     results[i] = errors[i];
   };
   std::vector<size_t> pending;
   for (size_t i = 0; i < keys.size(); ++i) {
     if (places[i].count == 0) {
-      accounting_->Unserved(1);
+      accounting_.Unserved(1);
       results[i] = UnavailableError("no live offload node in cluster {} for block {}",
                                     options_.cluster, keys[i].ToString());
     } else {
@@ -127,7 +95,7 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
         }
       }
       if (any_more) {
-        std::vector<Result<ServerLimits>> got = LimitsOf(members, more);
+        std::vector<Result<transport::ServerLimits>> got = calls_.LimitsOf(members, more);
         for (size_t n = 0; n < members.size(); ++n) {
           if (more[n]) {
             limits[n] = std::move(got[n]);
@@ -146,18 +114,18 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
     for (size_t i : ready) {
       wire::GetBlockRequest get;
       *get.mutable_key() = wire::ToWire(keys[i]);
-      CallOptions options;
+      transport::CallOptions options;
       options.recv_payload = outs[i];
       options.copier = &group;
       auto promise = std::make_shared<std::promise<Outcome>>();
       calls.push_back(promise->get_future());
-      ids.push_back(StartWith(
+      ids.push_back(calls_.StartWith(
           *members[places[i].nodes[rank[i]]], wire::METHOD_GET_BLOCK, get, options,
           [promise](Outcome outcome) { promise->set_value(std::move(outcome)); }, &group));
     }
     std::vector<bool> hedged = Hedge(group, members, places, rank, ready, calls, ids, started);
     // The reads not hedged (a key's last replica) wait for their node while it is alive.
-    std::vector<OutCall> watched;
+    std::vector<CallWatch::OutCall> watched;
     std::vector<size_t> watched_of;
     for (size_t j = 0; j < ready.size(); ++j) {
       if (hedged[j]) continue;
@@ -165,7 +133,7 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
       watched_of.push_back(j);
     }
     std::vector<bool> abandoned(watched.size(), false);
-    WaitWatching(
+    watch_.WaitWatching(
         group, watched, [] { return false; }, started, &abandoned);
     for (size_t w = 0; w < watched.size(); ++w) {
       if (abandoned[w]) hedged[watched_of[w]] = true;
@@ -178,7 +146,7 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
       const Outcome outcome = calls[j].get();
       const Status& got = outcome.status;
       // A hedged read's node was told it was late (and its cancel is no answer of its own).
-      if (!hedged[j] || got.ok()) accounting_->Record(*member.state, got);
+      if (!hedged[j] || got.ok()) accounting_.Record(*member.state, got);
       if (got.ok()) {
         member.state->ReadTook(outcome.ended - started);
         results[i] = outcome.payload_bytes;
@@ -208,13 +176,13 @@ std::vector<Result<size_t>> NodeClient::Impl::ReadReplicas(
   }
 }
 
-std::vector<bool> NodeClient::Impl::Hedge(transport::CallGroup& group, const Members& members,
-                                          const std::vector<Placement>& places,
-                                          const std::vector<uint32_t>& rank,
-                                          const std::vector<size_t>& ready,
-                                          const std::vector<std::future<Outcome>>& calls,
-                                          const std::vector<uint64_t>& ids,
-                                          transport::Clock::time_point started) {
+std::vector<bool> ClusterRead::Hedge(transport::CallGroup& group, const Members& members,
+                                     const std::vector<Placement>& places,
+                                     const std::vector<uint32_t>& rank,
+                                     const std::vector<size_t>& ready,
+                                     const std::vector<std::future<Outcome>>& calls,
+                                     const std::vector<uint64_t>& ids,
+                                     transport::Clock::time_point started) {
   std::vector<bool> hedged(ready.size(), false);
   if (options_.lookup_budget >= options_.timeout) return hedged;
   // When each call with another replica to go to is hedged.
@@ -233,7 +201,7 @@ std::vector<bool> NodeClient::Impl::Hedge(transport::CallGroup& group, const Mem
     Member& member = *members[places[ready[j]].nodes[rank[ready[j]]]];
     member.channel->Cancel(ids[j]);
     hedged[j] = true;
-    accounting_->Abandoned();
+    accounting_.Abandoned();
     if (late.insert(member.state.get()).second) member.state->Late();
   }
   return hedged;

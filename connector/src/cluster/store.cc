@@ -1,16 +1,19 @@
 // The cluster client's stores: every replica, done once one holds each block.
 
+#include "cluster/store.h"
+
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <set>
-#include <thread>
+#include <future>
+#include <memory>
+#include <utility>
+#include <vector>
 
-#include "cluster/client.h"
+#include "kvstash/proto/convert.h"
 
 namespace kvstash::connector {
 
-Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Bytes> blocks) {
+Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) {
   if (keys.size() != blocks.size()) {
     return InvalidArgumentError("{} keys for {} blocks", keys.size(), blocks.size());
   }
@@ -18,14 +21,14 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
   const auto topology = members_.snapshot();
   const Members& members = topology->members;
   if (members.empty()) {
-    accounting_->Unserved(keys.size());
+    accounting_.Unserved(keys.size());
     return UnavailableError("no live offload node in cluster {} for {} block(s)", options_.cluster,
                             keys.size());
   }
   std::vector<std::vector<size_t>> by_node;
   std::vector<bool> wanted;
-  ByNode(members, keys, &by_node, &wanted);
-  const std::vector<Result<ServerLimits>> limits = LimitsOf(members, wanted);
+  placer_.ByNode(members, keys, &by_node, &wanted);
+  const std::vector<Result<transport::ServerLimits>> limits = calls_.LimitsOf(members, wanted);
   Status refusal;                              // the first refusal, of any block
   std::vector<Status> unreached(keys.size());  // per block: a replica that did not answer
   std::vector<bool> stored(keys.size(), false);
@@ -62,7 +65,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
   std::vector<PutCall> puts;
   puts.reserve(keys.size() * options_.replicas);
   for (size_t i = keys.size(); i-- > 0;) {
-    const Placement p = Place(members, keys[i]);
+    const Placement p = placer_.Place(members, keys[i]);
     for (uint32_t r = 0; r < p.count; ++r) {
       const size_t n = p.nodes[r];
       Member& member = *members[n];
@@ -91,7 +94,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
                                        blocks[i].size(), limits[n]->max_payload_bytes);
       }
       if (!refused.ok()) {
-        accounting_->RefusedHere(*member.state, refused);  // its health is unchanged
+        accounting_.RefusedHere(*member.state, refused);  // its health is unchanged
         failed(member, i, refused);
         continue;
       }
@@ -101,7 +104,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
       }
       auto promise = std::make_shared<std::promise<Outcome>>();
       PutCall call{&member, i, 0, promise->get_future()};
-      call.id = StartPut(group, member, keys[i], blocks[i], [settle, i, promise](Outcome o) {
+      call.id = calls_.StartPut(group, member, keys[i], blocks[i], [settle, i, promise](Outcome o) {
         {
           MutexLock lock(&settle->mu);
           const bool was_unsettled = !settle->held[i];
@@ -114,7 +117,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
       puts.push_back(std::move(call));
     }
   }
-  const std::vector<bool> abandoned = WaitForReplicas(group, puts, [settle] {
+  const std::vector<bool> abandoned = watch_.WaitForReplicas(group, puts, [settle] {
     MutexLock lock(&settle->mu);
     return settle->unsettled == 0;
   });
@@ -122,7 +125,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
     auto& [member, i, id, future] = puts[k];
     const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
     // An abandoned call's node was told it was late; its cancel is no answer of its own.
-    if (!abandoned[k] || status.ok()) accounting_->Record(*member->state, status);
+    if (!abandoned[k] || status.ok()) accounting_.Record(*member->state, status);
     if (status.ok()) {
       stored[i] = true;
     } else {
@@ -137,7 +140,7 @@ Status NodeClient::Impl::Put(std::span<const BlockKey> keys, std::span<const Byt
       if (lost.ok()) lost = unreached[i];
     }
   }
-  accounting_->Unserved(unserved);
+  accounting_.Unserved(unserved);
   return refusal.ok() ? lost : refusal;
 }
 

@@ -175,10 +175,20 @@ struct InFlightJob {
   std::vector<BlockKey> keys;
 };
 
+// The scheduler's parts, private to it (connector/src/scheduler/).
+class GroupLayout;
+class HitFinder;
+class JobLedger;
+class TrackedRequests;
+struct TrackedRequest;
+
 // Owned by the engine's scheduler, which calls it from its one thread; not thread-safe. Owns its
 // manager. Never holds GPU blocks back: instead of delaying a block's release until a store
 // from it completes, it tells the workers to finish that store before the block is reused
-// (ConnectorMeta::jobs_to_flush).
+// (ConnectorMeta::jobs_to_flush). Runs the step's protocol and owns the step's work; its parts
+// own the rest: the groups' layout (GroupLayout), the requests it tracks and their blocks
+// (TrackedRequests), the jobs in flight with their fences (JobLedger), and the lookup of a
+// request's hit (HitFinder).
 class OffloadScheduler {
  public:
   // InvalidArgument for no groups, a zero block size, factor or world size, an offloaded block
@@ -235,10 +245,10 @@ class OffloadScheduler {
   void ResetCache();
 
   OffloadManager& manager() { return *manager_; }
-  std::span<const OffloadGroupInfo> groups() const { return groups_; }
+  std::span<const OffloadGroupInfo> groups() const;
   // Groups in the order a lookup visits them: full attention first, then the others by window,
   // widest first.
-  std::span<const uint32_t> lookup_order() const { return lookup_order_; }
+  std::span<const uint32_t> lookup_order() const;
 
   // Introspection for tests.
   // GPU block -> store jobs that must finish before it is reused.
@@ -248,66 +258,24 @@ class OffloadScheduler {
   std::vector<InFlightJob> InFlightJobs() const;  // by id
   // Per group, the first offloaded block of the request not stored yet; nullopt if untracked.
   std::optional<std::vector<size_t>> NextStoredBlocks(RequestId id) const;
-  bool IsTracked(RequestId id) const { return requests_.contains(id); }
-  JobId job_counter() const { return job_counter_; }
-  JobId stale_job_threshold() const { return stale_job_threshold_; }
+  bool IsTracked(RequestId id) const;
+  JobId job_counter() const;
+  JobId stale_job_threshold() const;
 
  private:
-  struct GroupState {
-    std::vector<BlockKey> keys;         // one per offloaded block with a full hash
-    std::vector<GpuBlockId> block_ids;  // the request's GPU blocks as reported, null included
-    size_t next_stored = 0;             // first offloaded block not stored yet
-    size_t num_hit_blocks = 0;          // offloaded blocks hit when the request started
-  };
-  struct RequestState {
-    std::vector<GroupState> groups;
-    size_t num_locally_computed_tokens = 0;
-    size_t num_tokens = 0;
-    bool finished = false;
-    std::set<JobId> jobs;  // in flight: one load, or stores
-  };
-  struct Job {
-    RequestId request = 0;
-    bool is_store = false;
-    uint32_t pending = 0;
-    std::vector<BlockKey> keys;
-    // Store sources. Full-attention blocks stay the request's while it runs, so they are fenced
-    // only when it finishes; a window group frees blocks as it goes, so its are fenced at once.
-    std::vector<GpuBlockId> full_blocks;
-    std::vector<GpuBlockId> window_blocks;
-  };
-
   OffloadScheduler(OffloadSchedulerOptions options, std::unique_ptr<OffloadManager> manager,
-                   std::vector<OffloadGroupInfo> groups);
+                   std::unique_ptr<GroupLayout> groups);
 
-  RequestState& StateOf(const OffloadRequestView& request, bool* created);
-  void UpdateKeys(RequestState& state, std::span<const BlockHash> hashes) const;
-  void Touch(const RequestState& state);
-  std::optional<size_t> Lookup(const RequestState& state);
-  std::optional<size_t> MaximalPrefixLookup(std::span<const BlockKey> keys);
-  std::optional<size_t> SlidingWindowLookup(std::span<const BlockKey> keys, size_t window);
-  void ZeroReallocatedWindowBlocks(
-      const std::unordered_map<RequestId, std::vector<size_t>>& old_lengths);
-  void BuildStoreJob(const ScheduledRequestView& scheduled, RequestState& state,
+  void BuildStoreJob(const ScheduledRequestView& scheduled, TrackedRequest& state,
                      std::vector<TransferJob>& store_jobs);
-  void AdvanceStored(RequestState& state, size_t num_offloadable_tokens);
-  size_t NumStorableBlocks(const RequestState& state, size_t group,
-                           size_t num_offloadable_tokens) const;
-  void Fence(GpuBlockId block, JobId job);
-  void Unfence(std::span<const GpuBlockId> blocks, JobId job);
 
   OffloadSchedulerOptions options_;
   std::unique_ptr<OffloadManager> manager_;
-  std::vector<OffloadGroupInfo> groups_;
-  std::vector<uint32_t> lookup_order_;
-  std::vector<uint32_t> window_groups_;  // the non-full groups, in lookup order
-
-  std::unordered_map<RequestId, RequestState> requests_;
-  std::map<JobId, Job> jobs_;
-  JobId job_counter_ = 0;
-  JobId stale_job_threshold_ = 0;  // acknowledgements of older jobs are ignored
-  std::map<GpuBlockId, std::set<JobId>> fence_;
-  std::unordered_set<BlockKey> blocks_being_loaded_;
+  // Each borrows those above it.
+  std::unique_ptr<const GroupLayout> groups_;
+  std::unique_ptr<JobLedger> jobs_;
+  std::unique_ptr<TrackedRequests> requests_;
+  std::unique_ptr<HitFinder> hits_;
 
   // This step's work, handed out and cleared by BuildConnectorMeta.
   std::vector<TransferJob> batch_load_jobs_;
