@@ -1,6 +1,7 @@
 #pragma once
 
-// The cluster client's members (docs/architecture.md, "the cluster client"):
+// The cluster client's members (docs/semantics.md §15; docs/architecture.md, "the cluster
+// client"):
 //
 //   source    where the live nodes come from: a fixed list, a cluster in etcd (followed), or
 //             an in-memory source that a test changes (MemberSource);

@@ -1,4 +1,5 @@
-// The cluster client's reads: the best-ranked healthy replica, hedged to the next.
+// The cluster client's reads: the best-ranked healthy replica, hedged to the next; read repair
+// (docs/semantics.md §16, §17).
 
 #include "cluster/read.h"
 

@@ -1,6 +1,6 @@
 #pragma once
 
-// Read repair (docs/semantics.md, replicas): a key that a lookup finds on some of its replicas
+// Read repair (docs/semantics.md §17): a key that a lookup finds on some of its replicas
 // and missing on others (a node that joined, or one that evicted its copy) is copied to those
 // others by its next read, so that a lost node's keys get back to `replicas` copies as they are
 // used.

@@ -1,4 +1,5 @@
-// The cluster client's stores: every replica, done once one holds each block.
+// The cluster client's stores: every replica, done once one holds each block (docs/semantics.md
+// §16).
 
 #include "cluster/store.h"
 

@@ -8,7 +8,7 @@
 // Every offloaded block travels with a trailer (BlockTrailer) naming its key, the engine's model
 // and layout fingerprint, and an xxh3 of its bytes; a load accepts a block only when all three
 // match, so a wrong, stale or corrupt block from a node is a miss (the engine recomputes those
-// tokens), never KV in the cache.
+// tokens), never KV in the cache. A block's identity and its checksums: docs/semantics.md §18.
 //
 // Stores copy their pages out of the pool when submitted (at memory speed), so the engine may
 // reuse a page as soon as Submit returns: the fence of a store is its copy. Loads write pool

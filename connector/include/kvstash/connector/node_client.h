@@ -72,8 +72,10 @@ struct NodeClientOptions {
   std::chrono::milliseconds etcd_first_read_timeout{5000};
   // Each block is kept on this many nodes (1..kMaxReplicas): a lost node then costs no hits,
   // but the cluster holds 1/replicas as many distinct blocks, and stores send each block that
-  // many times.
+  // many times (docs/semantics.md §16).
   size_t replicas = 1;
+  // The namespace this client's keys live in, a name given at hello; each node gives it an id
+  // of its own (docs/semantics.md §18).
   std::string key_namespace = "default";
   std::string auth_token;
   transport::TransportOptions transport;
