@@ -1,10 +1,10 @@
 #pragma once
 
-// Rendezvous placement (docs/semantics.md §16): a key lives on the `replicas` members that rank highest for it by a
-// hash of the key and the member's hash (of its address). Every client computes the same
-// places from the same members, and a member that joins or leaves moves only its own share of
-// the keys. With failure domains (zones), a key's replicas go to distinct zones while there
-// are enough. Pure functions; the cluster client's members are a snapshot (members.h).
+// Rendezvous placement (docs/semantics.md §16): a key lives on the `replicas` members that rank
+// highest for it by a hash of the key and the member's hash (of its address). Every client computes
+// the same places from the same members, and a member that joins or leaves moves only its own share
+// of the keys. With failure domains (zones), a key's replicas go to distinct zones while there are
+// enough. Pure functions; the cluster client's members are a snapshot (members.h).
 
 #include <array>
 #include <cstddef>
