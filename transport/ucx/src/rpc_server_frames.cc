@@ -26,39 +26,23 @@ ucs_status_t FrameDispatcher::OnFrame(void* arg, const void* header, size_t head
       (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, from);
 }
 
+void FrameDispatcher::Release(void* data, size_t length, bool rndv, ucp_ep_h from) {
+  if (!rndv || worker_.DiscardRendezvous(data, length)) return;
+  if (std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from)) {
+    connections_.Close(own, ResourceExhaustedError("payload of {} bytes beyond the limit of {}",
+                                                   length, worker_.options().max_payload_bytes));
+  }
+}
+
 ucs_status_t FrameDispatcher::Dispatch(Bytes header, void* data, size_t length, bool rndv,
                                        ucp_ep_h from) {
-  // An unwanted rendezvous payload is drained; one beyond the payload limit closes the
-  // connection it came on (which releases it), never one it merely names.
-  auto release = [&] {
-    if (!rndv || worker_.DiscardRendezvous(data, length)) return;
-    if (std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from)) {
-      connections_.Close(own, ResourceExhaustedError("payload of {} bytes beyond the limit of {}",
-                                                     length, worker_.options().max_payload_bytes));
-    }
-  };
   const Bytes eager = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
   auto frame = ParseFrame(header, eager, length, !rndv, worker_.options().max_message_bytes);
   if (!frame.ok()) {
-    const uint64_t malformed = counters_.malformed.fetch_add(1, std::memory_order_relaxed) + 1;
-    release();
-    // The error goes back when the frame names its own endpoint's live connection and a
-    // request.
-    if (header.size() >= kFrameHeaderBytes) {
-      FrameHeader h;
-      std::memcpy(&h, header.data(), kFrameHeaderBytes);
-      std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from);
-      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && own != nullptr &&
-          own->id == h.connection_id) {
-        auto state = NewState(own, h);
-        state->replied = true;
-        replies_.ReplyStatus(state, frame.status());
-      }
-    }
-    // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.
-    if (std::has_single_bit(malformed)) {
-      KVSTASH_LOG_WARN("malformed frame ({} so far): {}", malformed, frame.status().ToString());
-    }
+    // Released first: a payload beyond the limit closes the connection, which then is not
+    // answered.
+    Release(data, length, rndv, from);
+    OnMalformed(header, frame.status(), from);
     return UCS_OK;
   }
   const FrameHeader& h = frame->header;
@@ -68,51 +52,77 @@ ucs_status_t FrameDispatcher::Dispatch(Bytes header, void* data, size_t length, 
   }
   const std::shared_ptr<ServerConnection> connection = connections_.ConnectionOf(h, from);
   if (connection == nullptr) {
-    release();
+    Release(data, length, rndv, from);
     return UCS_OK;
   }
-  if (h.kind == FrameKind::kCancel) {
-    auto call = active_.find({h.connection_id, h.request_id});
-    if (call != active_.end()) {
-      if (auto state = call->second.lock()) state->cancel_flag = true;
+  switch (h.kind) {
+    case FrameKind::kRequest:
+      return DispatchRequest(connection, *frame, data, length, rndv, from);
+    case FrameKind::kCancel:
+      if (auto call = active_.find({h.connection_id, h.request_id}); call != active_.end()) {
+        if (auto state = call->second.lock()) state->cancel_flag = true;
+      }
+      return UCS_OK;
+    case FrameKind::kAck:
+      replies_.OnAck(*connection, h.request_id);
+      return UCS_OK;
+    case FrameKind::kPullDone:
+    case FrameKind::kPayload:
+      payloads_.OnPullAnswer(connection, *frame, data, length, rndv);
+      return UCS_OK;
+    default:  // a kind only a server sends
+      counters_.malformed.fetch_add(1, std::memory_order_relaxed);
+      Release(data, length, rndv, from);
+      return UCS_OK;
+  }
+}
+
+void FrameDispatcher::OnMalformed(Bytes header, const Status& error, ucp_ep_h from) {
+  const uint64_t malformed = counters_.malformed.fetch_add(1, std::memory_order_relaxed) + 1;
+  // The error goes back when the frame names its own endpoint's live connection and a request.
+  if (header.size() >= kFrameHeaderBytes) {
+    FrameHeader h;
+    std::memcpy(&h, header.data(), kFrameHeaderBytes);
+    std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from);
+    if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && own != nullptr &&
+        own->id == h.connection_id) {
+      auto state = NewState(own, h);
+      state->replied = true;
+      replies_.ReplyStatus(state, error);
     }
-    return UCS_OK;
   }
-  if (h.kind == FrameKind::kAck) {
-    replies_.OnAck(*connection, h.request_id);
-    return UCS_OK;
+  // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.
+  if (std::has_single_bit(malformed)) {
+    KVSTASH_LOG_WARN("malformed frame ({} so far): {}", malformed, error.ToString());
   }
-  if (h.kind == FrameKind::kPullDone || h.kind == FrameKind::kPayload) {
-    payloads_.OnPullAnswer(connection, *frame, data, length, rndv);
-    return UCS_OK;
-  }
-  if (h.kind != FrameKind::kRequest) {
-    counters_.malformed.fetch_add(1, std::memory_order_relaxed);
-    release();
-    return UCS_OK;
-  }
+}
+
+ucs_status_t FrameDispatcher::DispatchRequest(const std::shared_ptr<ServerConnection>& connection,
+                                              const FrameView& frame, void* data, size_t length,
+                                              bool rndv, ucp_ep_h from) {
+  const FrameHeader& h = frame.header;
   auto state = NewState(connection, h);
-  if (frame->payload_bytes > worker_.options().max_payload_bytes) {
-    release();
+  if (frame.payload_bytes > worker_.options().max_payload_bytes) {
+    Release(data, length, rndv, from);
     state->replied = true;
     replies_.ReplyStatus(
         state, ResourceExhaustedError("payload of {} bytes exceeds the limit of {}",
-                                      frame->payload_bytes, worker_.options().max_payload_bytes));
+                                      frame.payload_bytes, worker_.options().max_payload_bytes));
     return UCS_OK;
   }
   auto handler = handlers_.find(h.method);
   if (handler == handlers_.end()) {
-    release();
+    Release(data, length, rndv, from);
     state->replied = true;
     replies_.ReplyStatus(state, UnimplementedError("no handler for method {}", h.method));
     return UCS_OK;
   }
   counters_.calls.fetch_add(1, std::memory_order_relaxed);
-  state->request_bytes.assign(frame->message.begin(), frame->message.end());
-  state->payload_size = frame->payload_bytes;
+  state->request_bytes.assign(frame.message.begin(), frame.message.end());
+  state->payload_size = frame.payload_bytes;
   state->payload_data = data;
   state->payload_rndv = rndv;
-  state->payload_held = frame->has_ref;
+  state->payload_held = frame.has_ref;
   state->in_am_callback = true;
   active_[{h.connection_id, h.request_id}] = state;
   handler->second(ServerCall(state));

@@ -164,11 +164,11 @@ inline wire::Code ToWire(StatusCode code) { return static_cast<wire::Code>(code)
 // from then on that connection's own: replies go back on it and frames are taken from it only.
 // Owns the table of open connections, the endpoints (bound and spare), and the random source of
 // ids and bind tokens.
-// Invariants: connections_ holds exactly the connections that are open, by their nonzero, unique
-// random ids (counters.open_connections is its size); bound_ maps each claimed endpoint to its
-// connection, which holds it in `ep`; an endpoint is in at most one of bound_ and spare_; a
-// connection leaves the table once, in Close, which fails its pulls and acks and runs
-// OnDisconnect.
+// Invariants: connections_ holds each connection from its accepted hello (Add) until it closes
+// (open turns false), by its nonzero, unique random id (counters.open_connections is its size);
+// bound_ maps each claimed endpoint to its connection, which holds it in `ep`; an endpoint is
+// in at most one of bound_ and spare_; a connection leaves the table once, in Close, which
+// fails its pulls and acks and runs OnDisconnect.
 // Thread-safety: OnDisconnect before the worker starts; everything else on the progress thread
 // (UCX's endpoint-error callback included).
 class ConnectionTable {
@@ -279,7 +279,8 @@ struct ReplySend {
 // a payload in the server's shared memory named by a MappedRef, which the client copies out and
 // acknowledges with kAck. Owns no state of its own: a mapped reply's `sent` waits in its
 // connection's `acks` (failed there when the connection closes).
-// Invariant: each reply's `sent` runs once, on the progress thread (sent, failed, or the kAck).
+// Invariant: each reply's `sent` runs once, on the progress thread (sent, failed, or the kAck),
+// unless the worker stopped first (Worker::Run then drops the send unrun).
 // Thread-safety: Reply and ReplyStatus from any thread (they hand the send to the progress
 // thread); OnAck on the progress thread.
 class ReplySender {
@@ -308,8 +309,8 @@ class ReplySender {
 // client to copy it straight into the buffer when the buffer is in memory the client maps, else
 // to send it as a kPayload frame. Owns no state of its own: a pull waits in its connection's
 // `pulls` (failed there when the connection closes).
-// Invariant: each ReceivePayload's `done` runs once, on the progress thread; a payload is
-// received at most once (UcxCall::payload_consumed).
+// Invariant: each ReceivePayload's `done` runs once, on the progress thread, unless the worker
+// stopped first; a payload is received at most once (UcxCall::payload_consumed).
 // Thread-safety: ReceivePayload from any thread (it hands its work to the progress thread);
 // OnPullAnswer on the progress thread.
 class PayloadReceiver {
@@ -368,6 +369,17 @@ class FrameDispatcher {
   // `from`: the endpoint the frame came on (UCX's reply endpoint; the client sends every frame
   // with UCP_AM_SEND_FLAG_REPLY), null when UCX gave none.
   ucs_status_t Dispatch(Bytes header, void* data, size_t length, bool rndv, ucp_ep_h from);
+  // A frame ParseFrame refused: counted, said (sparingly), and answered when it names a request
+  // of its own endpoint's connection.
+  void OnMalformed(Bytes header, const Status& error, ucp_ep_h from);
+  // A request: to its method's handler as a new call, or answered with why not. Returns
+  // UCS_INPROGRESS when the call keeps its payload past the callback.
+  ucs_status_t DispatchRequest(const std::shared_ptr<ServerConnection>& connection,
+                               const FrameView& frame, void* data, size_t length, bool rndv,
+                               ucp_ep_h from);
+  // An unwanted rendezvous payload is drained; one beyond the payload limit closes the
+  // connection it came on (which releases it), never one it merely names.
+  void Release(void* data, size_t length, bool rndv, ucp_ep_h from);
   std::shared_ptr<UcxCall> NewState(const std::shared_ptr<ServerConnection>& connection,
                                     const FrameHeader& h);
 
