@@ -1,5 +1,5 @@
-// RpcServer: the public class, over its Impl (rpc_server_impl.h), and the Impl's timers
-// (RunEvery).
+// RpcServer: the public class, over its Impl (rpc_server_impl.h), which starts and stops the
+// server's parts and runs its periodic tasks (RunEvery).
 
 #include <chrono>
 #include <functional>
@@ -12,7 +12,30 @@
 
 namespace kvstash::transport {
 
-// ---- timers ----------------------------------------------------------------------------------
+// ---- RpcServer::Impl -------------------------------------------------------------------------
+
+RpcServer::Impl::Impl(ServerOptions options, std::shared_ptr<Worker> worker)
+    : worker_(std::move(worker)),
+      options_(std::move(options)),
+      connections_(*worker_, counters_),
+      replies_(*worker_, counters_),
+      payloads_(*worker_, counters_),
+      frames_(*this, *worker_, connections_, replies_, payloads_, counters_),
+      acceptor_(options_, *worker_, connections_, counters_) {}
+
+Status RpcServer::Impl::Start() {
+  KVSTASH_RETURN_IF_ERROR(acceptor_.Listen());
+  KVSTASH_RETURN_IF_ERROR(worker_->SetFrameHandler(
+      &FrameDispatcher::OnFrame, &frames_, UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA));
+  worker_->Start([this] { Shutdown(); });
+  worker_->Run([this] { acceptor_.Accept(); });
+  return Status::OK();
+}
+
+void RpcServer::Impl::Shutdown() {
+  acceptor_.Stop();
+  connections_.CloseAll(CancelledError("server stopping"));
+}
 
 void RpcServer::Impl::RunEvery(std::chrono::milliseconds period, std::function<void()> fn) {
   auto timer = std::make_shared<asio::steady_timer>(worker_->io());

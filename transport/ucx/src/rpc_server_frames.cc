@@ -1,5 +1,6 @@
-// RpcServer::Impl: frames from clients (progress thread): validated, then a request dispatched
-// to its handler, a cancel flagged on its call, or a control frame passed to the replies.
+// FrameDispatcher: frames from clients (progress thread): validated, then a request dispatched
+// to its handler, a cancel flagged on its call, a bind passed to the connections, or a control
+// frame to the replies (kAck) or the payloads (a pull's answer).
 
 #include <fmt/format.h>
 
@@ -13,158 +14,115 @@
 
 namespace kvstash::transport {
 
-// ---- frames ----------------------------------------------------------------------------------
+// ---- FrameDispatcher
+// ----------------------------------------------------------------------------------
 
-ucs_status_t RpcServer::Impl::OnFrame(void* arg, const void* header, size_t header_length,
+ucs_status_t FrameDispatcher::OnFrame(void* arg, const void* header, size_t header_length,
                                       void* data, size_t length, const ucp_am_recv_param_t* param) {
   ucp_ep_h from =
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
-  return static_cast<Impl*>(arg)->Dispatch(
+  return static_cast<FrameDispatcher*>(arg)->Dispatch(
       Bytes(static_cast<const std::byte*>(header), header_length), data, length,
       (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, from);
 }
 
-std::shared_ptr<ServerConnection> RpcServer::Impl::BoundConnection(ucp_ep_h from) const {
-  auto bound = from != nullptr ? bound_.find(from) : bound_.end();
-  if (bound == bound_.end()) return nullptr;
-  auto it = connections_.find(bound->second);
-  return it != connections_.end() ? it->second : nullptr;
-}
-
-std::shared_ptr<ServerConnection> RpcServer::Impl::ConnectionOf(const FrameHeader& h,
-                                                                ucp_ep_h from) {
-  std::shared_ptr<ServerConnection> own = BoundConnection(from);
-  if (own != nullptr && own->id == h.connection_id) return own;
-  // A frame naming a connection that is not its endpoint's (another tenant's, or one not bound
-  // yet): refused, and said once per connection it named or came from.
-  foreign_frames_.fetch_add(1, std::memory_order_relaxed);
-  auto named = connections_.find(h.connection_id);
-  ServerConnection* said = named != connections_.end() ? named->second.get() : own.get();
-  if (said != nullptr && said->foreign_frames++ == 0) {
-    KVSTASH_LOG_WARN(
-        "refused a frame naming connection {:#x} from {}: a connection's frames come "
-        "on the endpoint it bound",
-        h.connection_id,
-        own != nullptr ? fmt::format("connection {} ({})", own->id, own->client_name)
-                       : std::string("an endpoint of no connection"));
+void FrameDispatcher::Release(void* data, size_t length, bool rndv, ucp_ep_h from) {
+  if (!rndv || worker_.DiscardRendezvous(data, length)) return;
+  if (std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from)) {
+    connections_.Close(own, ResourceExhaustedError("payload of {} bytes beyond the limit of {}",
+                                                   length, worker_.options().max_payload_bytes));
   }
-  return nullptr;
 }
 
-void RpcServer::Impl::Bind(const FrameHeader& h, ucp_ep_h from) {
-  auto it = connections_.find(h.connection_id);
-  const bool owner = from != nullptr && it != connections_.end() && !it->second->ep &&
-                     it->second->bind_token == h.request_id;
-  auto spare = owner ? spare_.find(from) : spare_.end();
-  if (spare == spare_.end()) {
-    // Said 1st, 2nd, 4th ... time: a peer may send any number.
-    if (std::has_single_bit(foreign_frames_.fetch_add(1, std::memory_order_relaxed) + 1)) {
-      KVSTASH_LOG_WARN("refused a bind to connection {:#x}: {}", h.connection_id,
-                       from == nullptr                          ? "no reply endpoint"
-                       : it == connections_.end()               ? "no such connection"
-                       : it->second->ep                         ? "bound already"
-                       : it->second->bind_token != h.request_id ? "a wrong token"
-                       : bound_.contains(from)                  ? "its endpoint is bound to another"
-                                               : "its endpoint is none a hello made");
-    }
-    // The owner (it knew the token) on an endpoint it cannot have: closed, so that it connects
-    // again at once rather than wait for its calls' deadlines.
-    if (owner) {
-      Close(it->second, UnavailableError("its kBind came on an endpoint it cannot bind"));
-    }
-    return;
-  }
-  // The spare its frames come on, whichever hello made it, becomes its endpoint: replies go
-  // back on it, and closing it resets this client's endpoint and no other.
-  it->second->ep = std::move(spare->second.ep);
-  spare_.erase(spare);
-  bound_[from] = h.connection_id;
-}
-
-ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, bool rndv,
+ucs_status_t FrameDispatcher::Dispatch(Bytes header, void* data, size_t length, bool rndv,
                                        ucp_ep_h from) {
-  // An unwanted rendezvous payload is drained; one beyond the payload limit closes the
-  // connection it came on (which releases it), never one it merely names.
-  auto release = [&] {
-    if (!rndv || worker_->DiscardRendezvous(data, length)) return;
-    if (std::shared_ptr<ServerConnection> own = BoundConnection(from)) {
-      Close(own, ResourceExhaustedError("payload of {} bytes beyond the limit of {}", length,
-                                        worker_->options().max_payload_bytes));
-    }
-  };
   const Bytes eager = rndv ? Bytes{} : Bytes(static_cast<const std::byte*>(data), length);
-  auto frame = ParseFrame(header, eager, length, !rndv, worker_->options().max_message_bytes);
+  auto frame = ParseFrame(header, eager, length, !rndv, worker_.options().max_message_bytes);
   if (!frame.ok()) {
-    const uint64_t malformed = malformed_.fetch_add(1, std::memory_order_relaxed) + 1;
-    release();
-    // The error goes back when the frame names its own endpoint's live connection and a
-    // request.
-    if (header.size() >= kFrameHeaderBytes) {
-      FrameHeader h;
-      std::memcpy(&h, header.data(), kFrameHeaderBytes);
-      std::shared_ptr<ServerConnection> own = BoundConnection(from);
-      if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && own != nullptr &&
-          own->id == h.connection_id) {
-        auto state = NewState(own, h);
-        state->replied = true;
-        ReplyStatus(state, frame.status());
-      }
-    }
-    // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.
-    if (std::has_single_bit(malformed)) {
-      KVSTASH_LOG_WARN("malformed frame ({} so far): {}", malformed, frame.status().ToString());
-    }
+    // Released first: a payload beyond the limit closes the connection, which then is not
+    // answered.
+    Release(data, length, rndv, from);
+    OnMalformed(header, frame.status(), from);
     return UCS_OK;
   }
   const FrameHeader& h = frame->header;
   if (h.kind == FrameKind::kBind) {
-    Bind(h, from);
+    connections_.Bind(h, from);
     return UCS_OK;
   }
-  const std::shared_ptr<ServerConnection> connection = ConnectionOf(h, from);
+  const std::shared_ptr<ServerConnection> connection = connections_.ConnectionOf(h, from);
   if (connection == nullptr) {
-    release();
+    Release(data, length, rndv, from);
     return UCS_OK;
   }
-  if (h.kind == FrameKind::kCancel) {
-    auto call = active_.find({h.connection_id, h.request_id});
-    if (call != active_.end()) {
-      if (auto state = call->second.lock()) state->cancel_flag = true;
+  switch (h.kind) {
+    case FrameKind::kRequest:
+      return DispatchRequest(connection, *frame, data, length, rndv, from);
+    case FrameKind::kCancel:
+      if (auto call = active_.find({h.connection_id, h.request_id}); call != active_.end()) {
+        if (auto state = call->second.lock()) state->cancel_flag = true;
+      }
+      return UCS_OK;
+    case FrameKind::kAck:
+      replies_.OnAck(*connection, h.request_id);
+      return UCS_OK;
+    case FrameKind::kPullDone:
+    case FrameKind::kPayload:
+      payloads_.OnPullAnswer(connection, *frame, data, length, rndv);
+      return UCS_OK;
+    default:  // a kind only a server sends
+      counters_.malformed.fetch_add(1, std::memory_order_relaxed);
+      Release(data, length, rndv, from);
+      return UCS_OK;
+  }
+}
+
+void FrameDispatcher::OnMalformed(Bytes header, const Status& error, ucp_ep_h from) {
+  const uint64_t malformed = counters_.malformed.fetch_add(1, std::memory_order_relaxed) + 1;
+  // The error goes back when the frame names its own endpoint's live connection and a request.
+  if (header.size() >= kFrameHeaderBytes) {
+    FrameHeader h;
+    std::memcpy(&h, header.data(), kFrameHeaderBytes);
+    std::shared_ptr<ServerConnection> own = connections_.BoundConnection(from);
+    if (h.magic == kFrameMagic && h.kind == FrameKind::kRequest && own != nullptr &&
+        own->id == h.connection_id) {
+      auto state = NewState(own, h);
+      state->replied = true;
+      replies_.ReplyStatus(state, error);
     }
-    return UCS_OK;
   }
-  if (h.kind == FrameKind::kAck || h.kind == FrameKind::kPullDone ||
-      h.kind == FrameKind::kPayload) {
-    OnControl(connection, *frame, data, length, rndv);
-    return UCS_OK;
+  // A peer sending garbage must not flood the log: the 1st, 2nd, 4th, 8th ... are said.
+  if (std::has_single_bit(malformed)) {
+    KVSTASH_LOG_WARN("malformed frame ({} so far): {}", malformed, error.ToString());
   }
-  if (h.kind != FrameKind::kRequest) {
-    malformed_.fetch_add(1, std::memory_order_relaxed);
-    release();
-    return UCS_OK;
-  }
+}
+
+ucs_status_t FrameDispatcher::DispatchRequest(const std::shared_ptr<ServerConnection>& connection,
+                                              const FrameView& frame, void* data, size_t length,
+                                              bool rndv, ucp_ep_h from) {
+  const FrameHeader& h = frame.header;
   auto state = NewState(connection, h);
-  if (frame->payload_bytes > worker_->options().max_payload_bytes) {
-    release();
+  if (frame.payload_bytes > worker_.options().max_payload_bytes) {
+    Release(data, length, rndv, from);
     state->replied = true;
-    ReplyStatus(state,
-                ResourceExhaustedError("payload of {} bytes exceeds the limit of {}",
-                                       frame->payload_bytes, worker_->options().max_payload_bytes));
+    replies_.ReplyStatus(
+        state, ResourceExhaustedError("payload of {} bytes exceeds the limit of {}",
+                                      frame.payload_bytes, worker_.options().max_payload_bytes));
     return UCS_OK;
   }
   auto handler = handlers_.find(h.method);
   if (handler == handlers_.end()) {
-    release();
+    Release(data, length, rndv, from);
     state->replied = true;
-    ReplyStatus(state, UnimplementedError("no handler for method {}", h.method));
+    replies_.ReplyStatus(state, UnimplementedError("no handler for method {}", h.method));
     return UCS_OK;
   }
-  calls_.fetch_add(1, std::memory_order_relaxed);
-  state->request_bytes.assign(frame->message.begin(), frame->message.end());
-  state->payload_size = frame->payload_bytes;
+  counters_.calls.fetch_add(1, std::memory_order_relaxed);
+  state->request_bytes.assign(frame.message.begin(), frame.message.end());
+  state->payload_size = frame.payload_bytes;
   state->payload_data = data;
   state->payload_rndv = rndv;
-  state->payload_held = frame->has_ref;
+  state->payload_held = frame.has_ref;
   state->in_am_callback = true;
   active_[{h.connection_id, h.request_id}] = state;
   handler->second(ServerCall(state));
@@ -187,11 +145,11 @@ ucs_status_t RpcServer::Impl::Dispatch(Bytes header, void* data, size_t length, 
   return UCS_OK;
 }
 
-std::shared_ptr<UcxCall> RpcServer::Impl::NewState(
+std::shared_ptr<UcxCall> FrameDispatcher::NewState(
     const std::shared_ptr<ServerConnection>& connection, const FrameHeader& h) {
   auto state = std::make_shared<UcxCall>();
-  state->server = shared_from_this();
-  state->worker = worker_;
+  state->server = server_.shared_from_this();
+  state->worker = server_.worker();
   state->connection = connection;
   state->method_id = h.method;
   state->request_id = h.request_id;
@@ -201,7 +159,7 @@ std::shared_ptr<UcxCall> RpcServer::Impl::NewState(
   return state;
 }
 
-void RpcServer::Impl::Forget(const UcxCall& state) {
+void FrameDispatcher::Forget(const UcxCall& state) {
   active_.erase({state.connection->id, state.request_id});
 }
 

@@ -1,5 +1,6 @@
-// RpcServer::Impl: replies (any thread, sent on the progress thread), and the request payloads
-// a handler receives: in the frame, by rendezvous, or pulled from a client that holds them.
+// ReplySender: replies (any thread, sent on the progress thread). PayloadReceiver: the request
+// payloads a handler receives, in the frame, by rendezvous, or pulled from a client that holds
+// them. UcxCall: one request, as its ServerCall handle sees it.
 
 #include <fmt/format.h>
 
@@ -23,19 +24,52 @@ struct PayloadRecv {
   std::function<void(Status)> done;
 };
 
-// A control frame (kPull) with no call callback behind it: owns its bytes until sent.
+// A control frame (kPull, a mapped reply) with no call callback behind it: owns its bytes until
+// sent.
 struct ControlSend {
   std::vector<std::byte> header;
   std::shared_ptr<ServerConnection> connection;
 };
 
+// Names `bytes` of a shared region in ref, with the region's rkey the first time this
+// connection hears of it.
+void FillRef(ServerConnection& connection, const MemoryRegion& region, Bytes bytes, MappedRef* ref,
+             std::span<const std::byte>* rkey) {
+  ref->region_id = region.id();
+  ref->region_address = reinterpret_cast<uintptr_t>(region.data());
+  ref->region_size = region.size();
+  ref->address = reinterpret_cast<uintptr_t>(bytes.data());
+  ref->length = bytes.size();
+  if (connection.rkeys_sent.insert(region.id()).second) {
+    *rkey = std::as_bytes(std::span(region.packed_rkey()));
+  }
+}
+
+// Sends `frame` on the connection's endpoint, keeping the connection until it is sent; nothing
+// once the connection closed or before it bound its endpoint. Progress thread.
+void SendControl(std::shared_ptr<ServerConnection> connection, std::vector<std::byte> frame) {
+  if (!connection->open || !connection->ep) return;
+  auto* owned = new ControlSend{std::move(frame), std::move(connection)};
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    ucp_request_free(request);
+    delete static_cast<ControlSend*>(user_data);
+  };
+  param.user_data = owned;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(owned->connection->ep.get(), kRpcAmId, owned->header.data(),
+                      owned->header.size(), nullptr, 0, &param);
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
+}
+
 }  // namespace
 
-// ---- replies (any thread) --------------------------------------------------------------------
+// ---- ReplySender -----------------------------------------------------------------------------
 
-void RpcServer::Impl::Reply(const std::shared_ptr<UcxCall>& state, StatusCode code, Bytes message,
-                            Bytes payload, const MemoryRegion* region,
-                            std::function<void(Status)> sent) {
+void ReplySender::Reply(const std::shared_ptr<UcxCall>& state, StatusCode code, Bytes message,
+                        Bytes payload, const MemoryRegion* region,
+                        std::function<void(Status)> sent) {
   auto send = std::make_unique<ReplySend>();
   send->sent = std::move(sent);
   send->state = state;
@@ -46,7 +80,7 @@ void RpcServer::Impl::Reply(const std::shared_ptr<UcxCall>& state, StatusCode co
   header.connection_id = state->connection->id;
   header.status = static_cast<uint16_t>(code);
   header.message_bytes = static_cast<uint32_t>(message.size());
-  const bool in_data = kFrameHeaderBytes + message.size() > worker_->max_am_header();
+  const bool in_data = kFrameHeaderBytes + message.size() > worker_.max_am_header();
   if (in_data) {
     header.flags = kMessageInData;
     send->header.resize(kFrameHeaderBytes);
@@ -56,7 +90,7 @@ void RpcServer::Impl::Reply(const std::shared_ptr<UcxCall>& state, StatusCode co
     send->header.resize(kFrameHeaderBytes + message.size());
     WriteFrame(header, message, send->header);
   }
-  worker_->Run([this, send = std::move(send), payload, region]() mutable {
+  worker_.Run([this, send = std::move(send), payload, region]() mutable {
     // A call answered without taking its request payload lets it go now: a payload kept past
     // its frame would otherwise stay with UCX, and a rendezvous sender would never finish.
     send->state->ReleasePayload();
@@ -64,7 +98,7 @@ void RpcServer::Impl::Reply(const std::shared_ptr<UcxCall>& state, StatusCode co
   });
 }
 
-void RpcServer::Impl::ReplyStatus(const std::shared_ptr<UcxCall>& state, const Status& status) {
+void ReplySender::ReplyStatus(const std::shared_ptr<UcxCall>& state, const Status& status) {
   wire::Error error;
   error.set_code(internal::ToWire(status.code()));
   error.set_message(std::string(status.message()));
@@ -72,9 +106,97 @@ void RpcServer::Impl::ReplyStatus(const std::shared_ptr<UcxCall>& state, const S
   Reply(state, status.code(), std::as_bytes(std::span(bytes)), {}, nullptr, {});
 }
 
-void RpcServer::Impl::ReceivePayload(const std::shared_ptr<UcxCall>& state, MutableBytes dest,
+void ReplySender::SendReply(std::unique_ptr<ReplySend> send, Bytes payload,
+                            const MemoryRegion* region) {
+  ServerConnection& connection = *send->state->connection;
+  if (!connection.open || !connection.ep) {
+    if (send->sent) send->sent(UnavailableError("connection {} is closed", connection.id));
+    return;
+  }
+  if (send->state->cancel_flag.load()) {
+    if (send->sent) {
+      send->sent(CancelledError("call {} was cancelled by the client", send->state->request_id));
+    }
+    return;
+  }
+  if (!send->message_in_data.empty() && !payload.empty()) {
+    if (send->sent) {
+      send->sent(
+          InvalidArgumentError("reply message of {} bytes is too large to travel with "
+                               "a payload",
+                               send->message_in_data.size()));
+    }
+    return;
+  }
+  if (send->state->accepts_mapped && send->message_in_data.empty() && !payload.empty() &&
+      region != nullptr && !region->packed_rkey().empty() && region->Contains(payload) &&
+      send->header.size() + kMappedRefBytes + region->packed_rkey().size() <=
+          worker_.max_am_header()) {
+    SendMappedReply(std::move(send), payload, *region);
+    return;
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+    ucp_request_free(request);
+    std::unique_ptr<ReplySend> owned(static_cast<ReplySend*>(user_data));
+    if (owned->sent) owned->sent(FromUcs(status, "sending a reply"));
+  };
+  param.datatype = ucp_dt_make_contig(1);
+  const void* data = payload.data();
+  size_t data_bytes = payload.size();
+  if (!send->message_in_data.empty()) {
+    data = send->message_in_data.data();
+    data_bytes = send->message_in_data.size();
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+  } else if (region != nullptr) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<ucp_mem_h>(region->handle());
+  }
+  ReplySend* raw = send.release();
+  param.user_data = raw;
+  ucs_status_ptr_t request = ucp_am_send_nbx(connection.ep.get(), kRpcAmId, raw->header.data(),
+                                             raw->header.size(), data, data_bytes, &param);
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+    std::unique_ptr<ReplySend> owned(raw);
+    if (owned->sent) {
+      owned->sent(request == nullptr ? Status::OK()
+                                     : FromUcs(UCS_PTR_STATUS(request), "sending a reply"));
+    }
+  }
+}
+
+void ReplySender::SendMappedReply(std::unique_ptr<ReplySend> send, Bytes payload,
+                                  const MemoryRegion& region) {
+  const std::shared_ptr<ServerConnection>& connection = send->state->connection;
+  FrameHeader header;
+  std::memcpy(&header, send->header.data(), kFrameHeaderBytes);
+  MappedRef ref;
+  std::span<const std::byte> rkey;
+  FillRef(*connection, region, payload, &ref, &rkey);
+  const uint64_t id = send->state->request_id;
+  auto sent = std::move(send->sent);
+  connection->acks[id] = sent ? std::move(sent) : [](Status) {};
+  SendControl(connection,
+              WriteFrameWithRef(header, Bytes(send->header).subspan(kFrameHeaderBytes), ref, rkey));
+}
+
+void ReplySender::OnAck(ServerConnection& connection, uint64_t request_id) {
+  auto it = connection.acks.find(request_id);
+  if (it == connection.acks.end()) return;
+  auto sent = std::move(it->second);
+  connection.acks.erase(it);
+  counters_.mapped.fetch_add(1, std::memory_order_relaxed);
+  sent(Status::OK());
+}
+
+// ---- PayloadReceiver -------------------------------------------------------------------------
+
+void PayloadReceiver::ReceivePayload(const std::shared_ptr<UcxCall>& state, MutableBytes dest,
                                      const MemoryRegion* region, std::function<void(Status)> done) {
-  worker_->Run([this, state, dest, region, done = std::move(done)]() mutable {
+  worker_.Run([this, state, dest, region, done = std::move(done)]() mutable {
     if (state->payload_consumed) {
       done(FailedPreconditionError("payload of call {} already received or released",
                                    state->request_id));
@@ -112,7 +234,7 @@ void RpcServer::Impl::ReceivePayload(const std::shared_ptr<UcxCall>& state, Muta
   });
 }
 
-void RpcServer::Impl::ReceiveData(const std::shared_ptr<UcxCall>& state, void* descriptor,
+void PayloadReceiver::ReceiveData(const std::shared_ptr<UcxCall>& state, void* descriptor,
                                   MutableBytes dest, const MemoryRegion* region,
                                   std::function<void(Status)> done) {
   auto* op = new PayloadRecv{state, std::move(done)};
@@ -123,7 +245,7 @@ void RpcServer::Impl::ReceiveData(const std::shared_ptr<UcxCall>& state, void* d
     owned->done(FromUcs(status, "receiving a request payload"));
   };
   ucs_status_ptr_t request =
-      ucp_am_recv_data_nbx(worker_->ucp(), descriptor, dest.data(), dest.size(), &param);
+      ucp_am_recv_data_nbx(worker_.ucp(), descriptor, dest.data(), dest.size(), &param);
   if (request == nullptr || UCS_PTR_IS_ERR(request)) {
     std::unique_ptr<PayloadRecv> owned(op);
     owned->done(request == nullptr
@@ -132,7 +254,7 @@ void RpcServer::Impl::ReceiveData(const std::shared_ptr<UcxCall>& state, void* d
   }
 }
 
-void RpcServer::Impl::Pull(const std::shared_ptr<UcxCall>& state, MutableBytes dest,
+void PayloadReceiver::Pull(const std::shared_ptr<UcxCall>& state, MutableBytes dest,
                            const MemoryRegion* region, std::function<void(Status)> done) {
   state->payload_consumed = true;
   ServerConnection& connection = *state->connection;
@@ -152,140 +274,12 @@ void RpcServer::Impl::Pull(const std::shared_ptr<UcxCall>& state, MutableBytes d
   SendControl(state->connection, WriteFrameWithRef(header, {}, ref, rkey));
 }
 
-void RpcServer::Impl::FillRef(ServerConnection& connection, const MemoryRegion& region, Bytes bytes,
-                              MappedRef* ref, std::span<const std::byte>* rkey) {
-  ref->region_id = region.id();
-  ref->region_address = reinterpret_cast<uintptr_t>(region.data());
-  ref->region_size = region.size();
-  ref->address = reinterpret_cast<uintptr_t>(bytes.data());
-  ref->length = bytes.size();
-  if (connection.rkeys_sent.insert(region.id()).second) {
-    *rkey = std::as_bytes(std::span(region.packed_rkey()));
-  }
-}
-
-void RpcServer::Impl::SendControl(std::shared_ptr<ServerConnection> connection,
-                                  std::vector<std::byte> frame) {
-  if (!connection->open || !connection->ep) return;
-  auto* owned = new ControlSend{std::move(frame), std::move(connection)};
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    ucp_request_free(request);
-    delete static_cast<ControlSend*>(user_data);
-  };
-  param.user_data = owned;
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(owned->connection->ep.get(), kRpcAmId, owned->header.data(),
-                      owned->header.size(), nullptr, 0, &param);
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) delete owned;
-}
-
-void RpcServer::Impl::Drop(std::shared_ptr<UcxCall> state) {
-  worker_->Run([this, state = std::move(state)] {
-    if (!state->in_am_callback) {
-      state->ReleasePayload();
-      Forget(*state);
-    }
-    if (!state->replied.exchange(true)) {
-      ReplyStatus(state, InternalError("handler of method {} dropped the call without a reply",
-                                       state->method_id));
-    }
-  });
-}
-
-void RpcServer::Impl::SendReply(std::unique_ptr<ReplySend> send, Bytes payload,
-                                const MemoryRegion* region) {
-  ServerConnection& connection = *send->state->connection;
-  if (!connection.open || !connection.ep) {
-    if (send->sent) send->sent(UnavailableError("connection {} is closed", connection.id));
-    return;
-  }
-  if (send->state->cancel_flag.load()) {
-    if (send->sent) {
-      send->sent(CancelledError("call {} was cancelled by the client", send->state->request_id));
-    }
-    return;
-  }
-  if (!send->message_in_data.empty() && !payload.empty()) {
-    if (send->sent) {
-      send->sent(
-          InvalidArgumentError("reply message of {} bytes is too large to travel with "
-                               "a payload",
-                               send->message_in_data.size()));
-    }
-    return;
-  }
-  if (send->state->accepts_mapped && send->message_in_data.empty() && !payload.empty() &&
-      region != nullptr && !region->packed_rkey().empty() && region->Contains(payload) &&
-      send->header.size() + kMappedRefBytes + region->packed_rkey().size() <=
-          worker_->max_am_header()) {
-    SendMappedReply(std::move(send), payload, *region);
-    return;
-  }
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
-  param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
-    ucp_request_free(request);
-    std::unique_ptr<ReplySend> owned(static_cast<ReplySend*>(user_data));
-    if (owned->sent) owned->sent(FromUcs(status, "sending a reply"));
-  };
-  param.datatype = ucp_dt_make_contig(1);
-  const void* data = payload.data();
-  size_t data_bytes = payload.size();
-  if (!send->message_in_data.empty()) {
-    data = send->message_in_data.data();
-    data_bytes = send->message_in_data.size();
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
-  } else if (region != nullptr) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = static_cast<ucp_mem_h>(region->handle());
-  }
-  ReplySend* raw = send.release();
-  param.user_data = raw;
-  ucs_status_ptr_t request = ucp_am_send_nbx(connection.ep.get(), kRpcAmId, raw->header.data(),
-                                             raw->header.size(), data, data_bytes, &param);
-  if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-    std::unique_ptr<ReplySend> owned(raw);
-    if (owned->sent) {
-      owned->sent(request == nullptr ? Status::OK()
-                                     : FromUcs(UCS_PTR_STATUS(request), "sending a reply"));
-    }
-  }
-}
-
-void RpcServer::Impl::SendMappedReply(std::unique_ptr<ReplySend> send, Bytes payload,
-                                      const MemoryRegion& region) {
-  const std::shared_ptr<ServerConnection>& connection = send->state->connection;
-  FrameHeader header;
-  std::memcpy(&header, send->header.data(), kFrameHeaderBytes);
-  MappedRef ref;
-  std::span<const std::byte> rkey;
-  FillRef(*connection, region, payload, &ref, &rkey);
-  const uint64_t id = send->state->request_id;
-  auto sent = std::move(send->sent);
-  connection->acks[id] = sent ? std::move(sent) : [](Status) {};
-  SendControl(connection,
-              WriteFrameWithRef(header, Bytes(send->header).subspan(kFrameHeaderBytes), ref, rkey));
-}
-
-void RpcServer::Impl::OnControl(const std::shared_ptr<ServerConnection>& connection,
-                                const FrameView& frame, void* data, size_t length, bool rndv) {
+void PayloadReceiver::OnPullAnswer(const std::shared_ptr<ServerConnection>& connection,
+                                   const FrameView& frame, void* data, size_t length, bool rndv) {
   const FrameHeader& h = frame.header;
-  if (h.kind == FrameKind::kAck) {
-    auto it = connection->acks.find(h.request_id);
-    if (it == connection->acks.end()) return;
-    auto sent = std::move(it->second);
-    connection->acks.erase(it);
-    mapped_.fetch_add(1, std::memory_order_relaxed);
-    sent(Status::OK());
-    return;
-  }
   auto it = connection->pulls.find(h.request_id);
   if (it == connection->pulls.end() || (h.kind == FrameKind::kPayload) != it->second.as_data) {
-    if (rndv) worker_->DiscardRendezvous(data, length);
+    if (rndv) worker_.DiscardRendezvous(data, length);
     KVSTASH_LOG_WARN("connection {}: unexpected frame kind {} for call {}", connection->id,
                      static_cast<int>(h.kind), h.request_id);
     return;
@@ -293,7 +287,7 @@ void RpcServer::Impl::OnControl(const std::shared_ptr<ServerConnection>& connect
   PendingPull pull = std::move(it->second);
   connection->pulls.erase(it);
   if (h.kind == FrameKind::kPullDone) {
-    if (h.status == 0) mapped_.fetch_add(1, std::memory_order_relaxed);
+    if (h.status == 0) counters_.mapped.fetch_add(1, std::memory_order_relaxed);
     pull.done(h.status == 0 ? Status::OK()
                             : Status(static_cast<StatusCode>(h.status),
                                      fmt::format("the client did not deliver the payload of "
@@ -302,7 +296,7 @@ void RpcServer::Impl::OnControl(const std::shared_ptr<ServerConnection>& connect
     return;
   }
   if (length != pull.dest.size()) {
-    if (rndv) worker_->DiscardRendezvous(data, length);
+    if (rndv) worker_.DiscardRendezvous(data, length);
     pull.done(InvalidArgumentError("client sent {} payload bytes for call {}, announced {}", length,
                                    h.request_id, pull.dest.size()));
     return;
@@ -313,6 +307,57 @@ void RpcServer::Impl::OnControl(const std::shared_ptr<ServerConnection>& connect
     return;
   }
   ReceiveData(pull.state, data, pull.dest, pull.region, std::move(pull.done));
+}
+
+// ---- UcxCall ---------------------------------------------------------------------------------
+
+void UcxCall::ReleasePayload() {
+  if (payload_consumed || payload_size == 0) return;
+  payload_consumed = true;
+  if (payload_held) return;  // the client lets go of it when the call completes
+  if (payload_rndv) {
+    worker->DiscardRendezvous(payload_data, payload_size);  // within limits: checked
+  } else if (payload_persistent) {
+    ucp_am_data_release(worker->ucp(), payload_data);
+  }
+}
+
+uint64_t UcxCall::connection_id() const { return connection->id; }
+const std::string& UcxCall::key_namespace() const { return connection->key_namespace; }
+
+void UcxCall::ReceivePayload(MutableBytes dest, const MemoryRegion* region,
+                             std::function<void(Status)> done) {
+  server->payloads().ReceivePayload(shared_from_this(), dest, region, std::move(done));
+}
+
+void UcxCall::Reply(Bytes message, Bytes payload, const MemoryRegion* region,
+                    std::function<void(Status)> sent) {
+  if (replied.exchange(true)) {
+    if (sent) sent(FailedPreconditionError("call {} already replied", request_id));
+    return;
+  }
+  server->replies().Reply(shared_from_this(), StatusCode::kOk, message, payload, region,
+                          std::move(sent));
+}
+
+void UcxCall::ReplyError(const Status& status) {
+  if (replied.exchange(true)) return;
+  server->replies().ReplyStatus(shared_from_this(),
+                                status.ok() ? InternalError("ReplyError with OK") : status);
+}
+
+void UcxCall::Drop() {
+  worker->Run([self = shared_from_this()] {
+    if (!self->in_am_callback) {
+      self->ReleasePayload();
+      self->server->frames().Forget(*self);
+    }
+    if (!self->replied.exchange(true)) {
+      self->server->replies().ReplyStatus(
+          self,
+          InternalError("handler of method {} dropped the call without a reply", self->method_id));
+    }
+  });
 }
 
 }  // namespace kvstash::transport
