@@ -3,7 +3,7 @@
 // of it (protocol version, then the tokens: CheckHelloToken,
 // transport/include/kvstash/transport/admission.h, then the client's UCX worker address:
 // CheckPeerWorkerAddress, transport/ucx/src/worker_address.h), under four token settings; and the
-// whole input as a UCX worker address. It follows RpcServer::Impl::OnHello
+// whole input as a UCX worker address. It follows HelloAcceptor::OnHello
 // (transport/ucx/src/rpc_server_connections.cc) up to the UCX endpoint it opens, which needs UCX;
 // the loopback transport runs the same checks. The same bytes are also read as the wire.HelloReply
 // a client reads from a node.
