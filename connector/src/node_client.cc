@@ -7,9 +7,24 @@
 
 #include "cluster/client.h"
 #include "kvstash/membership/membership.h"
+#include "kvstash/proto/wire.pb.h"
 
 namespace kvstash::connector {
-size_t KeysPerCall(const transport::ServerLimits& limits) {
+Result<NodeLimits> NodeLimitsFrom(const transport::ServerLimits& stated) {
+  wire::NodeLimits node;
+  if (!node.ParseFromString(stated.service_limits)) {
+    return InvalidArgumentError("the limits stated at hello do not parse ({} bytes)",
+                                stated.service_limits.size());
+  }
+  NodeLimits limits;
+  limits.block_bytes = node.block_bytes();
+  limits.max_keys_per_request = node.max_keys_per_request();
+  limits.max_message_bytes = stated.max_message_bytes;
+  limits.max_payload_bytes = stated.max_payload_bytes;
+  return limits;
+}
+
+size_t KeysPerCall(const NodeLimits& limits) {
   // A node that states no key limit gets the daemon's default.
   size_t keys = limits.max_keys_per_request == 0 ? 4096 : limits.max_keys_per_request;
   if (limits.max_message_bytes != 0) {
@@ -143,11 +158,9 @@ void NodeClient::WaitForTouches() { impl_->WaitForTouches(); }
 Result<std::map<std::string, uint64_t>> NodeClient::Stats(const NodeAddress& node) {
   return impl_->Stats(node);
 }
-Result<transport::ServerLimits> NodeClient::Limits(const NodeAddress& node) {
-  return impl_->Limits(node);
-}
+Result<NodeLimits> NodeClient::Limits(const NodeAddress& node) { return impl_->Limits(node); }
 Result<uint64_t> NodeClient::BlockBytes(const NodeAddress& node) {
-  KVSTASH_ASSIGN_OR_RETURN(const transport::ServerLimits limits, impl_->Limits(node));
+  KVSTASH_ASSIGN_OR_RETURN(const NodeLimits limits, impl_->Limits(node));
   if (limits.block_bytes == 0) {
     return FailedPreconditionError("node {} stores no blocks (a bare transport)", node.ToString());
   }

@@ -364,14 +364,14 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
       options.server.auth_token,
       ResolveToken(flags.auth_token, "auth-token", flags.auth_token_file, "auth-token-file"));
   if (!flags.namespace_token_file.empty()) {
-    KVSTASH_ASSIGN_OR_RETURN(options.server.namespace_tokens,
+    KVSTASH_ASSIGN_OR_RETURN(options.server.tenant_tokens,
                              ReadNamespaceTokens(flags.namespace_token_file));
   }
   if (flags.max_keys_per_request < 1 || flags.max_keys_per_request > (1 << 20)) {
     return InvalidArgumentError("max-keys-per-request: {} is outside 1..1048576",
                                 flags.max_keys_per_request);
   }
-  options.server.max_keys_per_request = static_cast<uint32_t>(flags.max_keys_per_request);
+  options.max_keys_per_request = static_cast<uint32_t>(flags.max_keys_per_request);
   if (flags.lease_timeout_ms < 10) {
     return InvalidArgumentError("lease-timeout-ms: {} is below 10", flags.lease_timeout_ms);
   }

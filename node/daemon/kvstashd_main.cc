@@ -235,9 +235,9 @@ int main(int argc, char** argv) {
       store.ssd ? fmt::format("{} in {} ({}, {})", FormatBytes(store.ssd->capacity_bytes),
                               store.ssd->dir, flags.ssd_policy, flags.cascade)
                 : std::string("off"),
-      options->server.namespace_tokens.empty()
+      options->server.tenant_tokens.empty()
           ? (options->server.auth_token.empty() ? std::string("off") : std::string("token"))
-          : fmt::format("{} namespace token(s){}", options->server.namespace_tokens.size(),
+          : fmt::format("{} namespace token(s){}", options->server.tenant_tokens.size(),
                         options->server.auth_token.empty() ? ", other namespaces refused"
                                                            : ", others by token"),
       options->namespace_quota_blocks.empty() && !options->default_namespace_quota_blocks

@@ -87,7 +87,7 @@ class TimedCall {
   TimedCall& operator=(const TimedCall&) = delete;
 
   uint64_t connection_id() const { return call_.connection_id(); }
-  const std::string& key_namespace() const { return call_.key_namespace(); }
+  const std::string& key_namespace() const { return call_.tenant(); }
   Bytes request() const { return call_.request(); }
   size_t payload_bytes() const { return call_.payload_bytes(); }
 
@@ -138,10 +138,14 @@ class NodeServer::Impl {
   }
 
   Status Start() {
-    options_.server.block_bytes = options_.store.block_bytes;
-    // A hello's namespace gets its id (or its refusal) at once. Called on the progress thread,
-    // which starts after the service exists.
-    options_.server.admit_namespace = [this](std::string_view name) {
+    // What the node states at hello, the transport carrying the bytes as they are.
+    wire::NodeLimits limits;
+    limits.set_block_bytes(options_.store.block_bytes);
+    limits.set_max_keys_per_request(options_.max_keys_per_request);
+    options_.server.service_limits = limits.SerializeAsString();
+    // A hello's tenant is this node's namespace: it gets its id (or its refusal) at once. Called
+    // on the progress thread, which starts after the service exists.
+    options_.server.admit_tenant = [this](std::string_view name) {
       return service_->AdmitNamespace(name);
     };
     if (options_.listen) {
@@ -247,7 +251,7 @@ class NodeServer::Impl {
   template <typename Message>
   std::optional<NamespaceId> Begin(TimedCall& call, Message* message, std::string_view what) {
     if (!Parse(call, message, what)) return std::nullopt;
-    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.key_namespace());
+    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.tenant());
     if (!ns.ok()) {
       call.ReplyError(ns.status());
       return std::nullopt;
@@ -259,9 +263,9 @@ class NodeServer::Impl {
   bool Keys(TimedCall& call, NamespaceId ns,
             const google::protobuf::RepeatedPtrField<wire::Key>& keys,
             std::vector<BlockKey>* out) const {
-    if (static_cast<size_t>(keys.size()) > options_.server.max_keys_per_request) {
+    if (static_cast<size_t>(keys.size()) > options_.max_keys_per_request) {
       call.ReplyError(InvalidArgumentError("{} keys in one request; the limit is {}", keys.size(),
-                                           options_.server.max_keys_per_request));
+                                           options_.max_keys_per_request));
       return false;
     }
     out->clear();

@@ -82,8 +82,8 @@ Status CheckAddress(std::string_view address) {
 ServerOptions Settings(int which) {
   ServerOptions options;
   if (which & 1) options.auth_token = std::string(kNodeToken);
-  if (which & 2) options.namespace_tokens = {{"tenant-a", "token-a"}, {"tenant-b", "token-b"}};
-  options.block_bytes = 4096;
+  if (which & 2) options.tenant_tokens = {{"tenant-a", "token-a"}, {"tenant-b", "token-b"}};
+  options.service_limits = "node limits";
   return options;
 }
 
@@ -105,13 +105,13 @@ Status Decide(const ServerOptions& options, const std::string& body, wire::Hello
 
 // What the tokens must have let in.
 void CheckAdmission(const ServerOptions& options, const wire::Hello& hello) {
-  const auto own = options.namespace_tokens.find(hello.namespace_());
-  if (own != options.namespace_tokens.end()) {
+  const auto own = options.tenant_tokens.find(hello.namespace_());
+  if (own != options.tenant_tokens.end()) {
     KVSTASH_FUZZ_CHECK(hello.auth_token() == own->second);
   } else if (!options.auth_token.empty()) {
     KVSTASH_FUZZ_CHECK(hello.auth_token() == options.auth_token);
   } else {
-    KVSTASH_FUZZ_CHECK(options.namespace_tokens.empty());
+    KVSTASH_FUZZ_CHECK(options.tenant_tokens.empty());
   }
 }
 
@@ -120,7 +120,7 @@ void HelloOnNode(const ServerOptions& options, const std::string& body) {
   const Status decided = Decide(options, body, &hello);
   wire::HelloReply reply;
   reply.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
-  reply.set_block_bytes(options.block_bytes);
+  reply.set_service_limits(options.service_limits);
   if (!decided.ok()) {
     // The refusal's log line quotes the client's name and namespace, escaped and cut short.
     const std::string line =

@@ -123,8 +123,8 @@ class Harness {
       : network_(std::move(network)) {
     NodeOptions options;
     options.server.auth_token = "node-token";
-    options.server.namespace_tokens = {{"tenant-a", "token-a"}};
-    options.server.max_keys_per_request = kMaxKeys;
+    options.server.tenant_tokens = {{"tenant-a", "token-a"}};
+    options.max_keys_per_request = kMaxKeys;
     options.server.transport.max_message_bytes = 64 * 1024;
     options.server.transport.max_payload_bytes = kMaxPayload;
     options.store.block_bytes = kBlock;
@@ -206,7 +206,7 @@ class Harness {
   std::unique_ptr<transport::Channel> Connect(const ClientSpec& spec) {
     transport::ClientOptions options;
     options.port = node_->port();
-    options.key_namespace = spec.key_namespace;
+    options.tenant = spec.key_namespace;
     options.auth_token = spec.token;
     options.client_name = "fuzz";
     return network_->Connect(options);

@@ -209,8 +209,10 @@ void Hellos() {
   reply.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
   reply.set_connection_id(uint64_t{0x5eed} << 32 | 1);
   reply.set_worker_address(address);
-  reply.set_block_bytes(256 * 1024);
-  reply.set_max_keys_per_request(4096);
+  wire::NodeLimits limits;
+  limits.set_block_bytes(256 * 1024);
+  limits.set_max_keys_per_request(4096);
+  reply.set_service_limits(limits.SerializeAsString());
   reply.set_max_message_bytes(4 << 20);
   reply.set_max_payload_bytes(64 << 20);
   reply.mutable_mapped_probe()->set_region_id(1);

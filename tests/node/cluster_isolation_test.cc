@@ -241,5 +241,37 @@ TEST_F(ClusterIsolationTest, ASuspectNodeIsProbedApartAndComesBackWhenItAnswers)
   EXPECT_TRUE(hit);
 }
 
+// A peer whose hello states limits that are not a node's (a foreign or hostile server): the
+// client refuses it, saying why, counts the refusal, and a strict lookup returns it; nothing of
+// it is read as a block size or a key limit.
+TEST(ClusterHelloTest, LimitsThatDoNotParseRefuseTheNodeSayingWhy) {
+  auto network = transport::LoopbackNetwork::Create();
+  transport::ServerOptions server_options;
+  // 0xff: a field tag of wire type 7, which no protobuf parser accepts.
+  server_options.service_limits = std::string("\xff\xff\xff\xff not a NodeLimits");
+  std::unique_ptr<transport::Listener> peer = network->Listen(server_options);
+  peer->Handle(wire::METHOD_ECHO, [](transport::ServerCall call) { call.Reply({}); });
+  ASSERT_TRUE(peer->Start().ok());
+
+  connector::NodeClientOptions options;
+  options.nodes.push_back({"loopback", peer->port()});
+  options.connect = [network](const transport::ClientOptions& client)
+      -> Result<std::unique_ptr<transport::Channel>> { return network->Connect(client); };
+  auto client = NodeClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  const NodeAddress node = (*client)->nodes()[0];
+  const Result<connector::NodeLimits> limits = (*client)->Limits(node);
+  ASSERT_FALSE(limits.ok());
+  EXPECT_EQ(limits.status().code(), StatusCode::kInvalidArgument) << limits.status().ToString();
+  EXPECT_THAT(limits.status().message(), ::testing::HasSubstr("do not parse"));
+  EXPECT_FALSE((*client)->BlockBytes(node).ok());
+  const std::vector<BlockKey> keys = {Key(1), Key(2)};
+  const auto strict = (*client)->LookupStrict(keys);
+  EXPECT_FALSE(strict.ok()) << "a node refused here is an error, not a miss";
+  EXPECT_GE((*client)->counters()[ClientCounter::kRefused], 1u);
+  client->reset();
+  peer->Stop();
+}
+
 }  // namespace
 }  // namespace kvstash::node

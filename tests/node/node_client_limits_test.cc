@@ -95,7 +95,7 @@ size_t Occurrences(const std::string& text, const std::string& what) {
 }
 
 TEST(KeysPerCallTest, TheKeyLimitAndTheMessageLimitBothBound) {
-  transport::ServerLimits limits;
+  connector::NodeLimits limits;
   limits.max_keys_per_request = 32;
   limits.max_message_bytes = 4 << 20;
   EXPECT_EQ(connector::KeysPerCall(limits), 32u);
@@ -104,7 +104,7 @@ TEST(KeysPerCallTest, TheKeyLimitAndTheMessageLimitBothBound) {
   EXPECT_EQ(connector::KeysPerCall(limits), (4096u - 64) / connector::kKeyWireBytes);
   limits.max_message_bytes = 10;
   EXPECT_EQ(connector::KeysPerCall(limits), 1u);  // never 0
-  EXPECT_EQ(connector::KeysPerCall(transport::ServerLimits{}), 4096u);
+  EXPECT_EQ(connector::KeysPerCall(connector::NodeLimits{}), 4096u);
 }
 
 TEST(NodeClientLimitsTest, LimitsComeFromTheHello) {

@@ -41,7 +41,7 @@ class NodeLoopbackTest : public ::testing::Test {
   void StartNode(std::chrono::milliseconds lease) {
     node_.reset();
     NodeOptions options;
-    options.server.max_keys_per_request = 64;
+    options.max_keys_per_request = 64;
     options.store.block_bytes = kBlock;
     options.store.cpu_capacity_blocks = kCapacity;
     options.store.prefault = false;

@@ -48,7 +48,7 @@ class NodeServerTest : public ::testing::TestWithParam<std::string> {
     NodeOptions options;
     options.server.transport.tls = GetParam();
     options.server.auth_token = "token";
-    options.server.max_keys_per_request = 64;
+    options.max_keys_per_request = 64;
     options.store.block_bytes = kBlock;
     options.store.cpu_capacity_blocks = cpu_blocks;
     options.store.prefault = false;
@@ -509,7 +509,7 @@ TEST_P(NodeServerTest, RefusalLogNamesTheClientNotTheToken) {
     transport::ClientOptions options;
     options.port = node_->port();
     options.auth_token = "guess-7f3a";
-    options.key_namespace = "tenant-blue";
+    options.tenant = "tenant-blue";
     options.client_name = "engine \"7\"";
     options.transport.tls = GetParam();
     auto intruder = transport::RpcClient::Create(options);

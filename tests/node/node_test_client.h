@@ -33,7 +33,7 @@ class NodeTestClient {
     transport::ClientOptions options;
     options.port = port;
     options.auth_token = token;
-    options.key_namespace = ns;
+    options.tenant = ns;
     options.transport.tls = tls;
     auto client = transport::RpcClient::Create(options);
     EXPECT_TRUE(client.ok()) << client.status().ToString();

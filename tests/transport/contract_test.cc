@@ -203,13 +203,12 @@ class ContractTest : public ::testing::TestWithParam<Implementation> {
     transport_ = GetParam().make();
     ServerOptions options;
     options.auth_token = "secret";
-    options.namespace_tokens = {{"tenant-a", "a-token"}};
-    options.admit_namespace = [](std::string_view name) {
+    options.tenant_tokens = {{"tenant-a", "a-token"}};
+    options.admit_tenant = [](std::string_view name) {
       if (name == "closed") return PermissionDeniedError("namespace closed is not served here");
       return Status::OK();
     };
-    options.block_bytes = 4096;
-    options.max_keys_per_request = 7;
+    options.service_limits = std::string("the service's \0 own bytes", 25);
     auto server = transport_->Listen(options);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(*server);
@@ -272,12 +271,12 @@ class ContractTest : public ::testing::TestWithParam<Implementation> {
     server_.reset();
   }
 
-  std::unique_ptr<Channel> Client(std::string token, std::string key_namespace = "default",
+  std::unique_ptr<Channel> Client(std::string token, std::string tenant = "default",
                                   TransportOptions transport = {}) {
     ClientOptions options;
     options.port = server_->port();
     options.auth_token = std::move(token);
-    options.key_namespace = std::move(key_namespace);
+    options.tenant = std::move(tenant);
     options.transport = std::move(transport);
     auto client = transport_->Connect(options);
     EXPECT_TRUE(client.ok()) << client.status().ToString();
@@ -446,8 +445,8 @@ TEST_P(ContractTest, TheServerStatesItsLimitsAtHello) {
   ASSERT_TRUE(Connect(*client).ok());
   const std::optional<ServerLimits> limits = client->server_limits();
   ASSERT_TRUE(limits.has_value());
-  EXPECT_EQ(limits->block_bytes, 4096u);
-  EXPECT_EQ(limits->max_keys_per_request, 7u);
+  // The service's statement arrives byte for byte, a zero byte included.
+  EXPECT_EQ(limits->service_limits, std::string("the service's \0 own bytes", 25));
   // The client's own limit is the tighter one.
   EXPECT_EQ(limits->max_message_bytes, uint64_t{64} << 10);
   EXPECT_EQ(limits->max_payload_bytes, TransportOptions{}.max_payload_bytes);

@@ -607,7 +607,7 @@ TEST_P(RpcTest, NamespaceTokensRefuseTheWrongNamespace) {
   for (const bool node_token : {false, true}) {
     ServerOptions options;
     options.transport = TransportFor(GetParam());
-    options.namespace_tokens = {{"tenant-a", "token-a"}, {"tenant-b", "token-b"}};
+    options.tenant_tokens = {{"tenant-a", "token-a"}, {"tenant-b", "token-b"}};
     if (node_token) options.auth_token = "node";
     auto server = RpcServer::Create(options);
     ASSERT_TRUE(server.ok());
@@ -616,7 +616,7 @@ TEST_P(RpcTest, NamespaceTokensRefuseTheWrongNamespace) {
     auto connect = [&](const std::string& ns, const std::string& token) {
       ClientOptions client_options;
       client_options.port = (*server)->port();
-      client_options.key_namespace = ns;
+      client_options.tenant = ns;
       client_options.auth_token = token;
       client_options.transport = TransportFor(GetParam());
       auto client = RpcClient::Create(client_options);

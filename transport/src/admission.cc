@@ -18,17 +18,17 @@ bool ConstantTimeEqual(std::string_view a, std::string_view b) {
 
 }  // namespace
 
-Status CheckHelloToken(const ServerOptions& options, std::string_view key_namespace,
+Status CheckHelloToken(const ServerOptions& options, std::string_view tenant,
                        std::string_view token) {
-  if (auto it = options.namespace_tokens.find(std::string(key_namespace));
-      it != options.namespace_tokens.end()) {
+  if (auto it = options.tenant_tokens.find(std::string(tenant));
+      it != options.tenant_tokens.end()) {
     if (!ConstantTimeEqual(token, it->second)) {
-      return UnauthenticatedError("wrong auth token for the namespace");
+      return UnauthenticatedError("wrong auth token for the tenant");
     }
     return Status::OK();
   }
-  if (!options.namespace_tokens.empty() && options.auth_token.empty()) {
-    return PermissionDeniedError("the namespace is not served by this node");
+  if (!options.tenant_tokens.empty() && options.auth_token.empty()) {
+    return PermissionDeniedError("the tenant is not served here");
   }
   if (!options.auth_token.empty() && !ConstantTimeEqual(token, options.auth_token)) {
     return UnauthenticatedError("wrong auth token");
@@ -36,10 +36,9 @@ Status CheckHelloToken(const ServerOptions& options, std::string_view key_namesp
   return Status::OK();
 }
 
-Status CheckHello(const ServerOptions& options, std::string_view key_namespace,
-                  std::string_view token) {
-  KVSTASH_RETURN_IF_ERROR(CheckHelloToken(options, key_namespace, token));
-  if (options.admit_namespace) return options.admit_namespace(key_namespace);
+Status CheckHello(const ServerOptions& options, std::string_view tenant, std::string_view token) {
+  KVSTASH_RETURN_IF_ERROR(CheckHelloToken(options, tenant, token));
+  if (options.admit_tenant) return options.admit_tenant(tenant);
   return Status::OK();
 }
 

@@ -22,7 +22,7 @@ ServerCall::~ServerCall() {
 
 uint16_t ServerCall::method() const { return state_->method(); }
 uint64_t ServerCall::connection_id() const { return state_->connection_id(); }
-const std::string& ServerCall::key_namespace() const { return state_->key_namespace(); }
+const std::string& ServerCall::tenant() const { return state_->tenant(); }
 Bytes ServerCall::request() const { return state_->request(); }
 size_t ServerCall::payload_bytes() const { return state_->payload_bytes(); }
 Clock::time_point ServerCall::deadline() const { return state_->deadline(); }

@@ -61,7 +61,7 @@ static Result<size_t> IndexOf(const Snapshot& snapshot, const NodeAddress& addre
   return NotFoundError("node {} is not a member now", address.ToString());
 }
 
-Result<transport::ServerLimits> NodeClient::Impl::Limits(const NodeAddress& address) {
+Result<NodeLimits> NodeClient::Impl::Limits(const NodeAddress& address) {
   const auto snapshot = members_.snapshot();
   KVSTASH_ASSIGN_OR_RETURN(const size_t node, IndexOf(*snapshot, address));
   std::vector<bool> wanted(snapshot->members.size(), false);

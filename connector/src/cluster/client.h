@@ -51,7 +51,7 @@ class NodeClient::Impl {
   BlockStoreCounters counters() const { return accounting_->counters(); }
 
   // NotFound when `address` is not a member now.
-  Result<transport::ServerLimits> Limits(const NodeAddress& address);
+  Result<NodeLimits> Limits(const NodeAddress& address);
   Result<std::map<std::string, uint64_t>> Stats(const NodeAddress& address);
 
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys, Status* refusal) {

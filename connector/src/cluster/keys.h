@@ -50,7 +50,7 @@ class KeyCalls {
   Status StartKeyCalls(const Members& members, const std::vector<std::vector<size_t>>& by_node,
                        const std::vector<bool>& wanted, std::span<const BlockKey> keys,
                        StartFn start) {
-    const std::vector<Result<transport::ServerLimits>> limits = calls_.LimitsOf(members, wanted);
+    const std::vector<Result<NodeLimits>> limits = calls_.LimitsOf(members, wanted);
     Status first;
     std::vector<size_t> per_call(members.size(), 0);
     for (size_t n = 0; n < members.size(); ++n) {

@@ -16,7 +16,7 @@ std::vector<LookupResult> ClusterLookup::Lookup(std::span<const BlockKey> keys, 
   std::vector<std::vector<size_t>> by_node;
   std::vector<bool> wanted;
   placer_.ByNode(members, keys, &by_node, &wanted);
-  const std::vector<Result<transport::ServerLimits>> limits = calls_.LimitsOf(members, wanted);
+  const std::vector<Result<NodeLimits>> limits = calls_.LimitsOf(members, wanted);
   // Nodes answer within the budget or their keys read as misses: never wait for the slowest.
   // A budget of the whole deadline waits for every call's outcome (each ends by then).
   const bool bounded = options_.lookup_budget < options_.timeout;

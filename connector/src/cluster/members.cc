@@ -245,7 +245,7 @@ Result<std::shared_ptr<Member>> MemberSet::MakeMember(const NodeAddress& address
   transport::ClientOptions client;
   client.host = address.host;
   client.port = address.port;
-  client.key_namespace = options_.key_namespace;
+  client.tenant = options_.key_namespace;  // the node's namespace
   client.auth_token = options_.auth_token;
   client.transport = options_.transport;
   client.connect_timeout = options_.connect_timeout;

@@ -13,11 +13,10 @@ namespace kvstash::connector {
 
 using transport::Bytes;
 using transport::CallOptions;
-using transport::ServerLimits;
 
-std::vector<Result<ServerLimits>> NodeCalls::LimitsOf(const Members& members,
-                                                      const std::vector<bool>& wanted) {
-  std::vector<Result<ServerLimits>> limits(members.size(), Result<ServerLimits>(ServerLimits{}));
+std::vector<Result<NodeLimits>> NodeCalls::LimitsOf(const Members& members,
+                                                    const std::vector<bool>& wanted) {
+  std::vector<Result<NodeLimits>> limits(members.size(), Result<NodeLimits>(NodeLimits{}));
   std::vector<std::pair<size_t, std::future<Status>>> connecting;
   const auto now = NodeHealth::Clock::now();
   for (size_t n = 0; n < members.size(); ++n) {
@@ -34,7 +33,7 @@ std::vector<Result<ServerLimits>> NodeCalls::LimitsOf(const Members& members,
       continue;
     }
     if (auto known = members[n]->channel->server_limits()) {
-      limits[n] = *known;
+      limits[n] = StatedBy(health, *known);
       continue;
     }
     auto promise = std::make_shared<std::promise<Status>>();
@@ -44,14 +43,15 @@ std::vector<Result<ServerLimits>> NodeCalls::LimitsOf(const Members& members,
   for (auto& [n, future] : connecting) {
     NodeHealth& health = *members[n]->state;
     const Status connected = future.get();
-    std::optional<ServerLimits> known = members[n]->channel->server_limits();
+    std::optional<transport::ServerLimits> known = members[n]->channel->server_limits();
     if (connected.ok() && known) {
-      limits[n] = *known;
-      if (options_.block_bytes != 0 && known->block_bytes != 0 &&
-          known->block_bytes != options_.block_bytes) {
+      limits[n] = StatedBy(health, *known);
+      if (!limits[n].ok()) continue;
+      const uint64_t block_bytes = limits[n]->block_bytes;
+      if (options_.block_bytes != 0 && block_bytes != 0 && block_bytes != options_.block_bytes) {
         limits[n] = FailedPreconditionError(
             "node {} stores blocks of {} bytes, this client's are {}: left out of the members",
-            health.name(), known->block_bytes, options_.block_bytes);
+            health.name(), block_bytes, options_.block_bytes);
         accounting_.RefusedHere(health, limits[n].status());
         members_.Exclude(members[n]);
       }
@@ -60,6 +60,17 @@ std::vector<Result<ServerLimits>> NodeCalls::LimitsOf(const Members& members,
       accounting_.Record(health, error);
       limits[n] = AtNode(health.name(), error);
     }
+  }
+  return limits;
+}
+
+Result<NodeLimits> NodeCalls::StatedBy(NodeHealth& health, const transport::ServerLimits& stated) {
+  Result<NodeLimits> limits = NodeLimitsFrom(stated);
+  if (!limits.ok()) {
+    // Not a kvstash node's statement: the node is refused here, as a wrong block size is.
+    const Status refused = AtNode(health.name(), limits.status());
+    accounting_.RefusedHere(health, refused);
+    return refused;
   }
   return limits;
 }

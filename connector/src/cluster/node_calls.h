@@ -53,8 +53,7 @@ class NodeCalls {
   // its budget counts from the calls). A suspect member that is not admitted (NodeHealth::Admit:
   // not its turn to be probed) gets Unavailable at once, unrecorded. A member that cannot be
   // connected gets its error (recorded here).
-  std::vector<Result<transport::ServerLimits>> LimitsOf(const Members& members,
-                                                        const std::vector<bool>& wanted);
+  std::vector<Result<NodeLimits>> LimitsOf(const Members& members, const std::vector<bool>& wanted);
 
   // Probes a suspect member: an echo with a deadline of its own (probe_timeout) that no
   // caller waits for; its outcome tells the member's health (an answer makes it up).
@@ -142,6 +141,9 @@ class NodeCalls {
   }
 
  private:
+  // The limits a member stated at hello, or its refusal here when they do not parse.
+  Result<NodeLimits> StatedBy(NodeHealth& health, const transport::ServerLimits& stated);
+
   const NodeClientOptions& options_;
   Accounting& accounting_;
   MemberSet& members_;  // a member whose block size is not this client's is excluded

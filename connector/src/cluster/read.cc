@@ -36,8 +36,7 @@ std::vector<Result<size_t>> ClusterRead::ReadReplicas(
   std::vector<Placement> places(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) places[i] = placer_.Place(members, keys[i]);
   // Each member's limits, asked (connecting) only once a key's read comes to it.
-  std::vector<Result<transport::ServerLimits>> limits(
-      members.size(), Result<transport::ServerLimits>(transport::ServerLimits{}));
+  std::vector<Result<NodeLimits>> limits(members.size(), Result<NodeLimits>(NodeLimits{}));
   std::vector<bool> asked(members.size(), false);
   // Per key: the replica asked next, and the error to give if none has the block.
   std::vector<uint32_t> rank(keys.size(), 0);
@@ -96,7 +95,7 @@ std::vector<Result<size_t>> ClusterRead::ReadReplicas(
         }
       }
       if (any_more) {
-        std::vector<Result<transport::ServerLimits>> got = calls_.LimitsOf(members, more);
+        std::vector<Result<NodeLimits>> got = calls_.LimitsOf(members, more);
         for (size_t n = 0; n < members.size(); ++n) {
           if (more[n]) {
             limits[n] = std::move(got[n]);

@@ -29,7 +29,7 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
   std::vector<std::vector<size_t>> by_node;
   std::vector<bool> wanted;
   placer_.ByNode(members, keys, &by_node, &wanted);
-  const std::vector<Result<transport::ServerLimits>> limits = calls_.LimitsOf(members, wanted);
+  const std::vector<Result<NodeLimits>> limits = calls_.LimitsOf(members, wanted);
   Status refusal;                              // the first refusal, of any block
   std::vector<Status> unreached(keys.size());  // per block: a replica that did not answer
   std::vector<bool> stored(keys.size(), false);

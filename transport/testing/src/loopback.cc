@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "executor.h"
-#include "kvstash/transport/admission.h"
 #include "kvstash/common/mutex.h"
+#include "kvstash/transport/admission.h"
 
 namespace kvstash::transport {
 
@@ -45,7 +45,7 @@ struct Connection {
   uint64_t id = 0;
   std::shared_ptr<ServerState> server;
   std::weak_ptr<ClientState> client;
-  std::string key_namespace;
+  std::string tenant;
   bool open = true;
 };
 
@@ -109,7 +109,7 @@ class LoopbackNetwork::Impl {
     }
     const std::shared_ptr<ServerState>& server = it->second;
     const Status hello =
-        CheckHello(server->options, client->options.key_namespace, client->options.auth_token);
+        CheckHello(server->options, client->options.tenant, client->options.auth_token);
     if (!hello.ok()) {
       return Status(hello.code(), fmt::format("loopback port {} refused the connection: {}", port,
                                               hello.message()));
@@ -118,7 +118,7 @@ class LoopbackNetwork::Impl {
     connection->id = next_connection_++;
     connection->server = server;
     connection->client = client;
-    connection->key_namespace = client->options.key_namespace;
+    connection->tenant = client->options.tenant;
     connections_[connection->id] = connection;
     server->connections.insert(connection->id);
     server->connects.fetch_add(1, std::memory_order_relaxed);
@@ -128,8 +128,7 @@ class LoopbackNetwork::Impl {
     const TransportOptions& own = client->options.transport;
     const TransportOptions& theirs = server->options.transport;
     ServerLimits limits;
-    limits.block_bytes = server->options.block_bytes;
-    limits.max_keys_per_request = server->options.max_keys_per_request;
+    limits.service_limits = server->options.service_limits;
     limits.max_message_bytes = std::min(own.max_message_bytes, theirs.max_message_bytes);
     limits.max_payload_bytes = std::min(own.max_payload_bytes, theirs.max_payload_bytes);
     MutexLock lock(&client->limits_mu);
@@ -254,7 +253,7 @@ class LoopbackCall : public ServerCallState, public std::enable_shared_from_this
 
   uint16_t method() const override { return method_; }
   uint64_t connection_id() const override { return connection_->id; }
-  const std::string& key_namespace() const override { return connection_->key_namespace; }
+  const std::string& tenant() const override { return connection_->tenant; }
   Bytes request() const override { return request_; }
   size_t payload_bytes() const override { return payload_.size(); }
   Clock::time_point deadline() const override { return deadline_; }

@@ -113,7 +113,7 @@ void RpcClient::Impl::OnSocketConnected(uint64_t attempt, const asio::error_code
   socket_->set_option(asio::ip::tcp::no_delay(true), ignored);
   wire::Hello hello;
   hello.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
-  hello.set_namespace_(options_.key_namespace);
+  hello.set_namespace_(options_.tenant);
   hello.set_auth_token(options_.auth_token);
   hello.set_worker_address(std::string(worker_->address()));
   hello.set_client_name(options_.client_name.empty() ? fmt::format("pid {}", ::getpid())
@@ -198,8 +198,7 @@ void RpcClient::Impl::OnHelloReply(uint64_t attempt, Status status, const std::s
     // refused here before it is sent).
     const TransportOptions& own = worker_->options();
     ServerLimits limits;
-    limits.block_bytes = reply.block_bytes();
-    limits.max_keys_per_request = reply.max_keys_per_request();
+    limits.service_limits = reply.service_limits();
     limits.max_message_bytes =
         reply.max_message_bytes() == 0
             ? own.max_message_bytes

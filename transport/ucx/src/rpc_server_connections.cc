@@ -319,8 +319,8 @@ Status HelloAcceptor::Check(const wire::Hello& hello) {
     counters_.refusals.fetch_add(1, std::memory_order_relaxed);
     return refused;
   }
-  if (options_.admit_namespace) {
-    KVSTASH_RETURN_IF_ERROR(options_.admit_namespace(hello.namespace_()));
+  if (options_.admit_tenant) {
+    KVSTASH_RETURN_IF_ERROR(options_.admit_tenant(hello.namespace_()));
   }
   // The client's address goes to UCX only once checked: UCX 1.13 reads it unchecked and aborts
   // on bytes it does not expect (worker_address.h).
@@ -344,8 +344,7 @@ void HelloAcceptor::OnHello(const std::shared_ptr<ServerConnection>& connection,
   wire::Hello hello;
   wire::HelloReply reply;
   reply.set_protocol_version(wire::PROTOCOL_VERSION_CURRENT);
-  reply.set_block_bytes(options_.block_bytes);
-  reply.set_max_keys_per_request(options_.max_keys_per_request);
+  reply.set_service_limits(options_.service_limits);
   reply.set_max_message_bytes(worker_.options().max_message_bytes);
   reply.set_max_payload_bytes(worker_.options().max_payload_bytes);
   Status refused;
@@ -360,7 +359,7 @@ void HelloAcceptor::OnHello(const std::shared_ptr<ServerConnection>& connection,
     Refuse(connection, hello, reply, refused);
     return;
   }
-  connection->key_namespace = hello.namespace_();
+  connection->tenant = hello.namespace_();
   connection->client_name = hello.client_name();
   reply.set_connection_id(connection->id);
   reply.set_bind_token(connection->bind_token);

@@ -55,7 +55,7 @@ struct ServerConnection {
   uint64_t id = 0;              // nonzero once its hello was accepted (ConnectionTable::Add)
   uint64_t bind_token = 0;      // the secret its kBind must carry (HelloReply.bind_token)
   uint64_t foreign_frames = 0;  // frames that named it from another endpoint
-  std::string key_namespace;
+  std::string tenant;
   std::string client_name;
   asio::ip::tcp::socket socket;
   UcpEndpoint ep;  // the endpoint its frames come on, claimed by its kBind (empty until then)
@@ -139,7 +139,7 @@ class UcxCall : public ServerCallState, public std::enable_shared_from_this<UcxC
   // ServerCallState.
   uint16_t method() const override { return method_id; }
   uint64_t connection_id() const override;
-  const std::string& key_namespace() const override;
+  const std::string& tenant() const override;
   Bytes request() const override { return request_bytes; }
   size_t payload_bytes() const override { return payload_size; }
   Clock::time_point deadline() const override { return deadline_at; }

@@ -323,7 +323,7 @@ void UcxCall::ReleasePayload() {
 }
 
 uint64_t UcxCall::connection_id() const { return connection->id; }
-const std::string& UcxCall::key_namespace() const { return connection->key_namespace; }
+const std::string& UcxCall::tenant() const { return connection->tenant; }
 
 void UcxCall::ReceivePayload(MutableBytes dest, const MemoryRegion* region,
                              std::function<void(Status)> done) {

@@ -133,10 +133,22 @@ inline constexpr const char* kReplicasHelp =
     "keep each block on this many nodes (1..8): a lost node then costs no hits, but the "
     "cluster holds 1/R as many distinct blocks and every store sends each block R times";
 
+// What a node states at hello: the transport's limits, and the node's own, which the transport
+// carries as they are (transport::ServerLimits::service_limits, a wire.NodeLimits).
+struct NodeLimits {
+  uint64_t block_bytes = 0;           // the node's block size; 0: a bare transport, no store
+  uint32_t max_keys_per_request = 0;  // keys in one request; 0: not stated
+  uint64_t max_message_bytes = 0;     // bytes of one request message (the protobuf part)
+  uint64_t max_payload_bytes = 0;     // bytes of one request payload
+};
+// The limits a server stated; InvalidArgument when the node's part does not parse (a peer that
+// is not a kvstash node, or a hostile one).
+Result<NodeLimits> NodeLimitsFrom(const transport::ServerLimits& stated);
+
 // Keys of one request a node with these limits accepts: its key limit, and as many keys as
 // its message limit holds (each key costs at most kKeyWireBytes). At least 1.
 inline constexpr size_t kKeyWireBytes = 32;
-size_t KeysPerCall(const transport::ServerLimits& limits);
+size_t KeysPerCall(const NodeLimits& limits);
 
 class NodeClient : public BlockStoreClient {
  public:
@@ -194,7 +206,7 @@ class NodeClient : public BlockStoreClient {
   // The node's limits as it stated them at hello (connecting first when needed): NotFound when
   // it is not a member; Unavailable when it cannot be reached; the hello's refusal
   // (Unauthenticated, PermissionDenied, FailedPrecondition) otherwise.
-  Result<transport::ServerLimits> Limits(const NodeAddress& node);
+  Result<NodeLimits> Limits(const NodeAddress& node);
   // The node's block size, as stated at hello.
   Result<uint64_t> BlockBytes(const NodeAddress& node) override;
 

@@ -33,6 +33,8 @@ namespace kvstash::node {
 // The service's options (store, lease, quotas) and how it is served.
 struct NodeOptions : NodeServiceOptions {
   transport::ServerOptions server;  // listen address, port, auth token, transport, limits
+  // Keys in one request; stated to clients at hello with the block size (wire.NodeLimits).
+  uint32_t max_keys_per_request = 4096;
   // Makes the transport the node serves on; empty: UCX (an RpcServer of `server`). Tests give a
   // loopback network's listener (transport/loopback.h).
   std::function<Result<std::unique_ptr<transport::Listener>>(const transport::ServerOptions&)>

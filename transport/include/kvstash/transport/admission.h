@@ -8,14 +8,13 @@
 
 namespace kvstash::transport {
 
-// The client's token against its namespace's own token, else the server's: OK,
-// Unauthenticated (a wrong token) or PermissionDenied (a namespace this server does not serve).
+// The client's token against its tenant's own token, else the server's: OK, Unauthenticated (a
+// wrong token) or PermissionDenied (a tenant this server does not serve).
 // Compares in constant time.
-Status CheckHelloToken(const ServerOptions& options, std::string_view key_namespace,
+Status CheckHelloToken(const ServerOptions& options, std::string_view tenant,
                        std::string_view token);
 
-// CheckHelloToken, then the server's own say on the namespace (ServerOptions::admit_namespace).
-Status CheckHello(const ServerOptions& options, std::string_view key_namespace,
-                  std::string_view token);
+// CheckHelloToken, then the server's own say on the tenant (ServerOptions::admit_tenant).
+Status CheckHello(const ServerOptions& options, std::string_view tenant, std::string_view token);
 
 }  // namespace kvstash::transport

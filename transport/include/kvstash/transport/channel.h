@@ -133,19 +133,22 @@ struct CallOptions {
 
 class ClientWorker;
 
-// What a server states at hello (wire.HelloReply): the limits every call to it must keep. A
-// client splits its batches to fit them instead of having them refused.
+// What a server states at hello: the limits every call to it must keep (a client splits its
+// batches to fit them instead of having them refused), and its service's own statement.
 struct ServerLimits {
-  uint64_t block_bytes = 0;           // the node's block size; 0: a bare transport, no store
-  uint32_t max_keys_per_request = 0;  // keys in one request
-  uint64_t max_message_bytes = 0;     // bytes of one request message (the protobuf part)
-  uint64_t max_payload_bytes = 0;     // bytes of one request payload
+  uint64_t max_message_bytes = 0;  // bytes of one request message
+  uint64_t max_payload_bytes = 0;  // bytes of one request payload
+  // ServerOptions::service_limits as the server gave them, carried as they are: what they mean
+  // is the service's (a node's: its block size and key limit, wire.NodeLimits).
+  std::string service_limits;
 };
 
 struct ClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
-  std::string key_namespace = "default";
+  // Who the client is to the server, named at hello with its token (a node: the namespace;
+  // docs/semantics.md §18).
+  std::string tenant = "default";
   std::string auth_token;
   std::string client_name;
   TransportOptions transport;  // ignored with `worker`: the worker's options apply
@@ -201,7 +204,7 @@ class ServerCallState {
   virtual ~ServerCallState() = default;
   virtual uint16_t method() const = 0;
   virtual uint64_t connection_id() const = 0;
-  virtual const std::string& key_namespace() const = 0;
+  virtual const std::string& tenant() const = 0;
   virtual Bytes request() const = 0;
   virtual size_t payload_bytes() const = 0;
   virtual Clock::time_point deadline() const = 0;
@@ -233,7 +236,8 @@ class ServerCall {
 
   uint16_t method() const;
   uint64_t connection_id() const;
-  const std::string& key_namespace() const;
+  // The tenant the client named at hello (ClientOptions::tenant).
+  const std::string& tenant() const;
   Bytes request() const;
   size_t payload_bytes() const;
   Clock::time_point deadline() const;
@@ -263,19 +267,18 @@ struct ServerOptions {
   uint16_t port = 0;  // 0: an ephemeral port (see RpcServer::port)
   // When not empty, a client's Hello must carry this token (else Unauthenticated).
   std::string auth_token;
-  // Namespaces with their own token: a client naming one of them must carry its token (else
-  // Unauthenticated). When any is set, a namespace not listed here is served only if
-  // auth_token is set (and then with it); else it is refused (PermissionDenied).
-  std::map<std::string, std::string> namespace_tokens;
+  // Tenants with their own token: a client naming one of them must carry its token (else
+  // Unauthenticated). When any is set, a tenant not listed here is served only if auth_token
+  // is set (and then with it); else it is refused (PermissionDenied).
+  std::map<std::string, std::string> tenant_tokens;
   TransportOptions transport;
-  // Sent to clients in HelloReply (the node's block size; 0 for a bare transport).
-  uint64_t block_bytes = 0;
-  uint32_t max_keys_per_request = 4096;
+  // Stated to every client at hello (ServerLimits::service_limits), as they are.
+  std::string service_limits;
   std::chrono::milliseconds hello_timeout{5000};
-  // Called on the progress thread at each hello whose token passed, with the namespace the
-  // client named; a refusal is the hello's answer (the node gives the name its id here, and
-  // refuses one it cannot serve). Empty: every namespace.
-  std::function<Status(std::string_view key_namespace)> admit_namespace;
+  // Called on the progress thread at each hello whose token passed, with the tenant the client
+  // named; a refusal is the hello's answer (a node gives the name its namespace id here, and
+  // refuses one it cannot serve). Empty: every tenant.
+  std::function<Status(std::string_view tenant)> admit_tenant;
 };
 
 // The server end of a transport as a service uses it: handlers by method, the end of each
