@@ -251,7 +251,7 @@ class NodeServer::Impl {
   template <typename Message>
   std::optional<NamespaceId> Begin(TimedCall& call, Message* message, std::string_view what) {
     if (!Parse(call, message, what)) return std::nullopt;
-    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.tenant());
+    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.key_namespace());
     if (!ns.ok()) {
       call.ReplyError(ns.status());
       return std::nullopt;

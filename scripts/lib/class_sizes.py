@@ -2,8 +2,8 @@
 """Measures every C++ class of the given folders: its body where it is declared plus every member
 function defined outside it (`Class::Method(...) {...}` in any file of those folders), in lines.
 
-A class split over several files is still one class: the house rule (docs/architecture.md,
-"Size") caps the whole of it. Prints the classes over the limit, largest first; exits 1 if any.
+A class split over several files is still one class: the house rule (no class over 500 lines in
+transport/ and connector/, ctest ArchitectureDoc.NoClassOver500Lines) caps the whole of it. Prints the classes over the limit, largest first; exits 1 if any.
 
   class_sizes.py [--limit N] [--top K] [--json] FOLDER...
 

@@ -109,6 +109,12 @@ def main():
     compiled = sorted({os.path.relpath(e["file"], ROOT) for e in entries
                        if e["file"].endswith(".cc") and e["file"].startswith(ROOT + "/")})
     compiled = [p for p in compiled if not p.startswith("build")]
+    # Sources the compile commands name but the tree no longer has (moved since the build was
+    # configured): said, not checked; configuring the build again names the new ones.
+    gone = [p for p in compiled if not os.path.exists(os.path.join(ROOT, p))]
+    compiled = [p for p in compiled if p not in gone]
+    for path in gone:
+        print(f"note: {path} is in {commands} but not in the tree: configure the build again")
     stale = sorted(p for p in skipped if p not in compiled)
     chosen = [p for p in compiled if p not in skipped and (not args.changed or p in files)]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -127,8 +127,10 @@ TEST(PlacementTest, ReplicasGoToDistinctZonesWhileThereAreEnough) {
     // Distinct zones: as many as there are (a member of no zone is one of its own).
     std::vector<uint64_t> distinct;
     for (size_t i = 0; i < hashes.size(); ++i) {
-      if (zones[i] == 0 || std::find(distinct.begin(), distinct.end(), zones[i]) == distinct.end())
+      if (zones[i] == 0 ||
+          std::find(distinct.begin(), distinct.end(), zones[i]) == distinct.end()) {
         distinct.push_back(zones[i] == 0 ? (1ull << 63) + i : zones[i]);
+      }
     }
     std::vector<uint64_t> got;
     for (uint32_t i : places) {

@@ -209,8 +209,9 @@ TEST_F(EtcdClientsTest, WithTwoReplicasAKilledNodeCostsNoHitsAndReadsRestoreTheS
   ASSERT_TRUE(Store(*client, 0, 30).ok());
   for (uint64_t i = 0; i < 30; ++i) ASSERT_EQ(client->PlacesOf(Key(i)).size(), 2u);
   uint64_t resident = 0;
-  for (size_t n = 0; n < 3; ++n)
+  for (size_t n = 0; n < 3; ++n) {
     resident += (*client->Stats(client->nodes()[n]))["cpu.resident_blocks"];
+  }
   EXPECT_EQ(resident, 60u);  // every block twice
 
   nodes[0]->process().Kill(SIGKILL);

@@ -163,8 +163,9 @@ uint64_t FaultChannel::Call(uint16_t method, Bytes request, const CallOptions& o
                               late.recv_payload = h->reply;
                               late.recv_region = nullptr;
                               inner_->Call(method, bytes, late, [h](const Response& response) {
-                                if (h->completed.exchange(true))
+                                if (h->completed.exchange(true)) {
                                   return;  // the caller gave up: the reply goes nowhere
+                                }
                                 if (response.status.ok() && response.payload_bytes > 0) {
                                   std::memcpy(h->recv.data(), h->reply.data(),
                                               response.payload_bytes);

@@ -523,8 +523,9 @@ class LoopbackChannel : public Channel {
     LoopbackNetwork::Impl* network = network_.get();
     network->executor().Run([network, client = client_, why] {
       const uint64_t id = client->connection_id.load();
-      if (id != 0)
+      if (id != 0) {
         network->Disconnect(id, Status(StatusCode::kUnavailable, std::string(why.message())));
+      }
     });
   }
   std::optional<ServerLimits> server_limits() const override {
