@@ -27,6 +27,7 @@
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
+#include "rpc_client_bootstrap.h"
 #include "worker.h"
 
 namespace kvstash::transport {
@@ -137,6 +138,7 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
       : options_(std::move(options)),
         hub_(hub),
         worker_(hub->shared_worker()),
+        bootstrap_(*worker_, options_, ucp_err_handler_t{&Impl::OnEndpointError, this}),
         timer_(worker_->io()) {
     options_.worker.reset();  // the RpcClient holds it; a retired Impl must not
   }
@@ -260,17 +262,14 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   void SendCancelFrame(uint64_t id);
   void SendLoose(LooseSend send);
 
-  // ---- connection: rpc_client_connection.cc ------------------------------------------------
+  // ---- connection: rpc_client_connection.cc (the socket and hello: Bootstrap)
+  // ---------------------------------------------
 
   void StartConnect();
-  void OnSocketConnected(uint64_t attempt, const asio::error_code& error);
-  void OnHelloReply(uint64_t attempt, Status status, const std::string& body);
-  // The bootstrap socket carries nothing after the hello: any read completion means the
-  // server went away (or broke protocol).
-  void WatchSocket(uint64_t attempt);
+  // The hello succeeded: routes the connection, binds the endpoint, sends the waiting calls.
+  void OnConnected(internal::Bootstrap::Hello hello);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void FailConnect(Status status);
-  void CloseSocket();
   // Fails every call and closes the endpoint; the next call reconnects.
   void Disconnect(Status status);
   // After a connection is gone: finishes resolved calls, abandoning those UCX still holds.
@@ -283,12 +282,8 @@ class RpcClient::Impl : public std::enable_shared_from_this<RpcClient::Impl> {
   std::atomic<uint64_t> next_id_{1};
 
   // Progress-thread state.
+  internal::Bootstrap bootstrap_;
   State state_ = State::kIdle;
-  uint64_t attempt_ = 0;
-  std::optional<asio::ip::tcp::socket> socket_;
-  std::optional<asio::ip::tcp::resolver> resolver_;
-  std::optional<asio::steady_timer> connect_timer_;
-  char watch_byte_[1];
   UcpEndpoint ep_;
   // This connection copies payloads from and into the server's memory (set and cleared on the
   // progress thread; read anywhere).
