@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <span>
+#include <utility>
 
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
@@ -14,12 +15,10 @@
 
 namespace kvstash::transport {
 
-// ---- mapped payloads -------------------------------------------------------------------------
-
 void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
-  if (!ep_) return;
+  if (!endpoint_) return;
   ucp_rkey_h handle = nullptr;
-  const ucs_status_t status = ucp_ep_rkey_unpack(ep_.get(), rkey.data(), &handle);
+  const ucs_status_t status = ucp_ep_rkey_unpack(endpoint_.get(), rkey.data(), &handle);
   if (status != UCS_OK) {
     KVSTASH_LOG_WARN("cannot unpack the key of the server's shared region {}: {}", ref.region_id,
                      ucs_status_string(status));
@@ -84,42 +83,28 @@ void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
   if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));
   const bool mapped = local.ok() && cookie == probe.cookie();
   mapped_.store(mapped);
-  KVSTASH_LOG_DEBUG("{}:{}: mapped payloads {}", options_.host, options_.port,
-                    mapped ? "on" : "off");
-}
-
-void RpcClient::Impl::SendControl(FrameKind kind, uint64_t id, StatusCode code) {
-  LooseSend send;
-  FrameHeader header;
-  header.kind = kind;
-  header.request_id = id;
-  header.connection_id = connection_id_.load();
-  header.status = static_cast<uint16_t>(code);
-  send.header.resize(kFrameHeaderBytes);
-  WriteFrame(header, {}, send.header);
-  SendLoose(std::move(send));
+  KVSTASH_LOG_DEBUG("{}: mapped payloads {}", server_, mapped ? "on" : "off");
 }
 
 void RpcClient::Impl::OnPull(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
-  auto it = calls_.find(id);
-  PendingCall* call = it == calls_.end() ? nullptr : it->second.get();
+  internal::PendingCall* call = calls_.Find(id);
   if (call == nullptr || call->resolved || !call->held) {
-    SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
+    endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
     return;
   }
   call->held = false;
   if (frame.ref.length != call->send_payload.size()) {
-    SendControl(FrameKind::kPullDone, id, StatusCode::kInvalidArgument);
-    Resolve(call, InternalError("server pulled {} bytes of a {}-byte payload", frame.ref.length,
-                                call->send_payload.size()));
+    endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kInvalidArgument);
+    calls_.Resolve(call, InternalError("server pulled {} bytes of a {}-byte payload",
+                                       frame.ref.length, call->send_payload.size()));
     return;
   }
   if (frame.ref.region_id != 0) {
     auto local = Map(frame.ref);
     if (!local.ok()) {
-      SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
-      Resolve(call, local.status());
+      endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
+      calls_.Resolve(call, local.status());
       return;
     }
     if (call->copier != nullptr) {
@@ -127,27 +112,12 @@ void RpcClient::Impl::OnPull(const FrameView& frame) {
       return;
     }
     std::memcpy(*local, call->send_payload.data(), call->send_payload.size());
-    mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
-    SendControl(FrameKind::kPullDone, id);
+    counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
+    endpoint_.SendControl(FrameKind::kPullDone, id);
     return;
   }
-  FrameHeader header;
-  header.kind = FrameKind::kPayload;
-  header.request_id = id;
-  header.connection_id = connection_id_.load();
-  call->payload_header.resize(kFrameHeaderBytes);
-  WriteFrame(header, {}, call->payload_header);
-  ucp_request_param_t param = ContigParam(call, call->send_region);
-  param.cb.send = &Impl::OnDataSent;
-  FromThisEndpoint(&param);
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(ep_.get(), kRpcAmId, call->payload_header.data(), call->payload_header.size(),
-                      call->send_payload.data(), call->send_payload.size(), &param);
-  if (UCS_PTR_IS_ERR(request)) {
-    Resolve(call, FromUcs(UCS_PTR_STATUS(request), "sending a payload"));
-  } else if (request != nullptr) {
-    call->data_request = request;
-  }
+  Status sent = endpoint_.SendPayload(call);
+  if (!sent.ok()) calls_.Resolve(call, std::move(sent));
 }
 
 void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
@@ -156,33 +126,32 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
   // another block (an ack sent first let a concurrent store overwrite a block mid-copy).
   bool acked_later = false;
   struct AckWhenDone {
-    Impl* self;
+    internal::ClientEndpoint* endpoint;
     uint64_t id;
     const bool* later;
     ~AckWhenDone() {
-      if (!*later) self->SendControl(FrameKind::kAck, id);
+      if (!*later) endpoint->SendControl(FrameKind::kAck, id);
     }
-  } ack{this, id, &acked_later};
-  auto it = calls_.find(id);
-  if (it == calls_.end() || it->second->resolved) {
-    late_replies_.fetch_add(1, std::memory_order_relaxed);
+  } ack{&endpoint_, id, &acked_later};
+  internal::PendingCall* call = calls_.Find(id);
+  if (call == nullptr || call->resolved) {
+    counters_.late_replies.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  PendingCall* call = it->second.get();
   if (frame.header.status != 0) {
-    Resolve(call, internal::StatusFromWireError(frame.header.status, frame.message));
+    calls_.Resolve(call, internal::StatusFromWireError(frame.header.status, frame.message));
     return;
   }
   call->reply.assign(frame.message.begin(), frame.message.end());
   if (frame.ref.length > call->recv_payload.size()) {
-    Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer of {} "
-                                  "bytes",
-                                  frame.ref.length, call->recv_payload.size()));
+    calls_.Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer "
+                                         "of {} bytes",
+                                         frame.ref.length, call->recv_payload.size()));
     return;
   }
   auto local = Map(frame.ref);
   if (!local.ok()) {
-    Resolve(call, local.status());
+    calls_.Resolve(call, local.status());
     return;
   }
   if (call->copier != nullptr) {
@@ -191,9 +160,9 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
     return;
   }
   std::memcpy(call->recv_payload.data(), *local, frame.ref.length);
-  mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+  counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   call->payload_bytes = frame.ref.length;
-  Resolve(call, Status::OK());
+  calls_.Resolve(call, Status::OK());
 }
 
 void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
@@ -213,37 +182,37 @@ void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
   if (--copies_out_ == 0) {
     for (SharedRegion& region : std::exchange(retired_regions_, {})) ReleaseSharedRegion(region);
   }
-  if (copied) mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+  if (copied) counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   // The server learns first: its memory is free for another block from here on.
   if (pull) {
-    SendControl(FrameKind::kPullDone, id, copied ? StatusCode::kOk : StatusCode::kCancelled);
+    endpoint_.SendControl(FrameKind::kPullDone, id,
+                          copied ? StatusCode::kOk : StatusCode::kCancelled);
   } else {
-    SendControl(FrameKind::kAck, id);
+    endpoint_.SendControl(FrameKind::kAck, id);
   }
-  PendingCall* call = nullptr;
-  if (auto it = calls_.find(id); it != calls_.end()) {
-    call = it->second.get();
-  } else if (auto gone = abandoned_.find(id); gone != abandoned_.end()) {
-    gone->second->copying = false;
-    ReapAbandoned(gone->second.get());
+  internal::PendingCall* call = calls_.Find(id);
+  if (call == nullptr) {
+    if (internal::PendingCall* gone = calls_.FindAbandoned(id); gone != nullptr) {
+      gone->copying = false;
+      calls_.ReapAbandoned(gone);
+    }
     return;
   }
-  if (call == nullptr) return;
   call->copying = false;
   if (!pull && !call->resolved) {
     if (copied) {
       call->payload_bytes = n;
-      Resolve(call, Status::OK());
+      calls_.Resolve(call, Status::OK());
     } else {
-      Resolve(call, CancelledError("call {}: its reply payload was not copied", id));
+      calls_.Resolve(call, CancelledError("call {}: its reply payload was not copied", id));
     }
     return;
   }
   if (pull && !copied && !call->resolved) {
-    Resolve(call, CancelledError("call {}: its payload was not copied", id));
+    calls_.Resolve(call, CancelledError("call {}: its payload was not copied", id));
     return;
   }
-  MaybeFinish(call);
+  calls_.MaybeFinish(call);
 }
 
 }  // namespace kvstash::transport
