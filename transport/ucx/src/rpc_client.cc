@@ -107,6 +107,7 @@ RpcClient::Impl::Impl(ClientOptions options, ClientWorker::Impl* hub)
             Disconnect(UnavailableError(
                 "{} stalled with {} transfer(s) in flight; connection reset", server_, stuck));
           }),
+      mapped_(worker_, calls_, endpoint_, counters_),
       bootstrap_(*worker_, options_, ucp_err_handler_t{&Impl::OnEndpointError, this}) {
   options_.worker.reset();  // the RpcClient holds it; a retired Impl must not
 }
@@ -175,7 +176,7 @@ void RpcClient::Impl::Start(std::unique_ptr<PendingCall> owned) {
 }
 
 void RpcClient::Impl::Send(PendingCall* call) {
-  Status sent = endpoint_.SendRequest(call, mapped_.load(std::memory_order_relaxed));
+  Status sent = endpoint_.SendRequest(call, mapped_.mapped());
   if (!sent.ok()) calls_.Resolve(call, std::move(sent));
 }
 
@@ -203,13 +204,13 @@ ucs_status_t RpcClient::Impl::OnFrame(const void* header, size_t header_length, 
     return UCS_OK;
   }
   // The server sends each shared region's key once per connection, with its first use.
-  if (frame->has_ref && !frame->rkey.empty()) AddSharedRegion(frame->ref, frame->rkey);
+  if (frame->has_ref && !frame->rkey.empty()) mapped_.AddRegion(frame->ref, frame->rkey);
   if (frame->header.kind == FrameKind::kPull) {
-    OnPull(*frame);
+    mapped_.OnPull(*frame);
     return UCS_OK;
   }
   if (frame->has_ref) {
-    OnMappedReply(*frame);
+    mapped_.OnMappedReply(*frame);
     return UCS_OK;
   }
   PendingCall* call = calls_.Find(frame->header.request_id);
@@ -324,7 +325,7 @@ void RpcClient::Impl::OnConnected(internal::Bootstrap::Hello hello) {
     MutexLock lock(&limits_mu_);
     limits_ = hello.limits;
   }
-  ProbeMapping(reply);
+  mapped_.Probe(reply, server_);
   state_ = State::kConnected;
   counters_.connects.fetch_add(1, std::memory_order_relaxed);
   bootstrap_.Watch([this](Status lost) { Disconnect(std::move(lost)); });
@@ -375,10 +376,7 @@ void RpcClient::Impl::Disconnect(Status status) {
   // was still pending (a client that connected and went away without a call).
   const bool force = status.code() != StatusCode::kCancelled || in_flight;
   waiting_.clear();
-  mapped_.store(false);
-  for (auto& [id, region] : std::exchange(shared_regions_, {})) {
-    RetireSharedRegion(std::move(region));
-  }
+  mapped_.Reset();
   for (auto& waiter : std::exchange(connect_waiters_, {})) waiter(failure);
   if (endpoint_) {
     endpoint_.Close(force, /*now=*/in_shutdown_, [this] { calls_.FinishResolved(); });

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <queue>
 #include <string_view>
 #include <unordered_map>

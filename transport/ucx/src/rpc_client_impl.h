@@ -19,14 +19,12 @@
 #include <utility>
 #include <vector>
 
-#include "kvstash/common/memory_warmer.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/common/status.h"
-#include "kvstash/proto/wire.pb.h"
-#include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
 #include "rpc_client_bootstrap.h"
 #include "rpc_client_calls.h"
+#include "rpc_client_mapped.h"
 #include "worker.h"
 
 namespace kvstash::transport {
@@ -69,8 +67,8 @@ class ClientWorker::Impl {
 
 // RpcClient's implementation: the client end of one connection, made of parts with one job
 // each: the calls (CallTable), the UCX endpoint their frames go out on (ClientEndpoint), their
-// deadlines (DeadlineQueue) and the bootstrap connection (Bootstrap); the mapped payloads are
-// still its own. It holds the connection's state (idle, connecting, connected), admits
+// deadlines (DeadlineQueue), the mapped payloads (MappedPayloads) and the bootstrap connection
+// (Bootstrap). It holds the connection's state (idle, connecting, connected), admits
 // calls, routes the frames from the server to the part they concern, and ties the parts
 // together on connection, loss and shutdown. Owned by its RpcClient, then, from Detach, by its
 // ClientWorker::Impl until it is quiet.
@@ -94,7 +92,7 @@ class RpcClient::Impl {
   static void Detach(std::unique_ptr<Impl> self);
 
   // Nothing of this client can still run: no calls, no UCX request, no copy, no endpoint.
-  bool Quiet() const { return calls_.empty() && !endpoint_ && copies_out_ == 0; }
+  bool Quiet() const { return calls_.empty() && !endpoint_ && mapped_.quiet(); }
 
   std::shared_ptr<Worker> worker() const { return worker_; }
 
@@ -108,7 +106,7 @@ class RpcClient::Impl {
 
   TransportStats stats() const { return counters_.Snapshot(); }
   uint64_t connection_id() const { return endpoint_.connection_id(); }
-  bool payloads_mapped() const { return mapped_.load(std::memory_order_relaxed); }
+  bool payloads_mapped() const { return mapped_.mapped(); }
   std::optional<ServerLimits> server_limits() const {
     MutexLock lock(&limits_mu_);
     return limits_;
@@ -132,37 +130,6 @@ class RpcClient::Impl {
   void Disconnect(Status status);
   void Shutdown();
 
-  // ---- mapped payloads: rpc_client_mapped.cc -----------------------------------------------
-
-  struct SharedRegion {
-    ucp_rkey_h rkey = nullptr;
-    uint64_t address = 0;
-    uint64_t size = 0;
-    // Faults this process's mapping of the region in, behind the copies: a mapping is this
-    // process's page tables, so the server's warm memory still faults here page by page.
-    std::unique_ptr<MemoryWarmer> warmer;
-  };
-
-  void AddSharedRegion(const MappedRef& ref, Bytes rkey);
-  // Stops the region's warmer, then unmaps it.
-  static void ReleaseSharedRegion(SharedRegion& region);
-  // Where `ref` is in this process (the server's shared memory, mapped).
-  Result<std::byte*> Map(const MappedRef& ref);
-  // Tries the probe region of the hello reply: mapped payloads when its cookie reads back.
-  void ProbeMapping(const wire::HelloReply& reply);
-  // The server wants a held payload: copied into its shared memory, or sent as data.
-  void OnPull(const FrameView& frame);
-  // A reply whose payload is in the server's shared memory: copied out, then acknowledged
-  // (always, so the server may reuse the memory).
-  void OnMappedReply(const FrameView& frame);
-  // Hands a mapped copy of `call` (dst <- src, n bytes) to its copier; OnCopied follows.
-  void PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n, bool pull);
-  // The copier made (or skipped) the copy of call `id`: tells the server (kPullDone or kAck)
-  // and completes a mapped reply.
-  void OnCopied(uint64_t id, bool copied, bool pull, size_t n);
-  // Unmaps a region now, or once no copy can still use it.
-  void RetireSharedRegion(SharedRegion region);
-
   ClientOptions options_;
   ClientWorker::Impl* hub_;  // outlives this Impl
   std::shared_ptr<Worker> worker_;
@@ -174,12 +141,7 @@ class RpcClient::Impl {
   internal::CallTable calls_;
   internal::ClientEndpoint endpoint_;
   internal::DeadlineQueue deadlines_;
-  // This connection copies payloads from and into the server's memory (set and cleared on the
-  // progress thread; read anywhere).
-  std::atomic<bool> mapped_{false};
-  std::unordered_map<uint64_t, SharedRegion> shared_regions_;
-  size_t copies_out_ = 0;                      // posted to copiers, not yet reported back
-  std::vector<SharedRegion> retired_regions_;  // unmapped once copies_out_ is 0
+  internal::MappedPayloads mapped_;
   internal::Bootstrap bootstrap_;
   State state_ = State::kIdle;
   std::vector<uint64_t> waiting_;  // calls started while not connected

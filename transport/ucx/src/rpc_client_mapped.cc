@@ -1,5 +1,7 @@
-// RpcClient::Impl: mapped payloads (progress thread): a client on the server's host copies
-// request and reply payloads through the server's shared memory instead of sending them.
+// MappedPayloads (rpc_client_mapped.h): a client on the server's host copies request and reply
+// payloads through the server's shared memory instead of sending them.
+
+#include "rpc_client_mapped.h"
 
 #include <fmt/format.h>
 
@@ -10,12 +12,11 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
-#include "rpc_client_impl.h"
 #include "worker.h"
 
-namespace kvstash::transport {
+namespace kvstash::transport::internal {
 
-void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
+void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey) {
   if (!endpoint_) return;
   ucp_rkey_h handle = nullptr;
   const ucs_status_t status = ucp_ep_rkey_unpack(endpoint_.get(), rkey.data(), &handle);
@@ -24,9 +25,9 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
                      ucs_status_string(status));
     return;
   }
-  auto [it, added] = shared_regions_.try_emplace(ref.region_id);
-  if (!added) RetireSharedRegion(std::exchange(it->second, {}));
-  SharedRegion& region = it->second;
+  auto [it, added] = regions_.try_emplace(ref.region_id);
+  if (!added) Retire(std::exchange(it->second, {}));
+  Region& region = it->second;
   region.rkey = handle;
   region.address = ref.region_address;
   region.size = ref.region_size;
@@ -38,26 +39,31 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
   }
 }
 
-void RpcClient::Impl::RetireSharedRegion(SharedRegion region) {
+void MappedPayloads::Retire(Region region) {
   if (copies_out_ == 0) {
-    ReleaseSharedRegion(region);
+    Release(region);
   } else {
-    retired_regions_.push_back(std::move(region));
+    retired_.push_back(std::move(region));
   }
 }
 
-void RpcClient::Impl::ReleaseSharedRegion(SharedRegion& region) {
+void MappedPayloads::Release(Region& region) {
   region.warmer.reset();
   if (region.rkey != nullptr) ucp_rkey_destroy(region.rkey);
   region.rkey = nullptr;
 }
 
-Result<std::byte*> RpcClient::Impl::Map(const MappedRef& ref) {
-  auto it = shared_regions_.find(ref.region_id);
-  if (it == shared_regions_.end()) {
+void MappedPayloads::Reset() {
+  mapped_.store(false);
+  for (auto& [id, region] : std::exchange(regions_, {})) Retire(std::move(region));
+}
+
+Result<std::byte*> MappedPayloads::Map(const MappedRef& ref) {
+  auto it = regions_.find(ref.region_id);
+  if (it == regions_.end()) {
     return InternalError("server named shared region {} without its key", ref.region_id);
   }
-  const SharedRegion& region = it->second;
+  const Region& region = it->second;
   if (ref.region_address != region.address || ref.region_size != region.size) {
     return InternalError("server's shared region {} changed shape", ref.region_id);
   }
@@ -67,7 +73,7 @@ Result<std::byte*> RpcClient::Impl::Map(const MappedRef& ref) {
   return static_cast<std::byte*>(local);
 }
 
-void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
+void MappedPayloads::Probe(const wire::HelloReply& reply, const std::string& server) {
   if (!worker_->options().mapped_payloads || !reply.has_mapped_probe()) return;
   const wire::SharedRegion& probe = reply.mapped_probe();
   MappedRef ref;
@@ -77,18 +83,18 @@ void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
   ref.address = probe.address();
   ref.length = sizeof(uint64_t);
   if (probe.size() < sizeof(uint64_t)) return;
-  AddSharedRegion(ref, std::as_bytes(std::span(probe.rkey())));
+  AddRegion(ref, std::as_bytes(std::span(probe.rkey())));
   auto local = Map(ref);
   uint64_t cookie = 0;
   if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));
   const bool mapped = local.ok() && cookie == probe.cookie();
   mapped_.store(mapped);
-  KVSTASH_LOG_DEBUG("{}: mapped payloads {}", server_, mapped ? "on" : "off");
+  KVSTASH_LOG_DEBUG("{}: mapped payloads {}", server, mapped ? "on" : "off");
 }
 
-void RpcClient::Impl::OnPull(const FrameView& frame) {
+void MappedPayloads::OnPull(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
-  internal::PendingCall* call = calls_.Find(id);
+  PendingCall* call = calls_.Find(id);
   if (call == nullptr || call->resolved || !call->held) {
     endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
     return;
@@ -120,26 +126,26 @@ void RpcClient::Impl::OnPull(const FrameView& frame) {
   if (!sent.ok()) calls_.Resolve(call, std::move(sent));
 }
 
-void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
+void MappedPayloads::OnMappedReply(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
   // The ack goes after the copy, on every path: once the server has it, the memory may hold
   // another block (an ack sent first let a concurrent store overwrite a block mid-copy).
   bool acked_later = false;
   struct AckWhenDone {
-    internal::ClientEndpoint* endpoint;
+    ClientEndpoint* endpoint;
     uint64_t id;
     const bool* later;
     ~AckWhenDone() {
       if (!*later) endpoint->SendControl(FrameKind::kAck, id);
     }
   } ack{&endpoint_, id, &acked_later};
-  internal::PendingCall* call = calls_.Find(id);
+  PendingCall* call = calls_.Find(id);
   if (call == nullptr || call->resolved) {
     counters_.late_replies.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   if (frame.header.status != 0) {
-    calls_.Resolve(call, internal::StatusFromWireError(frame.header.status, frame.message));
+    calls_.Resolve(call, StatusFromWireError(frame.header.status, frame.message));
     return;
   }
   call->reply.assign(frame.message.begin(), frame.message.end());
@@ -165,8 +171,8 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
   calls_.Resolve(call, Status::OK());
 }
 
-void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
-                               bool pull) {
+void MappedPayloads::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
+                              bool pull) {
   call->copying = true;
   if (!call->skip_copy) call->skip_copy = std::make_shared<std::atomic<bool>>(false);
   ++copies_out_;
@@ -178,9 +184,9 @@ void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byt
       });
 }
 
-void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
+void MappedPayloads::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
   if (--copies_out_ == 0) {
-    for (SharedRegion& region : std::exchange(retired_regions_, {})) ReleaseSharedRegion(region);
+    for (Region& region : std::exchange(retired_, {})) Release(region);
   }
   if (copied) counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   // The server learns first: its memory is free for another block from here on.
@@ -190,9 +196,9 @@ void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
   } else {
     endpoint_.SendControl(FrameKind::kAck, id);
   }
-  internal::PendingCall* call = calls_.Find(id);
+  PendingCall* call = calls_.Find(id);
   if (call == nullptr) {
-    if (internal::PendingCall* gone = calls_.FindAbandoned(id); gone != nullptr) {
+    if (PendingCall* gone = calls_.FindAbandoned(id); gone != nullptr) {
       gone->copying = false;
       calls_.ReapAbandoned(gone);
     }
@@ -215,4 +221,4 @@ void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
   calls_.MaybeFinish(call);
 }
 
-}  // namespace kvstash::transport
+}  // namespace kvstash::transport::internal
