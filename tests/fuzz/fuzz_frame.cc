@@ -25,7 +25,7 @@
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::transport::internal {
-// How a client turns a node's error frame into a Status: transport/ucx/src/rpc_client_frames.cc,
+// How a client turns a node's error frame into a Status: transport/ucx/src/rpc_client_calls.cc,
 // declared in the private rpc_client_impl.h (not included here: it brings UCX's and Asio's
 // headers).
 Status StatusFromWireError(uint16_t code, Bytes message);

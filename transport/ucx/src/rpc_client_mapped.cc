@@ -1,33 +1,33 @@
-// RpcClient::Impl: mapped payloads (progress thread): a client on the server's host copies
-// request and reply payloads through the server's shared memory instead of sending them.
+// MappedPayloads (rpc_client_mapped.h): a client on the server's host copies request and reply
+// payloads through the server's shared memory instead of sending them.
+
+#include "rpc_client_mapped.h"
 
 #include <fmt/format.h>
 
 #include <cstring>
 #include <span>
+#include <utility>
 
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
-#include "rpc_client_impl.h"
 #include "worker.h"
 
-namespace kvstash::transport {
+namespace kvstash::transport::internal {
 
-// ---- mapped payloads -------------------------------------------------------------------------
-
-void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
-  if (!ep_) return;
+void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey) {
+  if (!endpoint_) return;
   ucp_rkey_h handle = nullptr;
-  const ucs_status_t status = ucp_ep_rkey_unpack(ep_.get(), rkey.data(), &handle);
+  const ucs_status_t status = ucp_ep_rkey_unpack(endpoint_.get(), rkey.data(), &handle);
   if (status != UCS_OK) {
     KVSTASH_LOG_WARN("cannot unpack the key of the server's shared region {}: {}", ref.region_id,
                      ucs_status_string(status));
     return;
   }
-  auto [it, added] = shared_regions_.try_emplace(ref.region_id);
-  if (!added) RetireSharedRegion(std::exchange(it->second, {}));
-  SharedRegion& region = it->second;
+  auto [it, added] = regions_.try_emplace(ref.region_id);
+  if (!added) Retire(std::exchange(it->second, {}));
+  Region& region = it->second;
   region.rkey = handle;
   region.address = ref.region_address;
   region.size = ref.region_size;
@@ -39,26 +39,31 @@ void RpcClient::Impl::AddSharedRegion(const MappedRef& ref, Bytes rkey) {
   }
 }
 
-void RpcClient::Impl::RetireSharedRegion(SharedRegion region) {
+void MappedPayloads::Retire(Region region) {
   if (copies_out_ == 0) {
-    ReleaseSharedRegion(region);
+    Release(region);
   } else {
-    retired_regions_.push_back(std::move(region));
+    retired_.push_back(std::move(region));
   }
 }
 
-void RpcClient::Impl::ReleaseSharedRegion(SharedRegion& region) {
+void MappedPayloads::Release(Region& region) {
   region.warmer.reset();
   if (region.rkey != nullptr) ucp_rkey_destroy(region.rkey);
   region.rkey = nullptr;
 }
 
-Result<std::byte*> RpcClient::Impl::Map(const MappedRef& ref) {
-  auto it = shared_regions_.find(ref.region_id);
-  if (it == shared_regions_.end()) {
+void MappedPayloads::Reset() {
+  mapped_.store(false);
+  for (auto& [id, region] : std::exchange(regions_, {})) Retire(std::move(region));
+}
+
+Result<std::byte*> MappedPayloads::Map(const MappedRef& ref) {
+  auto it = regions_.find(ref.region_id);
+  if (it == regions_.end()) {
     return InternalError("server named shared region {} without its key", ref.region_id);
   }
-  const SharedRegion& region = it->second;
+  const Region& region = it->second;
   if (ref.region_address != region.address || ref.region_size != region.size) {
     return InternalError("server's shared region {} changed shape", ref.region_id);
   }
@@ -68,7 +73,7 @@ Result<std::byte*> RpcClient::Impl::Map(const MappedRef& ref) {
   return static_cast<std::byte*>(local);
 }
 
-void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
+void MappedPayloads::Probe(const wire::HelloReply& reply, const std::string& server) {
   if (!worker_->options().mapped_payloads || !reply.has_mapped_probe()) return;
   const wire::SharedRegion& probe = reply.mapped_probe();
   MappedRef ref;
@@ -78,48 +83,34 @@ void RpcClient::Impl::ProbeMapping(const wire::HelloReply& reply) {
   ref.address = probe.address();
   ref.length = sizeof(uint64_t);
   if (probe.size() < sizeof(uint64_t)) return;
-  AddSharedRegion(ref, std::as_bytes(std::span(probe.rkey())));
+  AddRegion(ref, std::as_bytes(std::span(probe.rkey())));
   auto local = Map(ref);
   uint64_t cookie = 0;
   if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));
   const bool mapped = local.ok() && cookie == probe.cookie();
   mapped_.store(mapped);
-  KVSTASH_LOG_DEBUG("{}:{}: mapped payloads {}", options_.host, options_.port,
-                    mapped ? "on" : "off");
+  KVSTASH_LOG_DEBUG("{}: mapped payloads {}", server, mapped ? "on" : "off");
 }
 
-void RpcClient::Impl::SendControl(FrameKind kind, uint64_t id, StatusCode code) {
-  LooseSend send;
-  FrameHeader header;
-  header.kind = kind;
-  header.request_id = id;
-  header.connection_id = connection_id_.load();
-  header.status = static_cast<uint16_t>(code);
-  send.header.resize(kFrameHeaderBytes);
-  WriteFrame(header, {}, send.header);
-  SendLoose(std::move(send));
-}
-
-void RpcClient::Impl::OnPull(const FrameView& frame) {
+void MappedPayloads::OnPull(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
-  auto it = calls_.find(id);
-  PendingCall* call = it == calls_.end() ? nullptr : it->second.get();
+  PendingCall* call = calls_.Find(id);
   if (call == nullptr || call->resolved || !call->held) {
-    SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
+    endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kCancelled);
     return;
   }
   call->held = false;
   if (frame.ref.length != call->send_payload.size()) {
-    SendControl(FrameKind::kPullDone, id, StatusCode::kInvalidArgument);
-    Resolve(call, InternalError("server pulled {} bytes of a {}-byte payload", frame.ref.length,
-                                call->send_payload.size()));
+    endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kInvalidArgument);
+    calls_.Resolve(call, InternalError("server pulled {} bytes of a {}-byte payload",
+                                       frame.ref.length, call->send_payload.size()));
     return;
   }
   if (frame.ref.region_id != 0) {
     auto local = Map(frame.ref);
     if (!local.ok()) {
-      SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
-      Resolve(call, local.status());
+      endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
+      calls_.Resolve(call, local.status());
       return;
     }
     if (call->copier != nullptr) {
@@ -127,62 +118,46 @@ void RpcClient::Impl::OnPull(const FrameView& frame) {
       return;
     }
     std::memcpy(*local, call->send_payload.data(), call->send_payload.size());
-    mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
-    SendControl(FrameKind::kPullDone, id);
+    counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
+    endpoint_.SendControl(FrameKind::kPullDone, id);
     return;
   }
-  FrameHeader header;
-  header.kind = FrameKind::kPayload;
-  header.request_id = id;
-  header.connection_id = connection_id_.load();
-  call->payload_header.resize(kFrameHeaderBytes);
-  WriteFrame(header, {}, call->payload_header);
-  ucp_request_param_t param = ContigParam(call, call->send_region);
-  param.cb.send = &Impl::OnDataSent;
-  FromThisEndpoint(&param);
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(ep_.get(), kRpcAmId, call->payload_header.data(), call->payload_header.size(),
-                      call->send_payload.data(), call->send_payload.size(), &param);
-  if (UCS_PTR_IS_ERR(request)) {
-    Resolve(call, FromUcs(UCS_PTR_STATUS(request), "sending a payload"));
-  } else if (request != nullptr) {
-    call->data_request = request;
-  }
+  Status sent = endpoint_.SendPayload(call);
+  if (!sent.ok()) calls_.Resolve(call, std::move(sent));
 }
 
-void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
+void MappedPayloads::OnMappedReply(const FrameView& frame) {
   const uint64_t id = frame.header.request_id;
   // The ack goes after the copy, on every path: once the server has it, the memory may hold
   // another block (an ack sent first let a concurrent store overwrite a block mid-copy).
   bool acked_later = false;
   struct AckWhenDone {
-    Impl* self;
+    ClientEndpoint* endpoint;
     uint64_t id;
     const bool* later;
     ~AckWhenDone() {
-      if (!*later) self->SendControl(FrameKind::kAck, id);
+      if (!*later) endpoint->SendControl(FrameKind::kAck, id);
     }
-  } ack{this, id, &acked_later};
-  auto it = calls_.find(id);
-  if (it == calls_.end() || it->second->resolved) {
-    late_replies_.fetch_add(1, std::memory_order_relaxed);
+  } ack{&endpoint_, id, &acked_later};
+  PendingCall* call = calls_.Find(id);
+  if (call == nullptr || call->resolved) {
+    counters_.late_replies.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  PendingCall* call = it->second.get();
   if (frame.header.status != 0) {
-    Resolve(call, internal::StatusFromWireError(frame.header.status, frame.message));
+    calls_.Resolve(call, StatusFromWireError(frame.header.status, frame.message));
     return;
   }
   call->reply.assign(frame.message.begin(), frame.message.end());
   if (frame.ref.length > call->recv_payload.size()) {
-    Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer of {} "
-                                  "bytes",
-                                  frame.ref.length, call->recv_payload.size()));
+    calls_.Resolve(call, OutOfRangeError("reply payload of {} bytes exceeds the receive buffer "
+                                         "of {} bytes",
+                                         frame.ref.length, call->recv_payload.size()));
     return;
   }
   auto local = Map(frame.ref);
   if (!local.ok()) {
-    Resolve(call, local.status());
+    calls_.Resolve(call, local.status());
     return;
   }
   if (call->copier != nullptr) {
@@ -191,13 +166,13 @@ void RpcClient::Impl::OnMappedReply(const FrameView& frame) {
     return;
   }
   std::memcpy(call->recv_payload.data(), *local, frame.ref.length);
-  mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+  counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   call->payload_bytes = frame.ref.length;
-  Resolve(call, Status::OK());
+  calls_.Resolve(call, Status::OK());
 }
 
-void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
-                               bool pull) {
+void MappedPayloads::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
+                              bool pull) {
   call->copying = true;
   if (!call->skip_copy) call->skip_copy = std::make_shared<std::atomic<bool>>(false);
   ++copies_out_;
@@ -209,41 +184,41 @@ void RpcClient::Impl::PostCopy(PendingCall* call, std::byte* dst, const std::byt
       });
 }
 
-void RpcClient::Impl::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
+void MappedPayloads::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
   if (--copies_out_ == 0) {
-    for (SharedRegion& region : std::exchange(retired_regions_, {})) ReleaseSharedRegion(region);
+    for (Region& region : std::exchange(retired_, {})) Release(region);
   }
-  if (copied) mapped_payloads_.fetch_add(1, std::memory_order_relaxed);
+  if (copied) counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   // The server learns first: its memory is free for another block from here on.
   if (pull) {
-    SendControl(FrameKind::kPullDone, id, copied ? StatusCode::kOk : StatusCode::kCancelled);
+    endpoint_.SendControl(FrameKind::kPullDone, id,
+                          copied ? StatusCode::kOk : StatusCode::kCancelled);
   } else {
-    SendControl(FrameKind::kAck, id);
+    endpoint_.SendControl(FrameKind::kAck, id);
   }
-  PendingCall* call = nullptr;
-  if (auto it = calls_.find(id); it != calls_.end()) {
-    call = it->second.get();
-  } else if (auto gone = abandoned_.find(id); gone != abandoned_.end()) {
-    gone->second->copying = false;
-    ReapAbandoned(gone->second.get());
+  PendingCall* call = calls_.Find(id);
+  if (call == nullptr) {
+    if (PendingCall* gone = calls_.FindAbandoned(id); gone != nullptr) {
+      gone->copying = false;
+      calls_.ReapAbandoned(gone);
+    }
     return;
   }
-  if (call == nullptr) return;
   call->copying = false;
   if (!pull && !call->resolved) {
     if (copied) {
       call->payload_bytes = n;
-      Resolve(call, Status::OK());
+      calls_.Resolve(call, Status::OK());
     } else {
-      Resolve(call, CancelledError("call {}: its reply payload was not copied", id));
+      calls_.Resolve(call, CancelledError("call {}: its reply payload was not copied", id));
     }
     return;
   }
   if (pull && !copied && !call->resolved) {
-    Resolve(call, CancelledError("call {}: its payload was not copied", id));
+    calls_.Resolve(call, CancelledError("call {}: its payload was not copied", id));
     return;
   }
-  MaybeFinish(call);
+  calls_.MaybeFinish(call);
 }
 
-}  // namespace kvstash::transport
+}  // namespace kvstash::transport::internal
