@@ -112,6 +112,11 @@ struct Implementation {
   std::function<std::unique_ptr<Transport>()> make;
 };
 
+// gtest names an instantiation's parameter by this (not by its bytes).
+void PrintTo(const Implementation& implementation, std::ostream* out) {
+  *out << implementation.name;
+}
+
 const std::vector<Implementation>& Implementations() {
   static const std::vector<Implementation> all = {
       {"ucx_shm", "RpcClient", "RpcServer", [] { return std::make_unique<UcxTransport>("shm"); }},
