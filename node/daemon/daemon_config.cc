@@ -93,6 +93,12 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "us). Polling answers in microseconds but keeps a core busy while clients are "
                  "active; on a box whose cores the engines need, lower it")
       ->capture_default_str();
+  app.add_option("--progress-threads", flags.progress_threads,
+                 "Threads serving clients' connections, each with its own UCX worker "
+                 "(1..64; 0: one per core, at most 4). A connection is served by one of them "
+                 "from its hello on, so many clients are served in parallel; more threads than "
+                 "cores only add switching")
+      ->capture_default_str();
   app.add_option("--namespace-quota", flags.namespace_quota,
                  "NAME=BYTES (repeatable; in the config file a list, namespace-quota = "
                  "[\"tenant-a=256MiB\"]): the most CPU-tier memory the namespace NAME (the one "
@@ -380,6 +386,12 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
     return InvalidArgumentError("spin-us: {} is outside 0..100000", flags.spin_us);
   }
   options.server.transport.spin_before_sleep = std::chrono::microseconds(flags.spin_us);
+  if (flags.progress_threads < 0 ||
+      flags.progress_threads > static_cast<int>(transport::kMaxProgressThreads)) {
+    return InvalidArgumentError("progress-threads: {} is outside 0..{}", flags.progress_threads,
+                                transport::kMaxProgressThreads);
+  }
+  options.server.transport.progress_threads = static_cast<size_t>(flags.progress_threads);
   KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_message_bytes,
                            ParseBytes("max-message-bytes", flags.max_message_bytes));
   KVSTASH_ASSIGN_OR_RETURN(options.server.transport.max_payload_bytes,

@@ -43,6 +43,7 @@ struct DaemonFlags {
   std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
   int lease_timeout_ms = 30000;
   int spin_us = 200;
+  int progress_threads = 0;                  // 0: one per core, at most 4
   std::vector<std::string> namespace_quota;  // NAME=BYTES, one per namespace
   std::string default_namespace_quota;       // BYTES; empty: none (shared capacity)
   std::string etcd;                          // URL[,URL...]; empty: no membership

@@ -146,6 +146,7 @@ class NodeServer::Impl {
     // A hello's tenant is this node's namespace: it gets its id (or its refusal) at once. Called
     // on the progress thread, which starts after the service exists.
     options_.server.admit_tenant = [this](std::string_view name) {
+      MutexLock lock(&service_mu_);
       return service_->AdmitNamespace(name);
     };
     if (options_.listen) {
@@ -174,11 +175,17 @@ class NodeServer::Impl {
     KVSTASH_ASSIGN_OR_RETURN(service_,
                              NodeService::Create(static_cast<NodeServiceOptions&>(options_)));
     Register();
-    server_->OnDisconnect([this](uint64_t connection) { service_->EndSession(connection); });
+    server_->OnDisconnect([this](uint64_t connection) {
+      MutexLock lock(&service_mu_);
+      service_->EndSession(connection);
+    });
     KVSTASH_RETURN_IF_ERROR(server_->Start());
     // Leases expire a few times per lease, on the progress thread.
     const auto period = std::max(options_.lease_timeout / 4, std::chrono::milliseconds(10));
-    server_->RunEvery(period, [this] { service_->ExpireLeases(); });
+    server_->RunEvery(period, [this] {
+      MutexLock lock(&service_mu_);
+      service_->ExpireLeases();
+    });
     if (warm_later) {
       const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, 8);
       warmer_ = std::make_unique<MemoryWarmer>(cpu_region_.bytes().first(cpu_bytes), threads);
@@ -190,11 +197,14 @@ class NodeServer::Impl {
 
   Status Shutdown() {
     server_->Stop();
+    MutexLock lock(&service_mu_);
     return service_->Flush();
   }
 
   uint16_t port() const { return server_->port(); }
-  NodeService& service() { return *service_; }
+  // For tests and the daemon, which call what NodeService lets any thread call (Counters,
+  // Namespaces) or drive it while nothing serves.
+  NodeService& service() NO_THREAD_SAFETY_ANALYSIS { return *service_; }
   bool shares_cpu_memory() const { return cpu_region_.size() != 0; }
   double memory_faulted_share() const {
     if (memory_bytes_ == 0) return 1;
@@ -203,7 +213,10 @@ class NodeServer::Impl {
   }
 
   std::map<std::string, uint64_t> Counters() const {
-    std::map<std::string, uint64_t> counters = service_->Counters();
+    // NodeService::Counters may run on any thread at any time.
+    std::map<std::string, uint64_t> counters = [this]() NO_THREAD_SAFETY_ANALYSIS {
+      return service_->Counters();
+    }();
     CounterSnapshot snapshot;
     snapshot.transport = CounterSnapshot::Transport{server_->stats(), server_->connection_count()};
     snapshot.memory =
@@ -251,7 +264,10 @@ class NodeServer::Impl {
   template <typename Message>
   std::optional<NamespaceId> Begin(TimedCall& call, Message* message, std::string_view what) {
     if (!Parse(call, message, what)) return std::nullopt;
-    Result<NamespaceId> ns = service_->BeginRequest(call.connection_id(), call.key_namespace());
+    Result<NamespaceId> ns = [&] {
+      MutexLock lock(&service_mu_);
+      return service_->BeginRequest(call.connection_id(), call.key_namespace());
+    }();
     if (!ns.ok()) {
       call.ReplyError(ns.status());
       return std::nullopt;
@@ -300,7 +316,12 @@ class NodeServer::Impl {
     std::vector<BlockKey> keys;
     if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
     wire::LookupReply reply;
-    for (LookupResult r : service_->Lookup(keys)) reply.add_results(wire::ToWire(r));
+    std::vector<LookupResult> results;
+    {
+      MutexLock lock(&service_mu_);
+      results = service_->Lookup(keys);
+    }
+    for (LookupResult r : results) reply.add_results(wire::ToWire(r));
     ReplyWith(call, reply);
   }
 
@@ -315,7 +336,10 @@ class NodeServer::Impl {
                                            key.ToString(), request.length(), bytes));
       return;
     }
-    Result<NodeService::PutSlot> put = service_->BeginPut(call.connection_id(), key, bytes);
+    Result<NodeService::PutSlot> put = [&] {
+      MutexLock lock(&service_mu_);
+      return service_->BeginPut(call.connection_id(), key, bytes);
+    }();
     if (!put.ok()) {
       call.ReplyError(put.status());
       return;
@@ -335,7 +359,10 @@ class NodeServer::Impl {
       shared->ReceivePayload(
           slot, region(),
           [this, shared, connection, key, checksum, reply = std::move(reply)](Status received) {
-            const Status stored = service_->EndPut(connection, key, std::move(received), checksum);
+            const Status stored = [&] {
+              MutexLock lock(&service_mu_);
+              return service_->EndPut(connection, key, std::move(received), checksum);
+            }();
             if (stored.ok()) {
               ReplyWith(*shared, reply);
             } else {
@@ -359,7 +386,12 @@ class NodeServer::Impl {
     std::vector<BlockKey> keys;
     if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
     wire::LoadReply reply;
-    for (const std::optional<size_t>& length : service_->Load(call.connection_id(), keys)) {
+    std::vector<std::optional<size_t>> lengths;
+    {
+      MutexLock lock(&service_mu_);
+      lengths = service_->Load(call.connection_id(), keys);
+    }
+    for (const std::optional<size_t>& length : lengths) {
       reply.add_pinned(length.has_value());
       reply.add_length(length.value_or(0));
     }
@@ -371,7 +403,10 @@ class NodeServer::Impl {
     const std::optional<NamespaceId> ns = Begin(call, &request, "get-block request");
     if (!ns) return;
     const BlockKey key = wire::FromWire(request.key(), *ns);
-    Result<NodeService::Read> read = service_->BeginGet(call.connection_id(), key);
+    Result<NodeService::Read> read = [&] {
+      MutexLock lock(&service_mu_);
+      return service_->BeginGet(call.connection_id(), key);
+    }();
     if (!read.ok()) {
       call.ReplyError(read.status());
       return;
@@ -382,6 +417,7 @@ class NodeServer::Impl {
     ReplyWith(call, reply, read->block, region(),
               [this, key, read = *read, stopwatch = call.TakeStopwatch()](Status sent) {
                 stopwatch.Stop();
+                MutexLock lock(&service_mu_);
                 service_->EndGet(key, read, sent);
               });
   }
@@ -391,7 +427,10 @@ class NodeServer::Impl {
     const std::optional<NamespaceId> ns = Begin(call, &request, "release request");
     std::vector<BlockKey> keys;
     if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
-    service_->Release(call.connection_id(), keys);
+    {
+      MutexLock lock(&service_mu_);
+      service_->Release(call.connection_id(), keys);
+    }
     ReplyWith(call, wire::ReleaseReply());
   }
 
@@ -400,7 +439,10 @@ class NodeServer::Impl {
     const std::optional<NamespaceId> ns = Begin(call, &request, "touch request");
     std::vector<BlockKey> keys;
     if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
-    service_->Touch(keys);
+    {
+      MutexLock lock(&service_mu_);
+      service_->Touch(keys);
+    }
     ReplyWith(call, wire::TouchReply());
   }
 
@@ -447,7 +489,11 @@ class NodeServer::Impl {
   NodeOptions options_;
   std::unique_ptr<transport::Listener> server_;
   transport::MemoryRegion cpu_region_;
-  std::unique_ptr<NodeService> service_;
+  // NodeService is thread-compatible and the transport serves connections on several threads
+  // (one per group of connections): every request's service work holds this, briefly; the
+  // payload transfers run outside it. Counters and Namespaces need no lock (the service's own).
+  mutable Mutex service_mu_;
+  std::unique_ptr<NodeService> service_ PT_GUARDED_BY(service_mu_);
   std::unique_ptr<MemoryWarmer> warmer_;  // faulting the CPU memory in; null when not
   size_t memory_bytes_ = 0;               // the CPU tier's memory
   bool memory_prefaulted_ = false;        // faulted in by the store before serving

@@ -13,7 +13,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "block_pattern.h"
@@ -710,6 +712,101 @@ TEST_P(RpcTest, ClientsShareOneWorker) {
   EXPECT_TRUE(MatchesPattern(77, back));
   EXPECT_EQ((*worker)->unrouted_frames(), 0u);
   clients.clear();
+}
+
+// A server with several progress threads hands each connection to the least busy one, which
+// serves it alone from its hello on (its handlers included), and blocks move between any of
+// them and memory the server allocated once (its workers share one UCX context).
+TEST_P(RpcTest, ConnectionsSpreadOverTheServersProgressThreads) {
+  constexpr size_t kThreads = 3;
+  constexpr size_t kClients = 6;
+  constexpr size_t kBlock = 256 << 10;
+  ServerOptions options;
+  options.transport = TransportFor(GetParam());
+  options.transport.progress_threads = kThreads;
+  auto created = RpcServer::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  std::unique_ptr<RpcServer> server = std::move(*created);
+  EXPECT_EQ(server->progress_threads(), kThreads);
+  auto memory = server->AllocateMemory(kClients * kBlock);
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  std::mutex mu;
+  std::map<uint64_t, std::set<std::thread::id>> threads_of;  // connection -> handler threads
+  auto note = [&](const ServerCall& call) {
+    std::lock_guard lock(mu);
+    threads_of[call.connection_id()].insert(std::this_thread::get_id());
+  };
+  // The request names the client's slot (its index); puts land there, gets read it back.
+  auto slot = [&](const ServerCall& call) {
+    const size_t i = std::stoul(AsString(call.request()));
+    return memory->bytes().subspan(i * kBlock, kBlock);
+  };
+  server->Handle(kPut, [&](ServerCall call) {
+    note(call);
+    auto shared = std::make_shared<ServerCall>(std::move(call));
+    shared->ReceivePayload(slot(*shared), &*memory, [shared](Status s) {
+      if (!s.ok()) {
+        shared->ReplyError(s);
+        return;
+      }
+      shared->Reply({});
+    });
+  });
+  server->Handle(kGet, [&](ServerCall call) {
+    note(call);
+    call.Reply({}, slot(call), &*memory);
+  });
+  ASSERT_TRUE(server->Start().ok());
+
+  std::vector<std::unique_ptr<RpcClient>> clients;
+  for (size_t i = 0; i < kClients; ++i) {
+    ClientOptions client_options;
+    client_options.port = server->port();
+    client_options.transport = TransportFor(GetParam());
+    auto client = RpcClient::Create(client_options);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    ASSERT_TRUE((*client)->Connect().ok());
+    clients.push_back(std::move(*client));
+  }
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      std::vector<std::byte> block(kBlock), back(kBlock);
+      const std::string index = std::to_string(i);
+      for (int n = 0; n < 20; ++n) {
+        const uint64_t seed = i * 1000 + n;
+        FillPattern(seed, block);
+        CallOptions put = Within(10s);
+        put.send_payload = block;
+        std::vector<std::byte> reply;
+        if (!clients[i]->CallSync(kPut, AsBytes(index), put, &reply).ok()) wrong.fetch_add(1);
+        CallOptions get = Within(10s);
+        get.recv_payload = back;
+        size_t got = 0;
+        if (!clients[i]->CallSync(kGet, AsBytes(index), get, &reply, &got).ok() || got != kBlock ||
+            !MatchesPattern(seed, back)) {
+          wrong.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  std::map<std::thread::id, size_t> connections_per_thread;
+  {
+    std::lock_guard lock(mu);
+    ASSERT_EQ(threads_of.size(), kClients);
+    for (const auto& [connection, seen] : threads_of) {
+      EXPECT_EQ(seen.size(), 1u) << "connection " << connection << " served by several threads";
+      ++connections_per_thread[*seen.begin()];
+    }
+  }
+  EXPECT_EQ(connections_per_thread.size(), kThreads);
+  for (const auto& [thread, n] : connections_per_thread) EXPECT_EQ(n, kClients / kThreads);
+  EXPECT_EQ(server->connection_count(), kClients);
+  clients.clear();
+  server->Stop();
 }
 
 // Clients on one worker connecting at once from many threads: UCX pairs each of the client's

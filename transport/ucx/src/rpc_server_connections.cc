@@ -243,12 +243,14 @@ Status HelloAcceptor::Listen() {
   port_ = acceptor_.local_endpoint().port();
   if (worker_.options().mapped_payloads) {
     // Clients on this host that can map this (and read the cookie) use mapped payloads.
-    auto probe = worker_.Allocate(4096);
-    if (probe.ok() && !probe->packed_rkey().empty()) {
-      probe_ = std::move(*probe);
+    auto region = worker_.Allocate(4096);
+    if (region.ok() && !region->packed_rkey().empty()) {
+      auto probe = std::make_shared<MappedProbe>();
+      probe->region = std::move(*region);
       std::random_device random;
-      cookie_ = (uint64_t{random()} << 32) | random();
-      std::memcpy(probe_.data(), &cookie_, sizeof(cookie_));
+      probe->cookie = (uint64_t{random()} << 32) | random();
+      std::memcpy(probe->region.data(), &probe->cookie, sizeof(probe->cookie));
+      probe_ = std::move(probe);
     }
   }
   return Status::OK();
@@ -272,20 +274,30 @@ void HelloAcceptor::Accept() {
     }
     asio::error_code ignored;
     socket.set_option(asio::ip::tcp::no_delay(true), ignored);
-    auto connection = std::make_shared<ServerConnection>(std::move(socket));
-    auto timer = std::make_shared<asio::steady_timer>(worker_.io());
-    timer->expires_after(options_.hello_timeout);
-    timer->async_wait([connection](const asio::error_code& e) {
-      if (!e && connection->id == 0) {
-        asio::error_code ignored2;
-        connection->socket.close(ignored2);
-      }
-    });
-    AsyncReadMessage(connection->socket, [this, connection, timer](Status s, std::string body) {
-      timer->cancel();
-      OnHello(connection, std::move(s), body);
-    });
+    if (handoff_) {
+      handoff_(std::move(socket));
+    } else {
+      counters_.pending_hellos.fetch_add(1, std::memory_order_relaxed);
+      Adopt(std::move(socket));
+    }
     Accept();
+  });
+}
+
+void HelloAcceptor::Adopt(asio::ip::tcp::socket socket) {
+  auto connection = std::make_shared<ServerConnection>(std::move(socket));
+  auto timer = std::make_shared<asio::steady_timer>(worker_.io());
+  timer->expires_after(options_.hello_timeout);
+  timer->async_wait([connection](const asio::error_code& e) {
+    if (!e && connection->id == 0) {
+      asio::error_code ignored;
+      connection->socket.close(ignored);
+    }
+  });
+  AsyncReadMessage(connection->socket, [this, connection, timer](Status s, std::string body) {
+    timer->cancel();
+    counters_.pending_hellos.fetch_sub(1, std::memory_order_relaxed);
+    OnHello(connection, std::move(s), body);
   });
 }
 
@@ -366,14 +378,15 @@ void HelloAcceptor::OnHello(const std::shared_ptr<ServerConnection>& connection,
   reply.set_error_handling(worker_.peer_failure_mode() ? wire::UCX_ERROR_HANDLING_PEER
                                                        : wire::UCX_ERROR_HANDLING_NONE);
   reply.set_worker_address(std::string(worker_.address()));
-  if (probe_.size() != 0 && worker_.options().mapped_payloads) {
+  if (probe_ && worker_.options().mapped_payloads) {
+    const MemoryRegion& region = probe_->region;
     wire::SharedRegion* probe = reply.mutable_mapped_probe();
-    probe->set_region_id(probe_.id());
-    probe->set_address(reinterpret_cast<uintptr_t>(probe_.data()));
-    probe->set_size(probe_.size());
-    probe->set_rkey(probe_.packed_rkey());
-    probe->set_cookie(cookie_);
-    connection->rkeys_sent.insert(probe_.id());
+    probe->set_region_id(region.id());
+    probe->set_address(reinterpret_cast<uintptr_t>(region.data()));
+    probe->set_size(region.size());
+    probe->set_rkey(region.packed_rkey());
+    probe->set_cookie(probe_->cookie);
+    connection->rkeys_sent.insert(region.id());
   }
   AsyncWriteMessage(connection->socket, reply, [this, connection](Status s) {
     if (!s.ok()) {

@@ -90,6 +90,9 @@ struct ServerCounters {
   std::atomic<uint64_t> calls{0}, connects{0}, disconnects{0}, malformed{0}, mapped{0}, refusals{0},
       bad_hellos{0}, foreign_frames{0}, accept_pauses{0};
   std::atomic<size_t> open_connections{0};
+  // Sockets handed to this worker whose hello is not answered yet: with open_connections, how
+  // busy a worker is when the next connection picks one (RpcServer spreads them).
+  std::atomic<size_t> pending_hellos{0};
 
   TransportStats Snapshot() const {
     TransportStats s;
@@ -218,25 +221,46 @@ class ConnectionTable {
   std::unordered_map<ucp_ep_h, SpareEndpoint> spare_;
 };
 
+// The probe region a client on this host maps to learn it may use mapped payloads: 4 KiB of
+// shared memory holding a random cookie. One per server, shared by its workers' acceptors.
+struct MappedProbe {
+  MemoryRegion region;
+  uint64_t cookie = 0;
+};
+
 // Lets clients in: listens, reads each connection's hello on its bootstrap socket and checks it
 // (protocol version, token, namespace, the client's UCX worker address), answers it (refused:
 // the error, then the socket closes; accepted: the connection's id and bind token, the server's
 // limits, UCX address and mapped probe), then watches the socket for the client going away.
+// A server with several workers listens on one of them, whose acceptor hands each accepted
+// socket to the worker that serves it (Handoff); that worker's acceptor reads the hello (Adopt),
+// so the connection's endpoint, frames and replies are that worker's from the start.
 // Owns the acceptor and its pause after a failed accept, the count of refused hellos (for the
-// log), and the probe region a client on this host maps to learn it may use mapped payloads.
+// log), and a share of the mapped probe.
 // Invariants: a connection enters the ConnectionTable only with a hello that passed every check
-// and an endpoint; a refused one never does.
-// Thread-safety: Listen before the worker starts, port() anywhere after it; everything else on
-// the progress thread.
+// and an endpoint; a refused one never does. Every socket Adopt takes decrements
+// pending_hellos once, when its hello is answered or fails.
+// Thread-safety: Listen, SetHandoff and ShareProbe before the worker starts, port() anywhere
+// after it; everything else on the progress thread.
 class HelloAcceptor {
  public:
+  // Where an accepted socket goes: another worker's acceptor (Adopt, on that worker's thread).
+  using Handoff = std::function<void(asio::ip::tcp::socket)>;
+
   HelloAcceptor(const ServerOptions& options, Worker& worker, ConnectionTable& connections,
                 ServerCounters& counters);
 
   // Binds and listens (the port is known when it returns), and allocates the mapped probe.
   Status Listen();
+  void SetHandoff(Handoff handoff) { handoff_ = std::move(handoff); }
+  // The probe clients of this acceptor's connections are shown (the listening acceptor's).
+  std::shared_ptr<const MappedProbe> probe() const { return probe_; }
+  void ShareProbe(std::shared_ptr<const MappedProbe> probe) { probe_ = std::move(probe); }
   uint16_t port() const { return port_; }
   void Accept();
+  // Serves an accepted socket, whose pending_hellos the caller counted: reads its hello, with
+  // the server's hello timeout.
+  void Adopt(asio::ip::tcp::socket socket);
   // Stops accepting; the connections stay (ConnectionTable::CloseAll ends them).
   void Stop();
 
@@ -258,11 +282,11 @@ class HelloAcceptor {
   ServerCounters& counters_;
   asio::ip::tcp::acceptor acceptor_;
   asio::steady_timer accept_pause_;
+  Handoff handoff_;               // empty: this acceptor serves what it accepts
   unsigned accept_failures_ = 0;  // in a row, since the last accept that worked
   uint64_t hellos_refused_ = 0;   // for the log, which says the 1st, 2nd, 4th, ...
   uint16_t port_ = 0;
-  MemoryRegion probe_;  // empty when the worker cannot share memory
-  uint64_t cookie_ = 0;
+  std::shared_ptr<const MappedProbe> probe_;  // null when the worker cannot share memory
 };
 
 // A reply on its way: owns its header (and a message too large for the header) until UCX has
@@ -409,16 +433,24 @@ class FrameDispatcher {
 // Start, stats and connection_count anywhere. Shutdown runs on the progress thread.
 class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
  public:
-  Impl(ServerOptions options, std::shared_ptr<Worker> worker);
+  // `listens`: this worker's acceptor listens (the server's first worker); the others serve
+  // the connections handed to them.
+  Impl(ServerOptions options, std::shared_ptr<Worker> worker, bool listens);
 
   void Handle(uint16_t method, Handler handler) { frames_.Handle(method, std::move(handler)); }
   void OnDisconnect(std::function<void(uint64_t)> fn) { connections_.OnDisconnect(std::move(fn)); }
+  // Binds and listens (the listening Impl only, before Start).
+  Status Listen();
   Status Start();
   void Stop() { worker_->Stop(); }
   void RunEvery(std::chrono::milliseconds period, std::function<void()> fn);
 
   uint16_t port() const { return acceptor_.port(); }
   const std::shared_ptr<Worker>& worker() const { return worker_; }
+  // The listening worker's acceptor (handoffs, the probe), or another worker's (Adopt).
+  HelloAcceptor& acceptor() { return acceptor_; }
+  const ServerCounters& counters() const { return counters_; }
+  ServerCounters& counters() { return counters_; }
   TransportStats stats() const { return counters_.Snapshot(); }
   size_t connection_count() const { return counters_.open_connections.load(); }
 
@@ -437,6 +469,7 @@ class RpcServer::Impl : public std::enable_shared_from_this<RpcServer::Impl> {
 
   std::shared_ptr<Worker> worker_;
   ServerOptions options_;
+  bool listens_ = true;
   ServerCounters counters_;
   ConnectionTable connections_;
   ReplySender replies_;

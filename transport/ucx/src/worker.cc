@@ -68,19 +68,12 @@ namespace {
 std::atomic<uint64_t> next_region_id{1};
 }  // namespace
 
-Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
-                                               const std::string& name) {
-  std::shared_ptr<Worker> self(new Worker(options));
-  // TCP alone: endpoints without UCX peer-failure mode. In that mode UCX 1.13 gives up its
-  // put-zcopy rendezvous lanes over TCP and copies every received fragment once more; measured
-  // with `kvstash bench transport --tls tcp` (median of paired rounds, 2 MiB): about 0.6x
-  // ucx_perftest with it, about 0.9x without. A dead TCP peer is still seen at once through the
-  // bootstrap socket, and transfers it leaves unfinished are failed and abandoned (rpc_client).
-  // Everything else (shared memory above all, where a killed peer aborts a CMA transfer) keeps
-  // peer-failure mode.
-  const char* env_tls = std::getenv("UCX_TLS");
-  const std::string tls = !options.tls.empty() ? options.tls : (env_tls != nullptr ? env_tls : "");
-  self->tcp_only_ = tls == "tcp";
+namespace {
+
+// The context of a new worker: UCX's configuration read, with `options` applied over it.
+// `tcp_only`: the transports are TCP alone.
+Result<UcpContext> CreateContext(const TransportOptions& options, const std::string& name,
+                                 bool tcp_only) {
   // UCX 1.13's posix and sysv shared-memory transports can detect a dead peer but only
   // advertise it when asked. Without it, peer-failure mode refuses shared memory; and without
   // peer-failure mode, a transfer from a killed peer aborts the process (cma). The option is
@@ -88,7 +81,7 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
   // whatever the environment said: both ends must agree on it, or the node's UCX aborts when the
   // client's endpoint reaches it with other lanes than the node chose ("endpoint
   // reconfiguration not supported yet"), which `UCX_POSIX_ERROR_HANDLING=n kvstash put` did.
-  if (!self->tcp_only_) {
+  if (!tcp_only) {
     for (const char* variable : {"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING"}) {
       const char* set = std::getenv(variable);
       if (set != nullptr && std::string_view(set) != "y") {
@@ -113,38 +106,61 @@ Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
                      fmt::format("UCX_POSIX_DIR={}", options.shm_dir));
   }
   ucp_context_h context = nullptr;
-  ucp_worker_h worker = nullptr;
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  // A network interface that goes away between the context listing the devices and the worker
-  // opening them (a container's veth, a VPN) fails the worker with "No such device": a new
-  // context lists them again.
-  for (int attempt = 1; status.ok(); ++attempt) {
+  if (status.ok()) {
     ucp_params_t params{};
     params.field_mask =
         UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-    // Memory is registered from any thread; the context's lock makes that safe.
+    // Memory is registered from any thread, and a server's workers share the context: the
+    // context's lock makes that safe.
     params.mt_workers_shared = 1;
     params.name = name.c_str();
     status = FromUcs(ucp_init(&params, config, &context), "ucp_init");
-    if (!status.ok()) break;
-    const ucs_status_t created = ucp_worker_create(context, &worker_params, &worker);
+  }
+  ucp_config_release(config);
+  KVSTASH_RETURN_IF_ERROR(status);
+  return UcpContext(context);
+}
+
+}  // namespace
+
+Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
+                                               const std::string& name, const Worker* sibling) {
+  std::shared_ptr<Worker> self(new Worker(sibling != nullptr ? sibling->options_ : options));
+  // TCP alone: endpoints without UCX peer-failure mode. In that mode UCX 1.13 gives up its
+  // put-zcopy rendezvous lanes over TCP and copies every received fragment once more; measured
+  // with `kvstash bench transport --tls tcp` (median of paired rounds, 2 MiB): about 0.6x
+  // ucx_perftest with it, about 0.9x without. A dead TCP peer is still seen at once through the
+  // bootstrap socket, and transfers it leaves unfinished are failed and abandoned (rpc_client).
+  // Everything else (shared memory above all, where a killed peer aborts a CMA transfer) keeps
+  // peer-failure mode.
+  const char* env_tls = std::getenv("UCX_TLS");
+  const std::string& tls = self->options_.tls;
+  self->tcp_only_ = (!tls.empty() ? tls : (env_tls != nullptr ? env_tls : "")) == "tcp";
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  ucp_worker_h worker = nullptr;
+  // A network interface that goes away between the context listing the devices and the worker
+  // opening them (a container's veth, a VPN) fails the worker with "No such device": a new
+  // context lists them again (a sibling's context is kept: its devices opened before).
+  for (int attempt = 1;; ++attempt) {
+    if (sibling != nullptr) {
+      self->context_ = sibling->context_;
+    } else {
+      KVSTASH_ASSIGN_OR_RETURN(UcpContext context,
+                               CreateContext(self->options_, name, self->tcp_only_));
+      self->context_ = std::make_shared<UcpContext>(std::move(context));
+    }
+    const ucs_status_t created = ucp_worker_create(self->context_->get(), &worker_params, &worker);
     if (created == UCS_OK) break;
-    ucp_cleanup(context);
-    context = nullptr;
-    if (created != UCS_ERR_NO_DEVICE || attempt == 5) {
-      status = FromUcs(created, "ucp_worker_create");
-      break;
+    if (created != UCS_ERR_NO_DEVICE || attempt == 5 || sibling != nullptr) {
+      return FromUcs(created, "ucp_worker_create");
     }
     KVSTASH_LOG_WARN("ucp_worker_create: {} (a network device went away?); trying again",
                      ucs_status_string(created));
     std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
   }
-  ucp_config_release(config);
-  KVSTASH_RETURN_IF_ERROR(status);
-  self->context_ = UcpContext(context);
   self->worker_ = UcpWorker(worker);
 
   ucp_worker_attr_t attr{};
@@ -301,7 +317,7 @@ bool Worker::DiscardRendezvous(void* descriptor, size_t length) {
 // The release of a region this worker's context mapped: unmapped while the context lives (a
 // region must not outlive its client or server, which own the context).
 std::function<void()> Worker::Unmapper(void* memh) const {
-  ucp_context_h context = context_.get();
+  ucp_context_h context = context_->get();
   return [context, memh] { ucp_mem_unmap(context, static_cast<ucp_mem_h>(memh)); };
 }
 
@@ -312,7 +328,7 @@ Result<MemoryRegion> Worker::Register(MutableBytes memory) {
   params.address = memory.data();
   params.length = memory.size();
   ucp_mem_h memh = nullptr;
-  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_.get(), &params, &memh),
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_->get(), &params, &memh),
                                   fmt::format("registering {} bytes", memory.size())));
   return MemoryRegion(memory, memh, next_region_id.fetch_add(1), {}, Unmapper(memh));
 }
@@ -326,20 +342,20 @@ Result<MemoryRegion> Worker::Allocate(size_t bytes) {
   params.length = bytes;
   params.flags = UCP_MEM_MAP_ALLOCATE;
   ucp_mem_h memh = nullptr;
-  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_.get(), &params, &memh),
+  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context_->get(), &params, &memh),
                                   fmt::format("allocating {} registered bytes", bytes)));
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   const Status queried = FromUcs(ucp_mem_query(memh, &attr), "ucp_mem_query");
   if (!queried.ok()) {
-    ucp_mem_unmap(context_.get(), memh);
+    ucp_mem_unmap(context_->get(), memh);
     return queried;
   }
   // The packed key lets a process on this host map the memory (mapped payloads).
   std::string packed;
   void* rkey = nullptr;
   size_t rkey_size = 0;
-  if (ucp_rkey_pack(context_.get(), memh, &rkey, &rkey_size) == UCS_OK) {
+  if (ucp_rkey_pack(context_->get(), memh, &rkey, &rkey_size) == UCS_OK) {
     packed.assign(static_cast<const char*>(rkey), rkey_size);
     ucp_rkey_buffer_release(rkey);
   }

@@ -131,12 +131,18 @@ class UcpEndpoint {
   ucp_ep_h handle_ = nullptr;
 };
 
-// A context, a worker and its progress thread. Created by RpcClient/RpcServer; shared with
-// their asynchronous handlers through shared_ptr. All UCX worker calls happen on the thread.
+// A worker, its progress thread and the context it belongs to. Created by RpcClient/RpcServer;
+// shared with their asynchronous handlers through shared_ptr. All UCX worker calls happen on
+// the thread. A server's workers share one context (Create's `sibling`), so that memory one
+// registers is the others' too: a block moves from the node's tier on whichever worker serves
+// the connection.
 class Worker : public std::enable_shared_from_this<Worker> {
  public:
+  // A worker in a context of its own, or, given `sibling`, in the sibling's context (with its
+  // options; `options` is then ignored).
   static Result<std::shared_ptr<Worker>> Create(const TransportOptions& options,
-                                                const std::string& name);
+                                                const std::string& name,
+                                                const Worker* sibling = nullptr);
   ~Worker();
 
   // Starts the progress thread. `on_stop` runs on it when Stop is called, before it exits: the
@@ -197,7 +203,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
   void Loop();
 
   TransportOptions options_;
-  UcpContext context_;
+  std::shared_ptr<UcpContext> context_;  // shared with sibling workers; outlives worker_
   UcpWorker worker_;
   UcpWorkerAddress address_;
   size_t max_am_header_ = 0;

@@ -32,6 +32,9 @@ using Bytes = std::span<const std::byte>;
 using MutableBytes = std::span<std::byte>;
 using Clock = std::chrono::steady_clock;
 
+// The most progress threads a server runs (TransportOptions::progress_threads).
+inline constexpr size_t kMaxProgressThreads = 64;
+
 struct TransportOptions {
   // UCX transports for this endpoint's context, as UCX_TLS would name them ("shm", "tcp",
   // "shm,tcp"...). Empty: the UCX_TLS environment variable, else UCX's default.
@@ -40,6 +43,9 @@ struct TransportOptions {
   size_t max_message_bytes = size_t{4} << 20;
   // Largest payload accepted in one call (a request payload on the server).
   size_t max_payload_bytes = size_t{64} << 20;
+  // A server's progress threads, each with its UCX worker, serving its connections (each
+  // connection one thread's); 0: one per core, at most 4. Clients ignore it.
+  size_t progress_threads = 0;
   // How long the progress thread spins without events before it sleeps on the event fd.
   std::chrono::microseconds spin_before_sleep{200};
   // While spinning, yield the core to any other runnable thread (sched_yield) between polls.

@@ -16,8 +16,11 @@
 // (A UCX sockaddr listener cannot carry shared-memory transports in UCX 1.13: measured
 // "Destination is unreachable" with UCX_TLS=shm.)
 //
-// Threads: each RpcServer owns one UCX worker and one progress thread, which also runs an Asio
-// io_context (sockets, deadline timers). So does each RpcClient, unless it is given a
+// Threads: each RpcServer owns TransportOptions::progress_threads UCX workers (one context),
+// each with its progress thread, which also runs an Asio io_context (sockets, deadline timers).
+// The first listens and hands each accepted connection to the worker with the fewest; a
+// connection is served by that worker's thread alone, its handlers included, so handlers of
+// different connections run at once. Each RpcClient owns one worker too, unless it is given a
 // ClientWorker: then the connections of every client on that ClientWorker share its worker
 // and thread (one per process is the intent: a client per node, many engine threads, one
 // thread driving UCX). The progress thread spins while there is traffic and sleeps on the
@@ -148,12 +151,16 @@ class RpcServer : public Listener {
   void RunEvery(std::chrono::milliseconds period, std::function<void()> fn) override;
   TransportStats stats() const override;
   size_t connection_count() const override;
+  // The workers serving connections, each with its progress thread.
+  size_t progress_threads() const;
 
   class Impl;
 
  private:
-  explicit RpcServer(std::shared_ptr<Impl> impl);
-  std::shared_ptr<Impl> impl_;  // shared with calls still held by handlers
+  explicit RpcServer(std::vector<std::shared_ptr<Impl>> impls);
+
+  // One per worker; the first listens. Each is shared with calls still held by handlers.
+  std::vector<std::shared_ptr<Impl>> impls_;
 };
 
 }  // namespace kvstash::transport
