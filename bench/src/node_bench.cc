@@ -31,7 +31,7 @@ struct BenchNodeFlags {
   double seconds = 10;
   double read_share = 0.5;
   int keys_per_client = 64;
-  int workers = 1;
+  int workers = 0;
   int spin_us = 200;
   int batch = 1;
   int check_every = 8;
@@ -350,10 +350,16 @@ int RunBenchNode(const BenchNodeFlags& flags) {
     if (!sound) return fail(kExitFailure, "internal error: the block content check is broken");
   }
 
-  // The clients' UCX workers: --workers shared ones, clients spread over them round-robin, or
-  // (0) one per client.
+  // The clients' UCX workers: --workers shared ones, clients spread over them round-robin; 0:
+  // as many as a process's connectors spread their connections over (one per core, at most 4;
+  // transport::ClientWorkerPool).
+  const int worker_count =
+      flags.workers != 0
+          ? flags.workers
+          : std::min(flags.clients,
+                     static_cast<int>(transport::ClientWorkerPool::Create({})->size()));
   std::vector<std::shared_ptr<transport::ClientWorker>> workers;
-  for (int i = 0; i < flags.workers; ++i) {
+  for (int i = 0; i < worker_count; ++i) {
     transport::TransportOptions transport;
     transport.tls = flags.tls;
     transport.spin_before_sleep = std::chrono::microseconds(flags.spin_us);
@@ -451,7 +457,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
   report.Set("block_bytes", block_bytes);
   report.Set("batch", flags.batch);
   report.Set("read_share", flags.read_share);
-  report.Set("workers", flags.workers);
+  report.Set("workers", worker_count);
   report.Set("puts", outcome.puts);
   report.Set("gets", outcome.gets);
   report.Set("get_misses", outcome.misses);
@@ -461,8 +467,7 @@ int RunBenchNode(const BenchNodeFlags& flags) {
                                       FormatBytes(block_bytes), capacity_blocks));
   report.Heading("clients",
                  fmt::format("{} on {} UCX worker(s), {} block(s) per operation, {:.0f}% reads",
-                             flags.clients, flags.workers == 0 ? flags.clients : flags.workers,
-                             flags.batch, 100 * flags.read_share));
+                             flags.clients, worker_count, flags.batch, 100 * flags.read_share));
   report.Heading("seconds", fmt::format("{} per round", flags.seconds));
   report.Footing("blocks", fmt::format("{} stored, {} read, {} evicted before their read (misses)",
                                        outcome.puts, outcome.gets, outcome.misses));
@@ -508,7 +513,8 @@ void AddBenchNodeCommand(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--workers", flags->workers,
                   "UCX workers (each with its progress thread) the clients share, round-robin; "
-                  "0: one per client. One per process is how engines run")
+                  "0: as a process's connectors run, one per core (at most 4, and at most "
+                  "--clients); --clients: one per client")
       ->capture_default_str();
   cmd->add_option("--check-every", flags->check_every,
                   "Check every word of every this many'th block read (1: of every read; each "

@@ -415,12 +415,8 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
                 trace.status().message());
   }
 
-  transport::TransportOptions transport;
-  transport.tls = flags.tls;
-  auto worker = transport::ClientWorker::Create(transport);
-  if (!worker.ok()) return fail(kExitFailure, worker.status().message());
+  // The clients spread their connections over the process's workers, as connectors do.
   options->auth_token = *token;
-  options->worker = *worker;
   auto probe = NodeClient::Create(*options);
   if (!probe.ok()) return fail(kExitFailure, probe.status().message());
   NodeClient& client = **probe;

@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -867,6 +868,42 @@ TEST_P(RpcTest, ClientsConnectingAtOnceOutliveTheOnesThatLeave) {
     EXPECT_EQ(clients[i]->stats().connects, 1u) << "client " << i << " had to reconnect";
   }
   clients.clear();
+}
+
+// A process's channels spread over its pool's workers: a new worker while every one has a
+// channel and the pool is not full, then the one with the fewest channels.
+TEST(ClientWorkerPoolTest, ChannelsSpreadOverAtMostSizeWorkers) {
+  auto pool = ClientWorkerPool::Create(TransportFor("tcp"), 2);
+  EXPECT_EQ(pool->size(), 2u);
+  std::vector<std::shared_ptr<ClientWorker>> channels;  // each holds its worker, as a channel
+  for (int i = 0; i < 5; ++i) {
+    auto worker = pool->Next();
+    ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+    channels.push_back(std::move(*worker));
+  }
+  EXPECT_EQ(pool->workers(), 2u);
+  std::map<ClientWorker*, int> per_worker;
+  for (const auto& worker : channels) ++per_worker[worker.get()];
+  ASSERT_EQ(per_worker.size(), 2u);
+  for (const auto& [worker, n] : per_worker) EXPECT_GE(n, 2);
+  // A worker whose channels all went takes the next channel before the busier one.
+  ClientWorker* busy = channels[0].get();
+  std::erase_if(channels, [&](const auto& w) { return w.get() != busy; });
+  auto next = pool->Next();
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(next->get(), busy);
+  // The default size: one per core, at most 4.
+  EXPECT_EQ(ClientWorkerPool::Create(TransportFor("tcp"))->size(),
+            std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 4));
+}
+
+TEST(ClientWorkerPoolTest, OnePoolPerProcessAndSetting) {
+  TransportOptions tcp = TransportFor("tcp");
+  auto a = ClientWorkerPool::ForProcess(tcp);
+  EXPECT_EQ(ClientWorkerPool::ForProcess(tcp), a);
+  TransportOptions other = tcp;
+  other.spin_before_sleep = std::chrono::microseconds(7);
+  EXPECT_NE(ClientWorkerPool::ForProcess(other), a);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, RpcTest, ::testing::Values("shm", "shm_rndv", "tcp"),

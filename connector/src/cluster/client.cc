@@ -30,8 +30,8 @@ Status NodeClient::Impl::Init() {
   if (options_.replicas == 0 || options_.replicas > kMaxReplicas) {
     return InvalidArgumentError("replicas {} is not within 1..{}", options_.replicas, kMaxReplicas);
   }
-  if (!options_.worker && !options_.connect) {
-    KVSTASH_ASSIGN_OR_RETURN(options_.worker, transport::ClientWorker::Create(options_.transport));
+  if (!options_.worker && !options_.workers && !options_.connect) {
+    options_.workers = transport::ClientWorkerPool::ForProcess(options_.transport);
   }
   return members_.Start();
 }

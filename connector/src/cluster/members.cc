@@ -250,6 +250,9 @@ Result<std::shared_ptr<Member>> MemberSet::MakeMember(const NodeAddress& address
   client.transport = options_.transport;
   client.connect_timeout = options_.connect_timeout;
   client.worker = options_.worker;
+  if (!client.worker && options_.workers) {
+    KVSTASH_ASSIGN_OR_RETURN(client.worker, options_.workers->Next());
+  }
   auto member = std::make_shared<Member>();
   member->address = address;
   member->state = std::make_shared<NodeHealth>(

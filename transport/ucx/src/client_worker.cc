@@ -1,9 +1,16 @@
 // ClientWorker and its Impl: the worker and progress thread many RpcClients share, routing each
 // frame to the client whose connection it names.
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
 
 #include "kvstash/common/logging.h"
 #include "kvstash/transport/frame.h"
@@ -98,6 +105,54 @@ const TransportOptions& ClientWorker::options() const { return impl_->worker().o
 uint64_t ClientWorker::unrouted_frames() const { return impl_->unrouted(); }
 std::string ClientWorker::AddressForTesting() const {
   return std::string(impl_->worker().address());
+}
+
+// ---- ClientWorkerPool ------------------------------------------------------------------------
+
+ClientWorkerPool::ClientWorkerPool(const TransportOptions& options, size_t size)
+    : options_(options),
+      size_(size != 0 ? size : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 4)) {}
+
+std::shared_ptr<ClientWorkerPool> ClientWorkerPool::Create(const TransportOptions& options,
+                                                           size_t size) {
+  return std::shared_ptr<ClientWorkerPool>(new ClientWorkerPool(options, size));
+}
+
+std::shared_ptr<ClientWorkerPool> ClientWorkerPool::ForProcess(const TransportOptions& options) {
+  // Pools by every setting a worker is made with: a channel runs on a worker of its own
+  // settings only.
+  const std::string key = fmt::format(
+      "{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}", options.tls, options.max_message_bytes,
+      options.max_payload_bytes, options.spin_before_sleep.count(), options.yield_while_spinning,
+      options.mapped_payloads, options.shm_dir, options.progress_threads);
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<ClientWorkerPool>> pools;
+  std::lock_guard lock(mu);
+  std::weak_ptr<ClientWorkerPool>& slot = pools[key];
+  std::shared_ptr<ClientWorkerPool> pool = slot.lock();
+  if (!pool) {
+    pool = Create(options);
+    slot = pool;
+  }
+  return pool;
+}
+
+Result<std::shared_ptr<ClientWorker>> ClientWorkerPool::Next() {
+  std::lock_guard lock(mu_);
+  // A worker's channels each hold it: the fewest holders, the fewest channels.
+  std::shared_ptr<ClientWorker>* least = nullptr;
+  for (auto& worker : workers_) {
+    if (least == nullptr || worker.use_count() < least->use_count()) least = &worker;
+  }
+  if (least != nullptr && (least->use_count() == 1 || workers_.size() == size_)) return *least;
+  KVSTASH_ASSIGN_OR_RETURN(std::shared_ptr<ClientWorker> worker, ClientWorker::Create(options_));
+  workers_.push_back(worker);
+  return worker;
+}
+
+size_t ClientWorkerPool::workers() const {
+  std::lock_guard lock(mu_);
+  return workers_.size();
 }
 
 }  // namespace kvstash::transport

@@ -99,9 +99,13 @@ struct NodeClientOptions {
   // FailedPrecondition naming both sizes.
   uint64_t block_bytes = 0;
   std::chrono::milliseconds connect_timeout{2000};
-  // The UCX worker and progress thread the connections run on; clients of one process should
-  // share one (see transport::ClientWorker). Empty: this client makes one for all its nodes.
+  // The UCX worker and progress thread every connection runs on (see transport::ClientWorker).
+  // Empty: each connection takes one of `workers`.
   std::shared_ptr<transport::ClientWorker> worker;
+  // The workers the connections spread over when `worker` is empty; empty: the process's pool
+  // for these transport options (transport::ClientWorkerPool::ForProcess), shared by every
+  // client of the process, as many workers as cores (at most 4).
+  std::shared_ptr<transport::ClientWorkerPool> workers;
   // The members from a source a test drives instead of `nodes` or etcd (in_memory_members.h).
   std::shared_ptr<InMemoryMembers> members;
   // Makes the connection to one node; empty: UCX (an RpcClient on `worker`). Tests give a

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -123,6 +124,34 @@ class ClientWorker {
  private:
   explicit ClientWorker(std::shared_ptr<Impl> impl);
   std::shared_ptr<Impl> impl_;
+};
+
+// The ClientWorkers a process's channels spread over, as engines run them: each new channel
+// takes the worker serving the fewest channels, and a worker is made when all serve some and
+// fewer than size() exist. A process's connectors share one pool per transport setting
+// (ForProcess), so a process runs at most size() client progress threads however many nodes
+// and clients it has. Thread-safe.
+class ClientWorkerPool {
+ public:
+  // `size` workers at most; 0: one per core, at most 4.
+  static std::shared_ptr<ClientWorkerPool> Create(const TransportOptions& options, size_t size = 0);
+  // The process's pool for these options (one per distinct TransportOptions), made at first
+  // use and kept while any client holds it.
+  static std::shared_ptr<ClientWorkerPool> ForProcess(const TransportOptions& options);
+
+  // The worker the next channel should run on.
+  Result<std::shared_ptr<ClientWorker>> Next();
+  size_t size() const { return size_; }
+  // Workers made so far.
+  size_t workers() const;
+
+ private:
+  ClientWorkerPool(const TransportOptions& options, size_t size);
+
+  const TransportOptions options_;
+  const size_t size_;
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<ClientWorker>> workers_;  // guarded by mu_
 };
 
 // The server end: accepts connections and dispatches requests to handlers by method.
