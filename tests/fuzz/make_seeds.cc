@@ -415,6 +415,7 @@ log-level = "warn"
 metrics-address = "127.0.0.1:7374"
 lease-timeout-ms = 30000
 spin-us = 200
+progress-threads = 2
 namespace-quota = ["tenant-a=256MiB", "tenant-b=512MiB"]
 default-namespace-quota = "128MiB"
 etcd = "http://127.0.0.1:2379,http://127.0.0.2:2379"
