@@ -3,8 +3,9 @@
 // MemoryWarmer: faults memory in on background threads while its owner already uses it. A node
 // warms its CPU tier this way, so that a node of any size listens at once (touching the pages
 // first would take seconds per GiB, a page fault per 4 KiB page, during which the node could
-// neither serve nor stop); a same-host client warms its mapping of the node's tier, so that its
-// copies into slots do not fault page by page.
+// neither serve nor stop). A same-host client does not warm its mapping of the node's tier
+// whole (that cost every connection the whole tier's page tables): it faults in the chunks its
+// copies reach (ChunkPopulator, below).
 //
 // Pages are populated without changing their content (MADV_POPULATE_WRITE; where the kernel
 // lacks it, an atomic OR of 0 into one byte per page), so a client writing a block into a slot
