@@ -57,4 +57,30 @@ void MemoryWarmer::Run(size_t begin, size_t end) {
   }
 }
 
+ChunkPopulator::ChunkPopulator(std::span<std::byte> memory, size_t chunk_bytes) : memory_(memory) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  chunk_bytes_ = std::max(page, (chunk_bytes + page - 1) / page * page);
+  chunks_ = (memory_.size() + chunk_bytes_ - 1) / chunk_bytes_;
+  done_ = std::make_unique<std::atomic<uint64_t>[]>((chunks_ + 63) / 64);
+}
+
+size_t ChunkPopulator::Touch(size_t offset, size_t n) {
+  if (n == 0 || offset >= memory_.size()) return 0;
+  const size_t end = offset + std::min(n, memory_.size() - offset);
+  size_t populated = 0;
+  for (size_t chunk = offset / chunk_bytes_; chunk * chunk_bytes_ < end; ++chunk) {
+    std::atomic<uint64_t>& word = done_[chunk / 64];
+    const uint64_t bit = uint64_t{1} << (chunk % 64);
+    if ((word.load(std::memory_order_acquire) & bit) != 0) continue;
+    const size_t begin = chunk * chunk_bytes_;
+    Populate(memory_.data() + begin, std::min(chunk_bytes_, memory_.size() - begin),
+             static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+    if ((word.fetch_or(bit, std::memory_order_acq_rel) & bit) == 0) {
+      populated_.fetch_add(1, std::memory_order_relaxed);
+    }
+    ++populated;
+  }
+  return populated;
+}
+
 }  // namespace kvstash

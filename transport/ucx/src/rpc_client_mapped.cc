@@ -18,59 +18,39 @@ namespace kvstash::transport::internal {
 
 void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey) {
   if (!endpoint_) return;
-  ucp_rkey_h handle = nullptr;
-  const ucs_status_t status = ucp_ep_rkey_unpack(endpoint_.get(), rkey.data(), &handle);
-  if (status != UCS_OK) {
-    KVSTASH_LOG_WARN("cannot unpack the key of the server's shared region {}: {}", ref.region_id,
-                     ucs_status_string(status));
+  SharedRegionKey key;
+  key.server_cookie = server_cookie_;
+  key.region_id = ref.region_id;
+  key.address = ref.region_address;
+  key.size = ref.region_size;
+  key.packed_rkey.assign(reinterpret_cast<const char*>(rkey.data()), rkey.size());
+  auto mapping = SharedMappings::Acquire(key, endpoint_.get(), worker_);
+  if (!mapping.ok()) {
+    KVSTASH_LOG_WARN("cannot map the server's shared region {}: {}", ref.region_id,
+                     mapping.status().ToString());
     return;
   }
-  auto [it, added] = regions_.try_emplace(ref.region_id);
-  if (!added) Retire(std::exchange(it->second, {}));
-  Region& region = it->second;
-  region.rkey = handle;
-  region.address = ref.region_address;
-  region.size = ref.region_size;
-  void* local = nullptr;
-  if (ref.region_size > 0 && ucp_rkey_ptr(handle, ref.region_address, &local) == UCS_OK &&
-      local != nullptr) {
-    region.warmer = std::make_unique<MemoryWarmer>(
-        std::span(static_cast<std::byte*>(local), ref.region_size), /*threads=*/1);
-  }
-}
-
-void MappedPayloads::Retire(Region region) {
-  if (copies_out_ == 0) {
-    Release(region);
-  } else {
-    retired_.push_back(std::move(region));
-  }
-}
-
-void MappedPayloads::Release(Region& region) {
-  region.warmer.reset();
-  if (region.rkey != nullptr) ucp_rkey_destroy(region.rkey);
-  region.rkey = nullptr;
+  // A key sent again replaces the region's mapping; copies out keep the one they use.
+  regions_[ref.region_id] = std::move(*mapping);
 }
 
 void MappedPayloads::Reset() {
   mapped_.store(false);
-  for (auto& [id, region] : std::exchange(regions_, {})) Retire(std::move(region));
+  regions_.clear();  // copies still out hold the mappings they use
 }
 
-Result<std::byte*> MappedPayloads::Map(const MappedRef& ref) {
+Result<std::byte*> MappedPayloads::Map(const MappedRef& ref,
+                                       std::shared_ptr<SharedMapping>* mapping) {
   auto it = regions_.find(ref.region_id);
   if (it == regions_.end()) {
     return InternalError("server named shared region {} without its key", ref.region_id);
   }
-  const Region& region = it->second;
-  if (ref.region_address != region.address || ref.region_size != region.size) {
+  const SharedMapping& region = *it->second;
+  if (ref.region_address != region.address() || ref.region_size != region.size()) {
     return InternalError("server's shared region {} changed shape", ref.region_id);
   }
-  void* local = nullptr;
-  KVSTASH_RETURN_IF_ERROR(FromUcs(ucp_rkey_ptr(region.rkey, ref.address, &local),
-                                  fmt::format("mapping shared region {}", ref.region_id)));
-  return static_cast<std::byte*>(local);
+  if (mapping != nullptr) *mapping = it->second;
+  return region.Local(ref.address);
 }
 
 void MappedPayloads::Probe(const wire::HelloReply& reply, const std::string& server) {
@@ -83,6 +63,7 @@ void MappedPayloads::Probe(const wire::HelloReply& reply, const std::string& ser
   ref.address = probe.address();
   ref.length = sizeof(uint64_t);
   if (probe.size() < sizeof(uint64_t)) return;
+  server_cookie_ = probe.cookie();
   AddRegion(ref, std::as_bytes(std::span(probe.rkey())));
   auto local = Map(ref);
   uint64_t cookie = 0;
@@ -107,16 +88,19 @@ void MappedPayloads::OnPull(const FrameView& frame) {
     return;
   }
   if (frame.ref.region_id != 0) {
-    auto local = Map(frame.ref);
+    std::shared_ptr<SharedMapping> mapping;
+    auto local = Map(frame.ref, &mapping);
     if (!local.ok()) {
       endpoint_.SendControl(FrameKind::kPullDone, id, StatusCode::kInternal);
       calls_.Resolve(call, local.status());
       return;
     }
     if (call->copier != nullptr) {
-      PostCopy(call, *local, call->send_payload.data(), call->send_payload.size(), /*pull=*/true);
+      PostCopy(call, std::move(mapping), *local, call->send_payload.data(),
+               call->send_payload.size(), /*pull=*/true);
       return;
     }
+    mapping->Populate(*local, call->send_payload.size());
     std::memcpy(*local, call->send_payload.data(), call->send_payload.size());
     counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
     endpoint_.SendControl(FrameKind::kPullDone, id);
@@ -155,39 +139,43 @@ void MappedPayloads::OnMappedReply(const FrameView& frame) {
                                          frame.ref.length, call->recv_payload.size()));
     return;
   }
-  auto local = Map(frame.ref);
+  std::shared_ptr<SharedMapping> mapping;
+  auto local = Map(frame.ref, &mapping);
   if (!local.ok()) {
     calls_.Resolve(call, local.status());
     return;
   }
   if (call->copier != nullptr) {
     acked_later = true;  // by OnCopied
-    PostCopy(call, call->recv_payload.data(), *local, frame.ref.length, /*pull=*/false);
+    PostCopy(call, std::move(mapping), call->recv_payload.data(), *local, frame.ref.length,
+             /*pull=*/false);
     return;
   }
+  mapping->Populate(*local, frame.ref.length);
   std::memcpy(call->recv_payload.data(), *local, frame.ref.length);
   counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   call->payload_bytes = frame.ref.length;
   calls_.Resolve(call, Status::OK());
 }
 
-void MappedPayloads::PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n,
-                              bool pull) {
+void MappedPayloads::PostCopy(PendingCall* call, std::shared_ptr<SharedMapping> mapping,
+                              std::byte* dst, const std::byte* src, size_t n, bool pull) {
   call->copying = true;
   if (!call->skip_copy) call->skip_copy = std::make_shared<std::atomic<bool>>(false);
   ++copies_out_;
-  call->copier->Post(
-      [this, worker = worker_, id = call->id, skip = call->skip_copy, dst, src, n, pull] {
-        const bool copy = !skip->load(std::memory_order_acquire);
-        if (copy) std::memcpy(dst, src, n);
-        worker->Run([this, id, copy, pull, n] { OnCopied(id, copy, pull, n); });
-      });
+  call->copier->Post([this, worker = worker_, mapping = std::move(mapping), id = call->id,
+                      skip = call->skip_copy, dst, src, n, pull] {
+    const bool copy = !skip->load(std::memory_order_acquire);
+    if (copy) {
+      mapping->Populate(pull ? dst : src, n);
+      std::memcpy(dst, src, n);
+    }
+    worker->Run([this, id, copy, pull, n] { OnCopied(id, copy, pull, n); });
+  });
 }
 
 void MappedPayloads::OnCopied(uint64_t id, bool copied, bool pull, size_t n) {
-  if (--copies_out_ == 0) {
-    for (Region& region : std::exchange(retired_, {})) Release(region);
-  }
+  --copies_out_;
   if (copied) counters_.mapped_payloads.fetch_add(1, std::memory_order_relaxed);
   // The server learns first: its memory is free for another block from here on.
   if (pull) {

@@ -12,28 +12,30 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
-#include <vector>
 
-#include "kvstash/common/memory_warmer.h"
 #include "kvstash/common/status.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "rpc_client_calls.h"
+#include "shared_mapping.h"
 #include "worker.h"
 
 namespace kvstash::transport::internal {
 
-// The server's shared-memory regions one connection has mapped, and the copies through them:
-// a held request payload the server pulls (kPull) is copied into the server's memory (or, when
-// the server names no region, sent as a kPayload frame), and a mapped reply is copied out of
-// it; each is answered (kPullDone, kAck) once its copy is made or skipped, so that the server
-// may reuse the memory. A copy runs on the call's copier when it has one, else inline.
+// The server's shared-memory regions one connection copies through, and the copies through
+// them: a held request payload the server pulls (kPull) is copied into the server's memory (or,
+// when the server names no region, sent as a kPayload frame), and a mapped reply is copied out
+// of it; each is answered (kPullDone, kAck) once its copy is made or skipped, so that the server
+// may reuse the memory. A copy runs on the call's copier when it has one, else inline. A region
+// is this process's SharedMapping of it (shared_mapping.h): every connection of the process to
+// that server start shares one mapping, and a copy faults in only the chunks it reaches.
 //
-// Invariants: a region is unmapped (its key destroyed) only when no copy posted to a copier can
-// still use it: regions retired while copies are out wait until the last reports back. Every
-// pull is answered exactly once (kPullDone, or the payload as a kPayload frame) and every
-// mapped reply too (kAck), after its copy: an ack sent first let a concurrent store overwrite
-// a block mid-copy. mapped() is true only between a probe that read back and the next Reset.
+// Invariants: a region is unmapped only when no copy can still use it: each copy posted to a
+// copier holds its SharedMapping until the copy is destroyed, and the mapping goes with its
+// last holder. Every pull is answered exactly once (kPullDone, or the payload as a kPayload
+// frame) and every mapped reply too (kAck), after its copy: an ack sent first let a concurrent
+// store overwrite a block mid-copy. mapped() is true only between a probe that read back and
+// the next Reset.
 //
 // Thread-safety: progress thread, but mapped() (atomic) anywhere; a copy runs on its copier's
 // thread and reports back through the progress thread. The calls it copies for belong to the
@@ -63,35 +65,24 @@ class MappedPayloads {
   void Reset();
 
  private:
-  struct Region {
-    ucp_rkey_h rkey = nullptr;
-    uint64_t address = 0;
-    uint64_t size = 0;
-    // Faults this process's mapping of the region in, behind the copies: a mapping is this
-    // process's page tables, so the server's warm memory still faults here page by page.
-    std::unique_ptr<MemoryWarmer> warmer;
-  };
-
-  // Where `ref` is in this process (the server's shared memory, mapped).
-  Result<std::byte*> Map(const MappedRef& ref);
-  // Hands a mapped copy of `call` (dst <- src, n bytes) to its copier; OnCopied follows.
-  void PostCopy(PendingCall* call, std::byte* dst, const std::byte* src, size_t n, bool pull);
+  // Where `ref` is in this process (the server's shared memory, mapped), and its mapping.
+  Result<std::byte*> Map(const MappedRef& ref, std::shared_ptr<SharedMapping>* mapping = nullptr);
+  // Hands a mapped copy of `call` (dst <- src, n bytes) through `mapping` to its copier;
+  // OnCopied follows.
+  void PostCopy(PendingCall* call, std::shared_ptr<SharedMapping> mapping, std::byte* dst,
+                const std::byte* src, size_t n, bool pull);
   // The copier made (or skipped) the copy of call `id`: tells the server (kPullDone or kAck)
   // and completes a mapped reply.
   void OnCopied(uint64_t id, bool copied, bool pull, size_t n);
-  // Unmaps a region now, or once no copy can still use it.
-  void Retire(Region region);
-  // Stops the region's warmer, then unmaps it.
-  static void Release(Region& region);
 
   std::shared_ptr<Worker> worker_;
   CallTable& calls_;
   ClientEndpoint& endpoint_;
   ClientCounters& counters_;
   std::atomic<bool> mapped_{false};  // written on the progress thread, read anywhere
-  std::unordered_map<uint64_t, Region> regions_;
-  size_t copies_out_ = 0;        // posted to copiers, not yet reported back
-  std::vector<Region> retired_;  // unmapped once copies_out_ is 0
+  uint64_t server_cookie_ = 0;       // of the server start the probe came from
+  std::unordered_map<uint64_t, std::shared_ptr<SharedMapping>> regions_;  // by region id
+  size_t copies_out_ = 0;  // posted to copiers, not yet reported back
 };
 
 }  // namespace kvstash::transport::internal

@@ -3,17 +3,22 @@
 // MemoryWarmer: faults memory in on background threads while its owner already uses it. A node
 // warms its CPU tier this way, so that a node of any size listens at once (touching the pages
 // first would take seconds per GiB, a page fault per 4 KiB page, during which the node could
-// neither serve nor stop); a same-host client warms its mapping of the node's tier, so that its
-// copies into slots do not fault page by page.
+// neither serve nor stop). A same-host client does not warm its mapping of the node's tier
+// whole (that cost every connection the whole tier's page tables): it faults in the chunks its
+// copies reach (ChunkPopulator, below).
 //
 // Pages are populated without changing their content (MADV_POPULATE_WRITE; where the kernel
 // lacks it, an atomic OR of 0 into one byte per page), so a client writing a block into a slot
 // at the same time loses nothing. A slot not faulted in yet is still usable: its first write
 // faults its pages on the writer's thread, so no store ever waits for the warmer or fails
 // because of it. Transparent huge pages are asked for first (advisory).
+//
+// ChunkPopulator: faults memory in where it is first used, a chunk at a time, instead of all of
+// it ahead (see below).
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <thread>
@@ -43,6 +48,40 @@ class MemoryWarmer {
   std::atomic<size_t> faulted_{0};
   std::atomic<bool> stop_{false};
   std::vector<std::thread> threads_;
+};
+
+// Faults memory in where it is first used: the first Touch of a chunk populates the whole chunk
+// in one system call (as MemoryWarmer does, without changing a byte) instead of the page fault
+// per 4 KiB page that a copy into it would take; a later Touch of it costs an atomic load. A
+// same-host client populates its mapping of a node's tier this way: it pays page tables and
+// population only for the part of the tier its copies reach, and nothing when it connects.
+//
+// Thread-safety: Touch from any number of threads at once (two threads first touching one
+// chunk both populate it, harmlessly). The memory must outlive the populator.
+class ChunkPopulator {
+ public:
+  static constexpr size_t kDefaultChunkBytes = size_t{2} << 20;  // 512 pages of 4 KiB
+
+  // `chunk_bytes` is rounded up to a whole number of pages. `memory` starts on a page boundary.
+  explicit ChunkPopulator(std::span<std::byte> memory, size_t chunk_bytes = kDefaultChunkBytes);
+  ChunkPopulator(const ChunkPopulator&) = delete;
+  ChunkPopulator& operator=(const ChunkPopulator&) = delete;
+
+  // Populates each chunk that [offset, offset + n) overlaps and no Touch populated yet;
+  // returns how many this call populated. A range beyond the memory is clipped to it.
+  size_t Touch(size_t offset, size_t n);
+
+  size_t chunk_bytes() const { return chunk_bytes_; }
+  // Chunks populated so far, and in all. Thread-safe.
+  size_t populated_chunks() const { return populated_.load(std::memory_order_relaxed); }
+  size_t chunk_count() const { return chunks_; }
+
+ private:
+  std::span<std::byte> memory_;
+  size_t chunk_bytes_;
+  size_t chunks_;
+  std::unique_ptr<std::atomic<uint64_t>[]> done_;  // one bit per chunk: populated
+  std::atomic<size_t> populated_{0};
 };
 
 }  // namespace kvstash
