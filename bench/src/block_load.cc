@@ -116,7 +116,7 @@ LoadTotals RunClient(const LoadSettings& settings, int id, BlockConnection& conn
           if (got[b].status().code() == StatusCode::kNotFound) {
             ++totals.misses;
           } else {
-            ++totals.errors;
+            if (totals.errors++ == 0) totals.first_error = got[b].status().ToString();
             shared.errors.fetch_add(1);
           }
           continue;
@@ -146,7 +146,7 @@ LoadTotals RunClient(const LoadSettings& settings, int id, BlockConnection& conn
       const Status put = connection.Put(keys, order);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!put.ok()) {
-        ++totals.errors;
+        if (totals.errors++ == 0) totals.first_error = put.ToString();
         shared.errors.fetch_add(1);
         continue;
       }
@@ -181,6 +181,7 @@ void LoadTotals::Add(const LoadTotals& other) {
   misses += other.misses;
   errors += other.errors;
   mismatches += other.mismatches;
+  if (first_error.empty()) first_error = other.first_error;
   put_us.insert(put_us.end(), other.put_us.begin(), other.put_us.end());
   get_us.insert(get_us.end(), other.get_us.begin(), other.get_us.end());
   seconds += other.seconds;

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvstash/common/status.h"
@@ -52,7 +53,8 @@ struct LoadSettings {
 struct LoadTotals {
   uint64_t puts = 0, gets = 0, misses = 0, errors = 0, mismatches = 0;  // blocks
   std::vector<double> put_us, get_us;                                   // latency of each operation
-  double seconds = 0;  // of load, from the clients' start to their end
+  double seconds = 0;       // of load, from the clients' start to their end
+  std::string first_error;  // the message of the first error, if any
 
   double PutGbps(uint64_t block_bytes) const;
   double GetGbps(uint64_t block_bytes) const;
