@@ -483,7 +483,7 @@ Result<Plan> MakePlan(const PeerFlags& flags) {
 std::string SummaryTable(const Report& report, const Plan& plan) {
   std::vector<std::vector<std::string>> rows;
   std::vector<std::string> header = {
-      fmt::format("put+get GB/s, medians of {} rounds", report.rounds().size())};
+      fmt::format("put+get GB/s (medians over {} rounds)", report.rounds().size())};
   for (const Cell& cell : plan.cells) header.push_back(cell.label);
   rows.push_back(header);
   auto add = [&](std::string label, const std::function<std::optional<double>(const Cell&)>& of) {
