@@ -99,7 +99,7 @@ LoadTotals RunClient(const LoadSettings& settings, int id, BlockConnection& conn
   // The client's most recent --keys-per-client stored keys (a ring): reads pick among them.
   std::vector<uint64_t> stored;
   size_t next_slot = 0;
-  uint64_t sequence = 0;
+  uint64_t sequence = settings.first_sequence;
   uint64_t reads = 0;  // blocks read back, for --check-every
   while (!shared.stop.load(std::memory_order_relaxed)) {
     const bool read = !stored.empty() &&

@@ -45,6 +45,9 @@ struct LoadSettings {
   int keys_per_client = 64;  // reads pick among the client's last this many stored keys
   int check_every = 8;       // every this many'th read is checked word for word
   int batch = 1;             // blocks per operation
+  // Client i stores keys (i + 1) << 40 | n for n = first_sequence, first_sequence + 1, ...: a
+  // second load on the same store gives another (1 << 32 apart) so that it stores new blocks.
+  uint64_t first_sequence = 0;
   // Set from elsewhere (a signal handler): the load stops early.
   const std::atomic<bool>* cancel = nullptr;
 };

@@ -98,6 +98,7 @@ struct PeerFlags {
   int check_every = 8;
   std::string cpu_bytes = "2GiB";
   double delay_s = 0.3;
+  double warmup_s = 0;
   int busy = 0;
   int workers = 1;
   int spin_us = 200;
@@ -382,14 +383,14 @@ Result<LoadTotals> MeasureStore(const Context& context, const System& system, co
     return std::unique_ptr<BlockConnection>(
         std::make_unique<TamperingConnection>(std::move(*connection), flags.tamper_every));
   };
-  const LoadSettings load = {.block_bytes = cell.block_bytes,
-                             .clients = cell.clients,
-                             .seconds = flags.seconds,
-                             .read_share = flags.read_share,
-                             .keys_per_client = flags.keys_per_client,
-                             .check_every = flags.check_every,
-                             .batch = 1,
-                             .cancel = &g_interrupted};
+  LoadSettings load = {.block_bytes = cell.block_bytes,
+                       .clients = cell.clients,
+                       .seconds = flags.seconds,
+                       .read_share = flags.read_share,
+                       .keys_per_client = flags.keys_per_client,
+                       .check_every = flags.check_every,
+                       .batch = 1,
+                       .cancel = &g_interrupted};
   const LoadTick tick = [&](const LoadCounts& counts) {
     context.progress.Update(
         fmt::format("round {}/{}  {}  {}: {} put, {} read, {} errors, {} "
@@ -397,6 +398,17 @@ Result<LoadTotals> MeasureStore(const Context& context, const System& system, co
                     round, flags.rounds, cell.label, system.label, counts.puts, counts.gets,
                     counts.errors, counts.mismatches));
   };
+  if (flags.warmup_s > 0) {
+    // Unmeasured load first, on keys of their own, through connections of their own.
+    LoadSettings warmup = load;
+    warmup.seconds = flags.warmup_s;
+    Result<LoadTotals> warm = RunLoad(warmup, connect, tick);
+    if (!warm.ok()) {
+      return Status(warm.status().code(), fmt::format("{}, {}: warm-up: {}", system.label,
+                                                      cell.label, warm.status().message()));
+    }
+    load.first_sequence = uint64_t{1} << 32;
+  }
   Result<LoadTotals> totals = RunLoad(load, connect, tick);
   if (!totals.ok()) {
     return Status(totals.status().code(),
@@ -466,6 +478,9 @@ Result<Plan> MakePlan(const PeerFlags& flags) {
   }
   if (!(flags.read_share >= 0 && flags.read_share <= 1)) {
     return InvalidArgumentError("--read-share: {} is outside 0..1", flags.read_share);
+  }
+  if (!(flags.warmup_s >= 0 && flags.warmup_s <= 3600)) {
+    return InvalidArgumentError("--warmup-s: {} is outside 0..3600", flags.warmup_s);
   }
   if (!(flags.delay_s >= 0 && flags.delay_s <= 60)) {
     return InvalidArgumentError("--delay-s: {} is outside 0..60", flags.delay_s);
@@ -629,6 +644,7 @@ int RunBenchPeer(const PeerFlags& flags) {
   report.Set("systems", selected);
   report.Set("seconds", flags.seconds);
   report.Set("delay_s", flags.delay_s);
+  report.Set("warmup_s", flags.warmup_s);
   report.Set("busy", flags.busy);
   report.Set("cpu_bytes", plan.cpu_bytes);
   report.Set("read_share", flags.read_share);
@@ -648,10 +664,13 @@ int RunBenchPeer(const PeerFlags& flags) {
                              "clients {} s after they listen; memcached over its {} "
                              "protocol",
                              FormatBytes(plan.cpu_bytes), flags.delay_s, flags.memcached_protocol));
-  report.Heading("load", fmt::format("{} s per system, {:.0f}% reads among each client's last "
-                                     "{} blocks, every {}th read checked word for word",
-                                     flags.seconds, 100 * flags.read_share, flags.keys_per_client,
-                                     flags.check_every));
+  report.Heading(
+      "load",
+      fmt::format("{} s per system{}, {:.0f}% reads among each client's "
+                  "last {} blocks, every {}th read checked word for word",
+                  flags.seconds,
+                  flags.warmup_s > 0 ? fmt::format(" after {} s of warm-up", flags.warmup_s) : "",
+                  100 * flags.read_share, flags.keys_per_client, flags.check_every));
   report.Heading("busy", fmt::format("{} other process(es) spinning", flags.busy));
   report.Footing("errors", error_line);
   report.Footing("mismatches", mismatch_line);
@@ -714,6 +733,11 @@ void AddBenchPeerCommand(CLI::App& bench, int* exit_code) {
   cmd->add_option("--delay-s", flags->delay_s,
                   "The clients start this long after a store listens (a node that has just "
                   "started may still be preparing its tier)")
+      ->capture_default_str();
+  cmd->add_option("--warmup-s", flags->warmup_s,
+                  "Unmeasured load on each store before the measured --seconds (its own keys "
+                  "and connections): 0 measures from the first connection on, as an engine "
+                  "meeting a node that has just started; more measures the steady state")
       ->capture_default_str();
   cmd->add_option("--busy", flags->busy,
                   "Processes kept spinning, one core each, during the whole run (another "
