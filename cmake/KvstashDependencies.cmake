@@ -36,3 +36,6 @@ pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 # OpenSSL's libcrypto (which cpp-httplib links anyway): base64 for etcd's JSON gateway.
 pkg_check_modules(LIBCRYPTO REQUIRED IMPORTED_TARGET libcrypto)
 find_program(KVSTASH_UCX_PERFTEST ucx_perftest)
+# The clients of the stores `kvstash bench peer` compares kvstash with (Redis, memcached).
+pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
+pkg_check_modules(LIBMEMCACHED REQUIRED IMPORTED_TARGET libmemcached)

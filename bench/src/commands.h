@@ -10,5 +10,6 @@ void AddBenchSsdCommand(CLI::App& bench, int* exit_code);
 void AddBenchTransportCommand(CLI::App& bench, int* exit_code);
 void AddBenchNodeCommand(CLI::App& bench, int* exit_code);
 void AddBenchReplayCommand(CLI::App& bench, int* exit_code);
+void AddBenchPeerCommand(CLI::App& bench, int* exit_code);
 
 }  // namespace kvstash::bench

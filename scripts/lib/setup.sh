@@ -13,6 +13,7 @@ KVSTASH_PACKAGES=(
   librocksdb-dev nlohmann-json3-dev fio util-linux
   libucx-dev ucx-utils libasio-dev libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libcpp-httplib-dev libssl-dev curl etcd-server
+  redis-server memcached libhiredis-dev libmemcached-dev
   pybind11-dev python3-dev python3-pytest python3-numpy python3-torch python3-pip python3-setuptools
   python3-venv
 )
