@@ -174,6 +174,8 @@ def main(argv=None):
                         help="--tier: of each step, Python work holding the GIL (2)")
     parser.add_argument("--tier-workers", type=int,
                         help="--tier: the tier's `workers` setting (default: the tier's own)")
+    parser.add_argument("--tls", help="--tier: UCX transports of the tier and the client "
+                        "(shm, tcp, ...; default UCX's choice)")
     parser.add_argument("--json", action="store_true", help="one JSON object on standard output")
     parser.add_argument("--quiet", action="store_true", help="no progress on standard error")
     args = parser.parse_args(argv)
@@ -263,6 +265,8 @@ def main(argv=None):
 
 def _tier_main(args):
     args.tier_config = {} if args.tier_workers is None else {"workers": args.tier_workers}
+    if args.tls:
+        args.tier_config["tls"] = args.tls
     node = None
     address = args.node
     if not address:

@@ -202,7 +202,7 @@ def run(args, address):
         None, memoryview(rows.view(np.uint8)), "kvstash", nodes=[address],
         namespace="bench-tier", start_check_ms=10_000, **args.tier_config)
     try:
-        with kvstash.Client(address, namespace="bench-client") as client:
+        with kvstash.Client(address, namespace="bench-client", tls=args.tls) as client:
             for r in range(args.rounds):
                 tier_keys = _Keys(b"tier-%d-" % r, held)
                 client_keys = _Keys(b"client-%d-" % r, held)
@@ -248,7 +248,8 @@ def run(args, address):
     summary = {"bench": "tier", "node": address, "block_bytes": block,
                "job_blocks": args.job_blocks, "jobs_outstanding": args.jobs_outstanding,
                "step_ms": args.step_ms, "busy_ms": args.busy_ms, "seconds": args.seconds,
-               "rounds": args.rounds, "tier_config": args.tier_config, "errors": counts.errors,
+               "rounds": args.rounds, "tls": args.tls, "tier_config": args.tier_config,
+               "errors": counts.errors,
                "mismatches": counts.mismatches}
     for name, _, _ in FIGURES:
         summary[name] = median(name)
