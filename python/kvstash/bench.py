@@ -170,8 +170,9 @@ def main(argv=None):
                         help="--tier: jobs submitted and not yet reported finished, at most (4)")
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="--tier: an engine step, between polls of get_finished (5)")
-    parser.add_argument("--busy-ms", type=float, default=2.0,
-                        help="--tier: of each step, Python work holding the GIL (2)")
+    parser.add_argument("--busy-ms", type=float, default=0.0,
+                        help="--tier: of each step, Python work holding the GIL (0; on a small "
+                        "machine it also takes CPU the direct client keeps)")
     parser.add_argument("--tier-workers", type=int,
                         help="--tier: the tier's `workers` setting (default: the tier's own)")
     parser.add_argument("--tls", help="--tier: UCX transports of the tier and the client "

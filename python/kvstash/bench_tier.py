@@ -5,9 +5,13 @@ drives it: jobs of --job-blocks blocks submitted with submit_store (cascades, pr
 node) or submit_load (promotions, the node into primary rows), up to --jobs-outstanding of them
 not yet reported finished, and get_finished() polled once per step. A step is --step-ms long:
 the scheduler first computes in Python for --busy-ms (holding the GIL, as vLLM's scheduler and
-model runner do for part of every step), then waits for the rest (the GPU's share). A direct
-kvstash.Client on the same node moves the same jobs' blocks from and into the same rows, one put
-or get per job, back to back.
+model runner do for part of every step; 0 by default, as that also takes a share of the CPU the
+direct client keeps), then waits for the rest (the GPU's share). A direct kvstash.Client on the
+same node moves the same jobs' blocks from and into the same rows, one put or get per job, back
+to back.
+
+Before the rounds, each side stores as many blocks as the node's tier holds (--cpu-bytes) and
+reads some back, uncounted, so that no phase pays the first touch of the node's memory.
 
 A round runs, for --seconds each: the tier's cascades then its promotions of blocks it stored,
 and the client's puts then its gets of blocks it stored, alternating which side goes first, so
@@ -102,8 +106,9 @@ def _step(step_s, busy_s):
 
 
 def _tier_phase(tier, rows, keys, is_load, seconds, job_blocks, outstanding, step_s, busy_s,
-                counts, job_ids):
-    """Jobs for `seconds`, then the drain; the bytes moved per second."""
+                counts, job_ids, max_jobs=None):
+    """Jobs for `seconds` (or `max_jobs` of them), then the drain; the bytes moved per
+    second."""
     block = rows.shape[1] * 8
     free_slots = collections.deque(range(outstanding))  # groups of destination rows
     running = {}  # job id -> (key ids, destination slot or None)
@@ -125,11 +130,11 @@ def _tier_phase(tier, rows, keys, is_load, seconds, job_blocks, outstanding, ste
                     _check(rows, _dest_rows(slot, job_blocks, len(key_ids)), key_ids, counts)
             if slot is not None:
                 free_slots.append(slot)
-        if now >= end:
+        if now >= end or jobs == max_jobs:
             if not running:
                 break
         else:
-            while len(running) < outstanding:
+            while len(running) < outstanding and jobs != max_jobs:
                 job_id = next(job_ids)
                 if is_load:
                     slot = free_slots.popleft()
@@ -154,14 +159,14 @@ def _dest_rows(slot, job_blocks, n):
     return list(range(first, first + n))
 
 
-def _client_phase(client, rows, keys, is_load, seconds, job_blocks, counts):
+def _client_phase(client, rows, keys, is_load, seconds, job_blocks, counts, max_jobs=None):
     """The same jobs, one call each, back to back; the bytes moved per second."""
     block = rows.shape[1] * 8
     moved = 0
     jobs = 0
     start = time.perf_counter()
     end = start + seconds
-    while time.perf_counter() < end:
+    while time.perf_counter() < end and jobs != max_jobs:
         if is_load:
             key_ids = keys.stored_job(job_blocks, jobs)
             dest = _dest_rows(0, job_blocks, len(key_ids))
@@ -203,6 +208,17 @@ def run(args, address):
         namespace="bench-tier", start_check_ms=10_000, **args.tier_config)
     try:
         with kvstash.Client(address, namespace="bench-client", tls=args.tls) as client:
+            # Uncounted: each side stores as many blocks as the node's tier holds and reads
+            # some back, so the first phase of a round pays no first touch of the node's tier
+            # (the node's pages, each connection's mapping of them) for the others.
+            fill = -(-args.cpu_bytes // block // args.job_blocks)
+            tier_keys, client_keys = _Keys(b"tier-warm-", held), _Keys(b"client-warm-", held)
+            for is_load in (False, True):
+                _tier_phase(tier, rows, tier_keys, is_load, 60, args.job_blocks,
+                            args.jobs_outstanding, 0, 0, counts, job_ids, max_jobs=fill)
+            for is_load in (False, True):
+                _client_phase(client, rows, client_keys, is_load, 60, args.job_blocks, counts,
+                              max_jobs=fill)
             for r in range(args.rounds):
                 tier_keys = _Keys(b"tier-%d-" % r, held)
                 client_keys = _Keys(b"client-%d-" % r, held)
