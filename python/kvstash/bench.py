@@ -166,8 +166,10 @@ def main(argv=None):
                         help="the vLLM tier's cascades and promotions against a direct client")
     parser.add_argument("--job-blocks", type=int, default=8,
                         help="--tier: blocks per job (8)")
-    parser.add_argument("--jobs-outstanding", type=int, default=4,
-                        help="--tier: jobs submitted and not yet reported finished, at most (4)")
+    parser.add_argument("--jobs-outstanding", type=int,
+                        help="--tier: jobs submitted and not yet reported finished, at most "
+                        "(default: 64 MiB of them, so that polling once a step does not bound "
+                        "the rate)")
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="--tier: an engine step, between polls of get_finished (5)")
     parser.add_argument("--busy-ms", type=float, default=0.0,
@@ -188,8 +190,8 @@ def main(argv=None):
         parser.error(f"--batch: {args.batch} is outside 1..1024")
     if not 1 <= args.job_blocks <= 1024:
         parser.error(f"--job-blocks: {args.job_blocks} is outside 1..1024")
-    if not 1 <= args.jobs_outstanding <= 64:
-        parser.error(f"--jobs-outstanding: {args.jobs_outstanding} is outside 1..64")
+    if args.jobs_outstanding is not None and not 1 <= args.jobs_outstanding <= 256:
+        parser.error(f"--jobs-outstanding: {args.jobs_outstanding} is outside 1..256")
     if not 0 <= args.step_ms <= 1000:
         parser.error(f"--step-ms: {args.step_ms} is outside 0..1000")
     if not 0 <= args.busy_ms <= args.step_ms:

@@ -3,12 +3,13 @@
 The tier (kvstash.vllm.KvstashSecondaryTier) is driven as vLLM's TieringOffloadingManager
 drives it: jobs of --job-blocks blocks submitted with submit_store (cascades, primary rows to the
 node) or submit_load (promotions, the node into primary rows), up to --jobs-outstanding of them
-not yet reported finished, and get_finished() polled once per step. A step is --step-ms long:
-the scheduler first computes in Python for --busy-ms (holding the GIL, as vLLM's scheduler and
-model runner do for part of every step; 0 by default, as that also takes a share of the CPU the
-direct client keeps), then waits for the rest (the GPU's share). A direct kvstash.Client on the
-same node moves the same jobs' blocks from and into the same rows, one put or get per job, back
-to back.
+not yet reported finished (by default 64 MiB of jobs: the manager learns of a finished job only
+at the next step, so fewer would bound the rate, not the tier), and get_finished() polled once
+per step. A step is --step-ms long: the scheduler first computes in Python for --busy-ms
+(holding the GIL, as vLLM's scheduler and model runner do for part of every step; 0 by default,
+as on a small machine that also takes a share of the CPU the direct client keeps), then waits
+for the rest (the GPU's share). A direct kvstash.Client on the same node moves the same jobs'
+blocks from and into the same rows, one put or get per job, back to back.
 
 Before the rounds, each side stores as many blocks as the node's tier holds (--cpu-bytes) and
 reads some back, uncounted, so that no phase pays the first touch of the node's memory.
@@ -42,6 +43,9 @@ FIGURES = [
 
 # Distinct block contents: key i is stored from source row i % _PATTERNS.
 _PATTERNS = 16
+# The bytes of the jobs outstanding by default: at 5 ms steps, up to 13 GB/s before polling
+# once a step bounds the rate.
+_OUTSTANDING_BYTES = 64 << 20
 
 
 class _Counts:
@@ -196,6 +200,8 @@ def run(args, address):
     if block % 8:
         raise SystemExit(f"kvstash.bench --tier: blocks of {block} bytes; a multiple of 8 is "
                          "needed")
+    if args.jobs_outstanding is None:
+        args.jobs_outstanding = max(1, min(256, _OUTSTANDING_BYTES // (block * args.job_blocks)))
     rows = _make_primary(block, args.jobs_outstanding, args.job_blocks)
     # Loads pick among the blocks each side stored last: a quarter of the node's tier each, so
     # the node evicts none of them while the other side stores.

@@ -550,7 +550,9 @@ class KvstashSecondaryTier(_TierBase):
         lookups. Returns the failures to log (outside the lock). Under the lock."""
         failures = []
         for ticket, code, message in self._jobs.finished():
-            job = self._running.pop(ticket)
+            job = self._running.pop(ticket, None)
+            if job is None:  # refused at submit, and reported then
+                continue
             ok = code is None
             self._finished.append(JobResult(job_id=job.job_id, success=ok))
             if not job.is_load:

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <optional>
+#include <system_error>
 #include <utility>
 
 #include "kvstash/transport/channel.h"
@@ -46,7 +47,18 @@ Status TierJobs::Submit(uint64_t ticket, bool is_load, std::vector<BlockKey> key
   }
   if (start_thread) {
     MutexLock lock(&threads_mu_);
-    threads_.emplace_back([state = state_] { Serve(state); });
+    try {
+      threads_.emplace_back([state = state_] { Serve(state); });
+    } catch (const std::system_error& e) {
+      // The threads there are take the job; with none, it is refused.
+      MutexLock state_lock(&state_->mu);
+      if (--state_->threads == 0) {
+        std::deque<Job>& queue = is_load ? state_->loads : state_->stores;
+        std::erase_if(queue, [ticket](const Job& job) { return job.ticket == ticket; });
+        return ResourceExhaustedError("no thread for the job: {}", e.what());
+      }
+      state_->work.Signal();
+    }
   }
   return Status::OK();
 }

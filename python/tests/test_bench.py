@@ -88,7 +88,7 @@ def test_tier_mode_catches_a_corrupted_block(node):
 
 def test_tier_settings_out_of_range_are_refused():
     for args, flag in ((["--job-blocks", "0"], "--job-blocks"),
-                       (["--jobs-outstanding", "65"], "--jobs-outstanding"),
+                       (["--jobs-outstanding", "257"], "--jobs-outstanding"),
                        (["--step-ms", "2", "--busy-ms", "3"], "--busy-ms")):
         out = run("--tier", *args)
         assert out.returncode == 2, args
