@@ -7,6 +7,10 @@ alternating which goes first, so the machine's drift weighs on both; every figur
 over rounds, the ratio the median of the rounds' own ratios. A ratio near 1 says the Python layer
 adds no copy and no cost of its own. Every block read back is checked against what was stored.
 
+With --tier it measures the vLLM tier instead (kvstash/bench_tier.py): its cascades and
+promotions, driven as vLLM's tiering manager drives them, against a direct kvstash.Client moving
+the same jobs' blocks; --block-bytes then defaults to 2MiB.
+
 Starts a kvstashd of its own (--kvstashd, else $KVSTASHD, else `kvstashd` on the PATH) unless
 --node names one. Prints a table, or one JSON object with --json; progress on standard error.
 """
@@ -26,6 +30,7 @@ import time
 import numpy as np
 
 import kvstash
+from kvstash import bench_tier
 
 FIGURES = [
     ("python_gbps", "GB/s", "this package: put_gbps + get_gbps"),
@@ -142,12 +147,14 @@ def main(argv=None):
         prog="python3 -m kvstash.bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Figures (table rows and --json keys):\n" + "\n".join(
-            f"  {name} ({unit}): {what}" for name, unit, what in FIGURES))
+            f"  {name} ({unit}): {what}" for name, unit, what in FIGURES) +
+        "\nWith --tier:\n" + "\n".join(
+            f"  {name} ({unit}): {what}" for name, unit, what in bench_tier.FIGURES))
     parser.add_argument("--node", help="an offload node as HOST:PORT (default: start one)")
     parser.add_argument("--kvstashd", help="the kvstashd to start (default: $KVSTASHD, PATH)")
     parser.add_argument("--cli", help="the kvstash CLI (default: $KVSTASH_CLI, PATH)")
-    parser.add_argument("--block-bytes", type=_parse_bytes, default=_parse_bytes("256KiB"),
-                        help="block size of the node started (default 256KiB)")
+    parser.add_argument("--block-bytes", type=_parse_bytes,
+                        help="block size of the node started (default 256KiB; 2MiB with --tier)")
     parser.add_argument("--cpu-bytes", type=_parse_bytes, default=_parse_bytes("512MiB"),
                         help="CPU tier of the node started (default 512MiB)")
     parser.add_argument("--seconds", type=float, default=3.0, help="per side and round (3)")
@@ -155,6 +162,23 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="blocks per call (8)")
     parser.add_argument("--keys-per-client", type=int, default=64,
                         help="reads pick among the last this many blocks stored (64)")
+    parser.add_argument("--tier", action="store_true",
+                        help="the vLLM tier's cascades and promotions against a direct client")
+    parser.add_argument("--job-blocks", type=int, default=8,
+                        help="--tier: blocks per job (8)")
+    parser.add_argument("--jobs-outstanding", type=int,
+                        help="--tier: jobs submitted and not yet reported finished, at most "
+                        "(default: 64 MiB of them, so that polling once a step does not bound "
+                        "the rate)")
+    parser.add_argument("--step-ms", type=float, default=5.0,
+                        help="--tier: an engine step, between polls of get_finished (5)")
+    parser.add_argument("--busy-ms", type=float, default=0.0,
+                        help="--tier: of each step, Python work holding the GIL (0; on a small "
+                        "machine it also takes CPU the direct client keeps)")
+    parser.add_argument("--tier-workers", type=int,
+                        help="--tier: the tier's `workers` setting (default: the tier's own)")
+    parser.add_argument("--tls", help="--tier: UCX transports of the tier and the client "
+                        "(shm, tcp, ...; default UCX's choice)")
     parser.add_argument("--json", action="store_true", help="one JSON object on standard output")
     parser.add_argument("--quiet", action="store_true", help="no progress on standard error")
     args = parser.parse_args(argv)
@@ -164,6 +188,20 @@ def main(argv=None):
         parser.error("--seconds: must be positive")
     if not 1 <= args.batch <= 1024:
         parser.error(f"--batch: {args.batch} is outside 1..1024")
+    if not 1 <= args.job_blocks <= 1024:
+        parser.error(f"--job-blocks: {args.job_blocks} is outside 1..1024")
+    if args.jobs_outstanding is not None and not 1 <= args.jobs_outstanding <= 256:
+        parser.error(f"--jobs-outstanding: {args.jobs_outstanding} is outside 1..256")
+    if not 0 <= args.step_ms <= 1000:
+        parser.error(f"--step-ms: {args.step_ms} is outside 0..1000")
+    if not 0 <= args.busy_ms <= args.step_ms:
+        parser.error(f"--busy-ms: {args.busy_ms} is outside 0..--step-ms")
+    if args.tier_workers is not None and args.tier_workers < 1:
+        parser.error(f"--tier-workers: {args.tier_workers} is not positive")
+    if args.block_bytes is None:
+        args.block_bytes = _parse_bytes("2MiB" if args.tier else "256KiB")
+    if args.tier:
+        return _tier_main(args)
 
     cli = _find(args.cli, "KVSTASH_CLI", "kvstash", "--cli")
     node = None
@@ -226,6 +264,28 @@ def main(argv=None):
             print(f"  {name:<18} {'-' if value is None else f'{value:.3f}'} {unit}")
         print(f"  errors {errors}, mismatches {mismatches}, misses {misses}")
     return 1 if errors or mismatches else 0
+
+
+def _tier_main(args):
+    args.tier_config = {} if args.tier_workers is None else {"workers": args.tier_workers}
+    if args.tls:
+        args.tier_config["tls"] = args.tls
+    node = None
+    address = args.node
+    if not address:
+        node = _Node(_find(args.kvstashd, "KVSTASHD", "kvstashd", "--kvstashd"), args.block_bytes,
+                     args.cpu_bytes)
+        address = node.address
+    try:
+        summary = bench_tier.run(args, address)
+    finally:
+        if node:
+            node.stop()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        bench_tier.print_table(summary)
+    return 1 if summary["errors"] or summary["mismatches"] else 0
 
 
 if __name__ == "__main__":

@@ -27,10 +27,13 @@ vLLM calls the tier from its scheduler thread, once per key, and must never wait
   whose load failed reads False for `failed_load_ttl_ms` (30 s), so vLLM computes it instead of
   promoting it again. A request is deferred at most 2 steps per lookup of a key, and a load that
   always fails costs it one failed promotion, never a loop.
-- submit_store() and submit_load() queue a job for a small pool of threads that put the primary
-  rows to the nodes or get them into the primary rows, buffers handed over as they are (no copy
-  in Python). get_finished() returns what finished since the last call; any error is a job with
-  success=False, logged once per operation and error code.
+- submit_store() and submit_load() hand a job to C++ (kvstash._kvstash.TierJobs), which puts
+  the primary rows to the nodes or gets the blocks into the primary rows, straight from and into
+  vLLM's memory (no copy but the transfer's own). Each job's blocks are all in flight at once,
+  up to `workers` jobs run at once, loads before queued stores, and neither a job nor its
+  completion takes the GIL, so the scheduler thread never slows them. get_finished() returns
+  what finished since the last call; any error is a job with success=False, logged once per
+  operation and error code.
 - touch() is merged with the other touches of the moment and sent by the background thread.
 
 Config keys (the tier's dict in `secondary_tiers`, beside "type"):
@@ -49,7 +52,8 @@ Config keys (the tier's dict in `secondary_tiers`, beside "type"):
   lookup_budget_ms  how long a batch waits for each node (default 50); see above
   max_deferrals   how many steps in a row a key may read None (default 2)
   failed_load_ttl_ms  how long keys of a failed load read False (default 30000)
-  workers         threads running store and load jobs (default 2; loads go first)
+  workers         jobs running at once, each on a thread of its own (default 4; loads go
+                  before queued stores)
 
 The constructor does no network I/O of its own: the nodes' block size and the token are checked
 by the background thread, and the constructor waits at most `start_check_ms` (default 200) for
@@ -64,6 +68,7 @@ installed and stand-ins with the same fields otherwise.
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -244,12 +249,11 @@ def _merge_touches(calls):
 
 
 class _Job:
-    __slots__ = ("job_id", "keys", "block_ids", "is_load")
+    __slots__ = ("job_id", "keys", "is_load")
 
-    def __init__(self, job_id, keys, block_ids, is_load):
+    def __init__(self, job_id, keys, is_load):
         self.job_id = job_id
         self.keys = keys
-        self.block_ids = block_ids
         self.is_load = is_load
 
 
@@ -257,9 +261,10 @@ class KvstashSecondaryTier(_TierBase):
     """vLLM's SecondaryTierManager over kvstash nodes.
 
     vLLM's tiering manager owns it and calls it from the scheduler thread; no call waits on the
-    network. A background thread sends lookups and touches, `workers` threads run the jobs.
-    Thread-safe. shutdown() stops the threads and drops every reference to the primary's
-    memory, so the primary can release its mapping afterwards.
+    network. A background thread sends lookups and touches; the jobs run in C++
+    (kvstash._kvstash.TierJobs), up to `workers` at once, never taking the GIL, and
+    get_finished() collects them. Thread-safe. shutdown() stops the threads and drops every
+    reference to the primary's memory, so the primary can release its mapping afterwards.
     """
 
     def __init__(self, vllm_config=None, primary_kv_view=None, tier_type=TIER_TYPE, *,
@@ -303,7 +308,7 @@ class KvstashSecondaryTier(_TierBase):
             raise ValueError(f"kvstash tier: timeout_ms {timeout_ms} is not positive")
         ttl_ms = float(config.get("lookup_ttl_ms", 1000))
         wait_ms = float(config.get("lookup_wait_ms", 500))
-        workers = int(config.get("workers", 2))
+        workers = int(config.get("workers", 4))
         if ttl_ms < 0 or wait_ms < 0 or workers < 1:
             raise ValueError(f"kvstash tier: lookup_ttl_ms {ttl_ms} and lookup_wait_ms "
                              f"{wait_ms} must be >= 0 and workers {workers} >= 1")
@@ -341,8 +346,6 @@ class KvstashSecondaryTier(_TierBase):
         self._checked = threading.Event()
         self._unusable = None
         self._control_cv = threading.Condition(self._lock)  # lookups or touches queued
-        self._jobs_cv = threading.Condition(self._lock)     # jobs queued
-        self._idle_cv = threading.Condition(self._lock)     # a job finished
         self._stopping = False
         # key -> (answer, expiry): HIT/MISS until expiry; RETRY is answered once.
         self._answers = {}
@@ -352,15 +355,15 @@ class KvstashSecondaryTier(_TierBase):
         self._asked = {}  # key -> when first asked, while its batch is queued or in flight
         self._queued = []  # keys for the next batch
         self._touches = collections.deque()  # touch calls (lists of keys), oldest first
-        self._loads = collections.deque()
-        self._stores = collections.deque()
-        self._running = 0
+        # The jobs submitted and not yet collected from self._jobs, by ticket (vLLM's job ids
+        # are its own: a ticket is unique whatever it passes).
+        self._running = {}
+        self._tickets = itertools.count()
         self._finished = []
+        self._jobs = kvstash._kvstash.TierJobs(self._client._c, self._rows, workers)
 
         self._threads = [threading.Thread(target=self._control_loop, daemon=True,
                                           name="kvstash-tier-lookup")]
-        self._threads += [threading.Thread(target=self._job_loop, daemon=True,
-                                           name=f"kvstash-tier-job-{i}") for i in range(workers)]
         self._threads.append(threading.Thread(target=self._check_nodes, daemon=True,
                                               name="kvstash-tier-check"))
         for t in self._threads:
@@ -431,7 +434,9 @@ class KvstashSecondaryTier(_TierBase):
     def get_finished(self):
         """The jobs finished since the last call, as JobResult(job_id, success)."""
         with self._lock:
+            failures = self._collect()
             finished, self._finished = self._finished, []
+        self._log_failures(failures)
         return finished
 
     # Later vLLM versions name it get_finished_jobs.
@@ -459,13 +464,14 @@ class KvstashSecondaryTier(_TierBase):
     def has_pending_work(self):
         """Whether jobs are queued, running, or finished and not yet collected."""
         with self._lock:
-            return bool(self._loads or self._stores or self._running or self._finished)
+            failures = self._collect()
+            pending = bool(self._running or self._finished)
+        self._log_failures(failures)
+        return pending
 
     def drain_jobs(self):
         """Waits until no job is queued or running (each is bounded by timeout_ms)."""
-        with self._lock:
-            while self._loads or self._stores or self._running:
-                self._idle_cv.wait()
+        self._jobs.wait_idle()
 
     def shutdown(self):
         """Stops the threads, fails queued jobs, closes the client and drops the primary view.
@@ -476,22 +482,23 @@ class KvstashSecondaryTier(_TierBase):
             if self._stopping:
                 return
             self._stopping = True
-            for job in list(self._loads) + list(self._stores):
-                self._finished.append(JobResult(job_id=job.job_id, success=False))
-            self._loads.clear()
-            self._stores.clear()
             self._queued.clear()
             self._asked.clear()
             self._touches.clear()
             self._control_cv.notify_all()
-            self._jobs_cv.notify_all()
         deadline = time.monotonic() + 2 * self._timeout_s + 1.0
+        # Queued jobs finish as failed at once; running ones are waited for.
+        if not self._jobs.close(2 * self._timeout_s + 1.0):
+            logger.warning("kvstash: jobs still wait on the nodes at shutdown; the primary rows "
+                           "they use stay referenced")
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            logger.warning("kvstash: threads %s still wait on the nodes at shutdown; the primary "
-                           "rows they use stay referenced until they return", stuck)
+            logger.warning("kvstash: threads %s still wait on the nodes at shutdown", stuck)
+        with self._lock:
+            failures = self._collect()
+        self._log_failures(failures)
         self._client.close()
         self._rows = None
         self._primary_kv_view = None
@@ -520,76 +527,62 @@ class KvstashSecondaryTier(_TierBase):
         with self._lock:
             if error is None and self._unusable is not None:
                 error = str(self._unusable)
-            if error is not None or self._stopping or not keys:
-                if error is not None:
-                    self._log_once(("submit", "invalid"), "kvstash: job %d refused: %s", job_id,
-                                   error)
-                ok = error is None and not self._stopping
-                self._finished.append(JobResult(job_id=job_id, success=ok))
-                return
-            (self._loads if is_load else self._stores).append(
-                _Job(job_id, keys, block_ids, is_load))
-            self._jobs_cv.notify()
-
-    def _job_loop(self):
-        while True:
-            with self._lock:
-                while not (self._loads or self._stores or self._stopping):
-                    self._jobs_cv.wait()
-                if self._stopping:
+            if error is None and not self._stopping and keys:
+                ticket = next(self._tickets)
+                self._running[ticket] = _Job(job_id, keys, is_load)
+                try:
+                    # Straight from and into the primary's rows: C++ has them already.
+                    self._jobs.submit(ticket, is_load,
+                                      [k if type(k) is bytes else bytes(k) for k in keys],
+                                      block_ids)
                     return
-                job = self._loads.popleft() if self._loads else self._stores.popleft()
-                self._running += 1
-            ok = self._run(job)
-            with self._lock:
-                self._running -= 1
-                self._finished.append(JobResult(job_id=job.job_id, success=ok))
-                if not job.is_load:
-                    # A miss answered before the store is stale now: ask the nodes again.
-                    for key in job.keys:
-                        self._answers.pop(key, None)
-                if not ok:
-                    # The nodes failed us: forget every answer, so lookups ask them again
-                    # rather than promise blocks they may no longer serve; and a failed load's
-                    # keys read as misses for a while, so vLLM computes them rather than
-                    # promote them again from a node that fails them.
-                    self._answers.clear()
-                    if job.is_load:
-                        until = time.monotonic() + self._failed_ttl_s
-                        if len(self._failed) + len(job.keys) > _MAX_FAILED_KEYS:
-                            self._failed = {k: t for k, t in self._failed.items()
-                                            if t > time.monotonic()}
-                        for key in job.keys:
-                            if len(self._failed) < _MAX_FAILED_KEYS:
-                                self._failed[key] = until
-                self._idle_cv.notify_all()
+                except Exception as e:  # a key that is not a key: never raise into vLLM
+                    del self._running[ticket]
+                    error = str(e)
+            if error is not None:
+                self._log_once(("submit", "invalid"), "kvstash: job %d refused: %s", job_id,
+                               error)
+            ok = error is None and not self._stopping
+            self._finished.append(JobResult(job_id=job_id, success=ok))
 
-    def _run(self, job):
-        operation = "load" if job.is_load else "store"
-        try:
-            rows = self._rows
-            if rows is None:
-                return False
-            buffers = [rows[b] for b in job.block_ids]
-            keys = [k if type(k) is bytes else bytes(k) for k in job.keys]
+    def _collect(self):
+        """Moves the jobs TierJobs finished into self._finished and applies what they tell the
+        lookups. Returns the failures to log (outside the lock). Under the lock."""
+        failures = []
+        for ticket, code, message in self._jobs.finished():
+            job = self._running.pop(ticket, None)
+            if job is None:  # refused at submit, and reported then
+                continue
+            ok = code is None
+            self._finished.append(JobResult(job_id=job.job_id, success=ok))
+            if not job.is_load:
+                # A miss answered before the store is stale now: ask the nodes again.
+                for key in job.keys:
+                    self._answers.pop(key, None)
+            if ok:
+                continue
+            if not (self._stopping and code == "CANCELLED"):
+                failures.append((job, code, message))
+            # The nodes failed us: forget every answer, so lookups ask them again rather than
+            # promise blocks they may no longer serve; and a failed load's keys read as misses
+            # for a while, so vLLM computes them rather than promote them again from a node
+            # that fails them.
+            self._answers.clear()
             if job.is_load:
-                lengths = self._client.get(keys, buffers)
-                short = [i for i, n in enumerate(lengths) if n != self._row_bytes]
-                if short:
-                    self._log_once((operation, "short"), "kvstash: load of job %d read %d of %d "
-                                   "bytes for key %d", job.job_id, lengths[short[0]],
-                                   self._row_bytes, short[0])
-                    return False
-            else:
-                self._client.put(keys, buffers)
-            return True
-        except kvstash.Error as e:
-            self._log_once((operation, e.code), "kvstash: %s of job %d (%d blocks) failed: %s",
-                           operation, job.job_id, len(job.keys), e)
-        except Exception as e:  # never let a job's failure escape into vLLM
-            self._log_once((operation, type(e).__name__), "kvstash: %s of job %d failed: %r",
-                           operation, job.job_id, e)
-        return False
+                until = time.monotonic() + self._failed_ttl_s
+                if len(self._failed) + len(job.keys) > _MAX_FAILED_KEYS:
+                    self._failed = {k: t for k, t in self._failed.items()
+                                    if t > time.monotonic()}
+                for key in job.keys:
+                    if len(self._failed) < _MAX_FAILED_KEYS:
+                        self._failed[key] = until
+        return failures
+
+    def _log_failures(self, failures):
+        for job, code, message in failures:
+            operation = "load" if job.is_load else "store"
+            self._log_once((operation, code), "kvstash: %s of job %d (%d blocks) failed: %s: %s",
+                           operation, job.job_id, len(job.keys), code, message)
 
     def _check_nodes(self):
         """The start check: asks the nodes for their block size (which also checks the token)

@@ -21,6 +21,7 @@
 #include "kvstash/common/status.h"
 #include "kvstash/common/token_file.h"
 #include "kvstash/connector/node_client.h"
+#include "tier_jobs.h"
 
 namespace py = pybind11;
 
@@ -99,9 +100,21 @@ class HeldBuffer {
     if (held_) PyBuffer_Release(&view_);
   }
 
+  // A strided view (for the primary's rows), writable.
+  struct Strided {};
+  HeldBuffer(const py::handle& object, Strided) {
+    if (PyObject_GetBuffer(object.ptr(), &view_, PyBUF_RECORDS) != 0) {
+      PyErr_Clear();
+      Raise(InvalidArgumentError("the primary's rows must be a writable buffer, not {}",
+                                 std::string(py::str(py::type::of(object).attr("__name__")))));
+    }
+    held_ = true;
+  }
+
   std::span<std::byte> bytes() const {
     return {static_cast<std::byte*>(view_.buf), static_cast<size_t>(view_.len)};
   }
+  const Py_buffer& view() const { return view_; }
 
  private:
   Py_buffer view_{};
@@ -405,6 +418,9 @@ class Client {
 
   bool closed() const { return client_ == nullptr; }
 
+  // The client, for objects that use it after this one closes.
+  std::shared_ptr<connector::NodeClient> node_client() const { return Get(); }
+
  private:
   // The client, kept alive for the call even if another thread closes this one meanwhile.
   std::shared_ptr<connector::NodeClient> Get() const {
@@ -413,6 +429,94 @@ class Client {
   }
 
   std::shared_ptr<connector::NodeClient> client_;
+};
+
+// TierJobs over the primary's rows, a 2-D buffer held from construction until close() found no
+// job running (held for good when one still ran: it writes into them).
+class PyTierJobs {
+ public:
+  PyTierJobs(const Client& client, const py::handle& rows, size_t threads)
+      : rows_(std::make_unique<HeldBuffer>(rows, HeldBuffer::Strided{})) {
+    const Py_buffer& v = rows_->view();
+    if (v.ndim != 2 || v.shape[0] <= 0 || v.shape[1] <= 0) {
+      Raise(
+          InvalidArgumentError("the primary's rows have {} dimension(s) (shape {}); expected "
+                               "(num_blocks, row)",
+                               v.ndim, v.ndim >= 1 ? v.shape[0] : 0));
+    }
+    const auto row_bytes = static_cast<size_t>(v.shape[1] * v.itemsize);
+    if (v.strides[1] != v.itemsize || v.strides[0] < static_cast<Py_ssize_t>(row_bytes)) {
+      Raise(
+          InvalidArgumentError("the primary's rows are not contiguous rows (strides {}, {} "
+                               "for items of {} bytes)",
+                               v.strides[0], v.strides[1], v.itemsize));
+    }
+    if (v.readonly) Raise(InvalidArgumentError("the primary's rows are read-only"));
+    if (threads == 0) Raise(InvalidArgumentError("threads: 0; at least 1"));
+    Rows r{static_cast<std::byte*>(v.buf), static_cast<size_t>(v.shape[0]),
+           static_cast<size_t>(v.strides[0]), row_bytes};
+    jobs_ = std::make_unique<TierJobs>(client.node_client(), r, threads);
+  }
+  PyTierJobs(const PyTierJobs&) = delete;
+  PyTierJobs& operator=(const PyTierJobs&) = delete;
+  // Never waits: jobs still running keep the rows (see the class comment).
+  ~PyTierJobs() { Close(0.0); }
+
+  void Submit(uint64_t ticket, bool is_load, const py::sequence& keys,
+              const std::vector<int64_t>& rows) {
+    std::vector<size_t> at;
+    at.reserve(rows.size());
+    for (int64_t r : rows) {
+      if (r < 0) Raise(InvalidArgumentError("row {} is negative", r));
+      at.push_back(static_cast<size_t>(r));
+    }
+    if (Status s = jobs_->Submit(ticket, is_load, KeysOf(keys), std::move(at)); !s.ok()) {
+      Raise(s);
+    }
+  }
+
+  // [(ticket, None or the error's code name, message)] of the jobs finished since the last call.
+  py::list Finished() {
+    py::list out;
+    for (const TierJobs::Finished& f : jobs_->TakeFinished()) {
+      if (f.status.ok()) {
+        out.append(py::make_tuple(f.ticket, py::none(), ""));
+      } else {
+        out.append(py::make_tuple(f.ticket, std::string(StatusCodeName(f.status.code())),
+                                  std::string(f.status.message())));
+      }
+    }
+    return out;
+  }
+
+  size_t Busy() const { return jobs_->Busy(); }
+
+  void WaitIdle() const {
+    py::gil_scoped_release release;
+    jobs_->WaitIdle();
+  }
+
+  // Stops: queued jobs finish as cancelled (finished() has them); waits up to `timeout`
+  // seconds for running ones. True when none runs: the rows are released then. Idempotent.
+  bool Close(double timeout) {
+    bool done = false;
+    {
+      py::gil_scoped_release release;
+      done = jobs_->Close(std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(std::max(0.0, timeout))));
+    }
+    if (done) {
+      rows_.reset();
+    } else {
+      (void)rows_.release();  // a running job writes into them: never given back
+    }
+    return done;
+  }
+
+ private:
+  std::unique_ptr<HeldBuffer> rows_;
+  std::unique_ptr<TierJobs> jobs_;
 };
 
 }  // namespace
@@ -451,6 +555,15 @@ PYBIND11_MODULE(_kvstash, m) {
       .def("done", &Handle::done)
       .def("wait", &Handle::wait, py::arg("timeout") = py::none())
       .def("result", &Handle::result);
+
+  py::class_<PyTierJobs>(m, "TierJobs")
+      .def(py::init<const Client&, const py::handle&, size_t>(), py::arg("client"), py::arg("rows"),
+           py::arg("threads"))
+      .def("submit", &PyTierJobs::Submit)
+      .def("finished", &PyTierJobs::Finished)
+      .def("busy", &PyTierJobs::Busy)
+      .def("wait_idle", &PyTierJobs::WaitIdle)
+      .def("close", &PyTierJobs::Close, py::arg("timeout"));
 
   py::class_<Client>(m, "Client")
       .def(py::init<const std::vector<std::string>&, const std::string&,

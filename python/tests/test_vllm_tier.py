@@ -318,18 +318,25 @@ def test_a_stopped_node_at_start_is_no_error_and_no_wait(node):
 
 
 class FailingLoads:
-    """The tier's client, but every get fails (a node that holds blocks it cannot serve)."""
+    """The tier's jobs, but every load fails (a node that holds blocks it cannot serve)."""
 
-    def __init__(self, client):
-        self._client = client
+    def __init__(self, jobs):
+        self._jobs = jobs
+        self._failed = []
         self.gets = 0
 
-    def get(self, keys, buffers):
+    def submit(self, ticket, is_load, keys, block_ids):
+        if not is_load:
+            return self._jobs.submit(ticket, is_load, keys, block_ids)
         self.gets += 1
-        raise kvstash.Unavailable("loads fail here")
+        self._failed.append((ticket, "UNAVAILABLE", "loads fail here"))
+
+    def finished(self):
+        failed, self._failed = self._failed, []
+        return self._jobs.finished() + failed
 
     def __getattr__(self, name):
-        return getattr(self._client, name)
+        return getattr(self._jobs, name)
 
 
 def test_a_load_that_always_fails_is_computed_within_the_bound(node, make_tier):
@@ -341,8 +348,8 @@ def test_a_load_that_always_fails_is_computed_within_the_bound(node, make_tier):
     manager = Manager(tier)
     keys = make_keys(4)
     assert manager.wait_job(manager.cascade(keys, [0, 1, 2, 3])) is True
-    failing = FailingLoads(tier._client)
-    tier._client = failing
+    failing = FailingLoads(tier._jobs)
+    tier._jobs = failing
     steps = 0
     computed = False
     while not computed:
@@ -556,3 +563,86 @@ def test_a_stopped_node_leaves_the_other_nodes_keys_to_hit_within_steps(start_no
           f"skipped calls {skipped}")
     assert skipped > 0, "the stopped node was never skipped"
     assert p99 < 100, f"a step's tier calls took {p99:.1f} ms (p99)"
+
+
+def test_a_job_stalled_on_a_node_holds_up_no_job_on_another(start_node, make_tier):
+    """Three loads wait on a stopped node (more than the two job threads the tier had); a load
+    from the other node, submitted after them, finishes while they still wait (before, it
+    queued behind them until they failed). Each job is reported as it finishes."""
+    nodes = [start_node(), start_node()]
+    primary = make_primary(num_blocks=64)
+    tier = make_tier(nodes, primary, timeout_ms=10_000)
+    manager = Manager(tier)
+    keys = make_keys(32)
+    assert manager.wait_job(manager.cascade(keys, list(range(32)))) is True
+    with kvstash.Client([nodes[0].address], namespace="test") as first:
+        on_first = [s == kvstash.KeyState.HIT for s in first.lookup(keys)]
+    stalled = [k for k, hit in zip(keys, on_first) if hit]
+    healthy = [k for k, hit in zip(keys, on_first) if not hit]
+    assert len(stalled) >= 3 and healthy, "the keys did not spread over the two nodes"
+    nodes[0].pause()
+    try:
+        waiting = {manager.promote([stalled[i]], [32 + i]) for i in range(3)}
+        other = manager.promote(healthy[:1], [40])
+        assert manager.wait_job(other) is True
+        assert not waiting & set(manager.results), "a load of the stopped node finished first"
+    finally:
+        nodes[0].resume()
+    for job in waiting:  # they end: read once the node is back, or failed on its probe
+        manager.wait_job(job, timeout=15.0)
+    np.testing.assert_array_equal(primary[40], primary[keys.index(healthy[0])])
+
+
+def test_jobs_run_while_the_scheduler_holds_the_gil(node, make_tier):
+    """vLLM's scheduler thread holds the GIL for most of a step. A store runs to its end while
+    this thread holds it throughout (the switch interval raised so that it never hands it over):
+    no job takes the GIL to start or to finish (before, job threads were Python threads)."""
+    primary = make_primary()
+    tier = make_tier(node, primary)
+    manager = Manager(tier)
+    assert manager.wait_job(manager.cascade(make_keys(1, b"warm"), [0])) is True  # connected
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        job = manager.cascade(make_keys(4), [0, 1, 2, 3])
+        finished = []
+        deadline = time.monotonic() + 10.0
+        while not finished and time.monotonic() < deadline:
+            # Pure Python and C++ that keeps the GIL: it is never released here.
+            finished = tier.get_finished()
+    finally:
+        sys.setswitchinterval(interval)
+    assert [(r.job_id, r.success) for r in finished] == [(job, True)], \
+        "the store did not run while the scheduler held the GIL"
+
+
+def test_shutdown_fails_queued_jobs_and_waits_for_running_ones(node, make_tier):
+    """One job thread, its job waiting on a stopped node, two more queued: shutdown reports
+    the queued ones failed, waits for the running one, reports each job once, and gives the
+    primary's memory back."""
+    num_blocks = 8
+    region = mmap.mmap(-1, num_blocks * BLOCK_BYTES)
+    view = memoryview(region).cast("B", (num_blocks, BLOCK_BYTES))
+    tier = make_tier(node, view, workers=1, timeout_ms=2000)
+    manager = Manager(tier)
+    keys = make_keys(3)
+    assert manager.wait_job(manager.cascade(keys, [0, 1, 2])) is True
+    node.pause()
+    try:
+        jobs = [manager.promote([key], [4 + i]) for i, key in enumerate(keys)]
+        deadline = time.monotonic() + 5.0
+        while tier._jobs.busy() != 3:  # the first taken, two queued
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        tier.shutdown()
+    finally:
+        node.resume()
+    results = {}
+    for result in tier.get_finished():
+        assert result.job_id not in results, f"job {result.job_id} reported twice"
+        results[result.job_id] = result.success
+    assert set(results) == set(jobs)
+    assert results[jobs[1]] is False and results[jobs[2]] is False
+    assert not tier.has_pending_work()
+    view.release()
+    region.close()  # BufferError if the tier still held the rows
