@@ -16,7 +16,7 @@
 
 namespace kvstash::transport::internal {
 
-void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey) {
+void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey, bool probing) {
   if (!endpoint_) return;
   SharedRegionKey key;
   key.server_cookie = server_cookie_;
@@ -26,8 +26,14 @@ void MappedPayloads::AddRegion(const MappedRef& ref, Bytes rkey) {
   key.packed_rkey.assign(reinterpret_cast<const char*>(rkey.data()), rkey.size());
   auto mapping = SharedMappings::Acquire(key, endpoint_.get(), worker_);
   if (!mapping.ok()) {
-    KVSTASH_LOG_WARN("cannot map the server's shared region {}: {}", ref.region_id,
-                     mapping.status().ToString());
+    // The probe fails wherever the server is on another host or the transports share no
+    // memory (TCP): mapped payloads are then off, as they should be. Later, a failure is news.
+    if (probing) {
+      KVSTASH_LOG_DEBUG("cannot map the server's probe region: {}", mapping.status().ToString());
+    } else {
+      KVSTASH_LOG_WARN("cannot map the server's shared region {}: {}", ref.region_id,
+                       mapping.status().ToString());
+    }
     return;
   }
   // A key sent again replaces the region's mapping; copies out keep the one they use.
@@ -64,7 +70,7 @@ void MappedPayloads::Probe(const wire::HelloReply& reply, const std::string& ser
   ref.length = sizeof(uint64_t);
   if (probe.size() < sizeof(uint64_t)) return;
   server_cookie_ = probe.cookie();
-  AddRegion(ref, std::as_bytes(std::span(probe.rkey())));
+  AddRegion(ref, std::as_bytes(std::span(probe.rkey())), /*probing=*/true);
   auto local = Map(ref);
   uint64_t cookie = 0;
   if (local.ok()) std::memcpy(&cookie, *local, sizeof(cookie));

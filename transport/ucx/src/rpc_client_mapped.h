@@ -55,7 +55,8 @@ class MappedPayloads {
   // `server` names the server in the log.
   void Probe(const wire::HelloReply& reply, const std::string& server);
   // The server sends each shared region's key once per connection, with its first use.
-  void AddRegion(const MappedRef& ref, Bytes rkey);
+  // `probing`: the hello's probe, which fails quietly where memory cannot be shared.
+  void AddRegion(const MappedRef& ref, Bytes rkey, bool probing = false);
   // The server wants a held payload: copied into its shared memory, or sent as data.
   void OnPull(const FrameView& frame);
   // A reply whose payload is in the server's shared memory: copied out, then acknowledged
