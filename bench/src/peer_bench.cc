@@ -7,7 +7,9 @@
 // the first one rotating from round to round. It prints the medians as a table (systems x cells)
 // with kvstash's ratio to the best peer, or --json.
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -15,7 +17,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -35,8 +39,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// ---- what is measured
-// ----------------------------------------------------------------------------
+// ---- what is measured ---------------------------------------------------------------------------
 
 enum class Store : uint8_t { kKvstash, kMemcached, kRedis, kCopy };
 
@@ -107,6 +110,7 @@ struct PeerFlags {
   std::string memcached = "memcached";
   std::string memcached_protocol = "binary";
   int tamper_every = 0;
+  bool abort_clients = false;
   OutputOptions output;
 };
 
@@ -160,8 +164,7 @@ BenchSpec PeerSpec(const Plan& plan) {
   return spec;
 }
 
-// ---- around the measurements
-// ---------------------------------------------------------------------
+// ---- around the measurements --------------------------------------------------------------------
 
 // Set by SIGINT and SIGTERM while the bench runs: the round in progress stops, the stores are
 // stopped, and the bench exits 1.
@@ -299,8 +302,14 @@ std::string FindKvstashd() {
   return "kvstashd";
 }
 
-// ---- one measurement
-// -----------------------------------------------------------------------------
+// What one measurement gave: its figure (none when the clients could not run) and what the
+// clients did.
+struct Measurement {
+  std::optional<double> gbps;
+  LoadTotals totals;
+};
+
+// ---- one measurement ----------------------------------------------------------------------------
 
 struct Context {
   const PeerFlags& flags;
@@ -319,42 +328,12 @@ void Delay(double seconds) {
   }
 }
 
-// Starts `system`'s store for `cell`, waits --delay-s, runs the load against it and stops it.
-Result<LoadTotals> MeasureStore(const Context& context, const System& system, const Cell& cell,
-                                int round) {
+// The clients' side of a measurement: --clients connections to the store on `port` (or its
+// unix socket), kvstash's on `workers`, and the load through them.
+Result<LoadTotals> RunClients(const Context& context, const System& system, const Cell& cell,
+                              int round, uint16_t port, const std::string& unix_path,
+                              const ClientWorkers& workers) {
   const PeerFlags& flags = context.flags;
-  StoreSettings settings;
-  settings.block_bytes = cell.block_bytes;
-  settings.memory_bytes = context.plan.cpu_bytes;
-  settings.dir = context.scratch;
-  settings.cancel = &g_interrupted;
-  Result<std::unique_ptr<StoreServer>> server = InternalError("no store");
-  switch (system.store) {
-    case Store::kKvstash:
-      settings.program = context.plan.kvstashd;
-      server = StartKvstashd(settings, std::string(system.tls));
-      break;
-    case Store::kMemcached:
-      settings.program = flags.memcached;
-      server = StartMemcached(settings);
-      break;
-    case Store::kRedis:
-      settings.program = flags.redis_server;
-      server = StartRedis(settings);
-      break;
-    case Store::kCopy:
-      return InternalError("the copy limit is no store");
-  }
-  if (!server.ok()) return server.status();
-  Delay(flags.delay_s);
-
-  Result<ClientWorkers> workers = ClientWorkers::Create(0, "", 0);
-  if (system.store == Store::kKvstash) {
-    workers = ClientWorkers::Create(flags.workers, std::string(system.tls), flags.spin_us);
-    if (!workers.ok()) return workers.status();
-  }
-  const uint16_t port = (*server)->port();
-  const std::string unix_path = (*server)->unix_path();
   const Connect connect = [&](int client) -> Result<std::unique_ptr<BlockConnection>> {
     Result<std::unique_ptr<BlockConnection>> connection = InternalError("no store");
     switch (system.store) {
@@ -363,7 +342,7 @@ Result<LoadTotals> MeasureStore(const Context& context, const System& system, co
         options.nodes = {connector::NodeAddress{"127.0.0.1", port}};
         options.key_namespace = "bench";
         options.transport.tls = std::string(system.tls);
-        options.worker = workers->Of(client);
+        options.worker = workers.Of(client);
         return ConnectNodeClient(std::move(options));  // an overwrite would be skipped
       }
       case Store::kMemcached:
@@ -414,15 +393,171 @@ Result<LoadTotals> MeasureStore(const Context& context, const System& system, co
     return Status(totals.status().code(),
                   fmt::format("{}, {}: {}", system.label, cell.label, totals.status().message()));
   }
-  if (!(*server)->running()) {
-    return UnavailableError("{}, {}: the store exited during the load with status {}", system.label,
-                            cell.label, (*server)->Stop());
-  }
   return totals;
 }
 
-// ---- the run
-// -------------------------------------------------------------------------------------
+std::string SignalName(int status) {
+  if (status <= 128) return fmt::format("exit status {}", status);
+  const char* name = strsignal(status - 128);
+  return fmt::format("signal {} ({})", status - 128, name != nullptr ? name : "?");
+}
+
+// RunClients in a process of its own, forked for the measurement as an engine process of its
+// own would run: every measurement starts from a clean process (no UCX state, worker pool or
+// connection left by the one before), and a client library that crashes costs this
+// measurement, counted as an error, not the run. The child reports its outcome as JSON on a
+// pipe and exits at once (_exit: no teardown that could crash after the report). A status only
+// for an interrupted run (Cancelled) or a child that cannot be started.
+Result<Measurement> RunClientsInChild(const Context& context, const System& system,
+                                      const Cell& cell, int round, uint16_t port,
+                                      const std::string& unix_path) {
+  const PeerFlags& flags = context.flags;
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return FromErrno(errno, "pipe for the clients' process");
+  std::cout.flush();
+  std::cerr.flush();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int e = errno;
+    close(fds[0]);
+    close(fds[1]);
+    return FromErrno(e, "fork for the clients' process");
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(fds[0]);
+    Json report;
+    // Held past the report: their teardown is left to the kernel.
+    auto* workers = new Result<ClientWorkers>(ClientWorkers::Create(0, "", 0));
+    if (system.store == Store::kKvstash) {
+      *workers = ClientWorkers::Create(flags.workers, std::string(system.tls), flags.spin_us);
+    }
+    const Result<LoadTotals> totals =
+        workers->ok() ? RunClients(context, system, cell, round, port, unix_path, **workers)
+                      : Result<LoadTotals>(workers->status());
+    if (totals.ok()) {
+      report = {{"puts", totals->puts},
+                {"gets", totals->gets},
+                {"misses", totals->misses},
+                {"errors", totals->errors},
+                {"mismatches", totals->mismatches},
+                {"seconds", totals->seconds},
+                {"first_error", totals->first_error}};
+    } else {
+      report = {{"code", static_cast<int>(totals.status().code())},
+                {"message", std::string(totals.status().message())}};
+    }
+    if (flags.abort_clients) std::abort();  // test hook: a client library that crashes
+    const std::string text = report.dump();
+    for (size_t done = 0; done < text.size();) {
+      const ssize_t n = write(fds[1], text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    _exit(0);
+  }
+  close(fds[1]);
+  // Read the report until the child closes its end; a child far past its load is killed.
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(flags.warmup_s + flags.seconds + 120));
+  std::string text;
+  bool forwarded = false;
+  for (;;) {
+    if (g_interrupted.load() && !forwarded) {
+      kill(pid, SIGINT);  // the load stops and reports Cancelled
+      forwarded = true;
+    }
+    if (Clock::now() > deadline) kill(pid, SIGKILL);
+    pollfd p{fds[0], POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char chunk[4096];
+    const ssize_t n = read(fds[0], chunk, sizeof chunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(chunk, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  int wstatus = 0;
+  while (waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  const int status = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  const Json report = Json::parse(text, nullptr, false);
+  Measurement measured;
+  if (!report.is_object()) {
+    // Died before it reported: no figure, one error.
+    measured.totals.errors = 1;
+    measured.totals.first_error = fmt::format(
+        "{}, {}: the clients' process ended with {} before it reported (its "
+        "messages are above)",
+        system.label, cell.label, SignalName(status));
+    return measured;
+  }
+  if (report.contains("code")) {
+    const auto code = static_cast<StatusCode>(report.at("code").get<int>());
+    const std::string message = report.at("message").get<std::string>();
+    if (code == StatusCode::kCancelled) return CancelledError("{}", message);
+    // A client that could not connect: no figure, one error.
+    measured.totals.errors = 1;
+    measured.totals.first_error = message;
+    return measured;
+  }
+  LoadTotals& t = measured.totals;
+  t.puts = report.at("puts").get<uint64_t>();
+  t.gets = report.at("gets").get<uint64_t>();
+  t.misses = report.at("misses").get<uint64_t>();
+  t.errors = report.at("errors").get<uint64_t>();
+  t.mismatches = report.at("mismatches").get<uint64_t>();
+  t.seconds = report.at("seconds").get<double>();
+  t.first_error = report.at("first_error").get<std::string>();
+  measured.gbps = t.PutGbps(cell.block_bytes) + t.GetGbps(cell.block_bytes);
+  return measured;
+}
+
+// Starts `system`'s store for `cell`, waits --delay-s, runs the clients against it in a
+// process of their own and stops it. A status only for an interrupted run or a store that
+// cannot be started.
+Result<Measurement> MeasureStore(const Context& context, const System& system, const Cell& cell,
+                                 int round) {
+  const PeerFlags& flags = context.flags;
+  StoreSettings settings;
+  settings.block_bytes = cell.block_bytes;
+  settings.memory_bytes = context.plan.cpu_bytes;
+  settings.dir = context.scratch;
+  settings.cancel = &g_interrupted;
+  Result<std::unique_ptr<StoreServer>> server = InternalError("no store");
+  switch (system.store) {
+    case Store::kKvstash:
+      settings.program = context.plan.kvstashd;
+      server = StartKvstashd(settings, std::string(system.tls));
+      break;
+    case Store::kMemcached:
+      settings.program = flags.memcached;
+      server = StartMemcached(settings);
+      break;
+    case Store::kRedis:
+      settings.program = flags.redis_server;
+      server = StartRedis(settings);
+      break;
+    case Store::kCopy:
+      return InternalError("the copy limit is no store");
+  }
+  if (!server.ok()) return server.status();
+  Delay(flags.delay_s);
+  Result<Measurement> measured =
+      RunClientsInChild(context, system, cell, round, (*server)->port(), (*server)->unix_path());
+  if (measured.ok() && !(*server)->running()) {
+    LoadTotals& t = measured->totals;
+    if (t.errors++ == 0) {
+      t.first_error = fmt::format("{}, {}: the store exited during the load ({})", system.label,
+                                  cell.label, SignalName((*server)->Stop()));
+    }
+  }
+  return measured;
+}
+
+// ---- the run ------------------------------------------------------------------------------------
 
 Result<Plan> MakePlan(const PeerFlags& flags) {
   Plan plan;
@@ -586,16 +721,14 @@ int RunBenchPeer(const PeerFlags& flags) {
           round.Set(Figure(kCopyLimit, cell), CopyLimitGbps(cell.block_bytes, plan.cpu_bytes));
           continue;
         }
-        Result<LoadTotals> totals = MeasureStore(context, *system, cell, r);
-        if (!totals.ok()) {
+        Result<Measurement> measured = MeasureStore(context, *system, cell, r);
+        if (!measured.ok()) {
           progress.Finish();
-          return fail(kExitFailure, fmt::format("round {}: {}", r, totals.status().message()));
+          return fail(kExitFailure, fmt::format("round {}: {}", r, measured.status().message()));
         }
-        const double gbps = totals->PutGbps(cell.block_bytes) + totals->GetGbps(cell.block_bytes);
+        const std::optional<double> gbps = measured->gbps;
         round.Set(Figure(*system, cell), gbps);
-        totals->put_us.clear();
-        totals->get_us.clear();
-        outcomes[system->name].Add(*totals);
+        outcomes[system->name].Add(measured->totals);
         progress.Update(fmt::format("round {}/{}  {}  {}: {} GB/s", r, flags.rounds, cell.label,
                                     system->label, FormatFigure(gbps)));
       }
@@ -779,6 +912,10 @@ void AddBenchPeerCommand(CLI::App& bench, int* exit_code) {
                   "Test hook: the peers' every N'th stored block is stored again with a byte "
                   "changed (kvstash nodes skip a block they hold)")
       ->check(CLI::Range(0, 1 << 20))
+      ->group("");
+  cmd->add_flag("--abort-clients", flags->abort_clients,
+                "Test hook: every clients' process aborts before it reports, as a client library "
+                "that crashes")
       ->group("");
   AddOutputFlags(*cmd, &flags->output);
   cmd->footer(

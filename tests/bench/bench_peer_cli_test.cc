@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -146,6 +147,25 @@ TEST(BenchPeerCliTest, PeerReturningOtherBytesIsCountedAsMismatches) {
   EXPECT_GT(doc.at("mismatches").get<uint64_t>(), 0u);
 }
 
+TEST(BenchPeerCliTest, ClientsThatCrashCostTheirMeasurementNotTheRun) {
+  // Each measurement's clients run in a process of their own; here every one aborts before it
+  // reports: each measurement is an error with no figure, and the run goes on to the end.
+  const ProcessOutput r =
+      RunProcess(ShortRun({"--systems", "memcached-tcp,redis-tcp", "--abort-clients"}));
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  const Json doc = ParseJson(r);
+  ASSERT_TRUE(doc.contains("outcomes")) << r.out << r.err;
+  for (const char* peer : {"memcached_tcp", "redis_tcp"}) {
+    SCOPED_TRACE(peer);
+    const Json& outcome = doc.at("outcomes").at(peer);
+    EXPECT_EQ(outcome.at("errors"), 1);
+    EXPECT_THAT(outcome.at("first_error").get<std::string>(), HasSubstr("signal 6"));
+    EXPECT_TRUE(doc.at(std::string(peer) + "_64KiB_x2").is_null());
+  }
+  EXPECT_EQ(doc.at("errors"), 2);
+  EXPECT_GT(doc.at("copy_limit_64KiB_x2").get<double>(), 0.0);
+}
+
 TEST(BenchPeerCliTest, BadArgumentsExit2NamingTheValue) {
   struct Case {
     std::vector<std::string> args;
@@ -183,15 +203,12 @@ std::vector<pid_t> ChildrenOf(pid_t parent) {
 
 bool Alive(pid_t pid) { return kill(pid, 0) == 0; }
 
-// The value after `flag` on the command line of process `pid`, or empty.
-std::string ArgumentOf(pid_t pid, const std::string& flag) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
-  std::vector<std::string> args;
-  for (std::string arg; std::getline(in, arg, '\0');) args.push_back(arg);
-  for (size_t i = 0; i + 1 < args.size(); ++i) {
-    if (args[i] == flag) return args[i + 1];
-  }
-  return {};
+// The target of /proc/PID/NAME (exe, cwd), or empty.
+std::string ProcLink(pid_t pid, const char* name) {
+  std::error_code error;
+  const auto target =
+      std::filesystem::read_symlink("/proc/" + std::to_string(pid) + "/" + name, error);
+  return error ? std::string() : target.string();
 }
 
 TEST(BenchPeerCliTest, SigintStopsTheStoresItStarted) {
@@ -201,22 +218,24 @@ TEST(BenchPeerCliTest, SigintStopsTheStoresItStarted) {
   options.merge_stderr = true;
   auto bench = ChildProcess::Create(argv, options);
   ASSERT_TRUE(bench.ok()) << bench.status().ToString();
-  // Wait (bounded) for the bench to start its redis-server.
+  // Wait (bounded) for the bench's redis-server to be in the bench's scratch directory (its
+  // --dir, where it changes directory as it starts; the bench's other child is its clients'
+  // process).
   std::optional<pid_t> store;
+  std::string dir;
   for (const auto deadline = std::chrono::steady_clock::now() + 20s;
        !store && !(*bench)->Exited() && std::chrono::steady_clock::now() < deadline;) {
-    for (const pid_t child : ChildrenOf((*bench)->pid())) store = child;
+    for (const pid_t child : ChildrenOf((*bench)->pid())) {
+      const std::string cwd = ProcLink(child, "cwd");
+      if (ProcLink(child, "exe").find("redis") != std::string::npos &&
+          cwd.find("kvstash-bench-peer-") != std::string::npos) {
+        store = child;
+        dir = cwd;
+      }
+    }
     if (!store) std::this_thread::sleep_for(10ms);
   }
   ASSERT_TRUE(store.has_value()) << (*bench)->Output();
-  // The bench's scratch directory (the store's socket and working directory).
-  std::string dir;
-  for (const auto deadline = std::chrono::steady_clock::now() + 10s;
-       dir.empty() && std::chrono::steady_clock::now() < deadline;) {
-    dir = ArgumentOf(*store, "--dir");
-    if (dir.empty()) std::this_thread::sleep_for(10ms);  // not yet exec'd
-  }
-  ASSERT_FALSE(dir.empty());
   ASSERT_EQ(access(dir.c_str(), F_OK), 0) << dir;
   ASSERT_EQ(kill((*bench)->pid(), SIGINT), 0);
   const int status = (*bench)->Wait(20000ms);
