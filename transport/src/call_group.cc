@@ -1,10 +1,16 @@
 #include "kvstash/transport/call_group.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
 
 namespace kvstash::transport {
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(50);
+}  // namespace
+
 CallGroup::~CallGroup() { Drain(); }
 
 ResponseCallback CallGroup::Track(ResponseCallback done) {
@@ -53,10 +59,13 @@ bool CallGroup::WaitUntil(const std::function<bool()>& enough,
     }
     if (enough()) return true;
     if (std::chrono::steady_clock::now() >= until) return false;
-    // Sleeps until a call completes or a copy arrives: the progress thread wakes it. No
-    // polling here: on a box with few cores a polling waiter takes the core the progress
-    // thread or another caller's copy needs (with 8 callers on 2 cores, sched_yield in such
-    // loops was a sixth of all samples).
+    const auto spin_until = std::min(until, std::chrono::steady_clock::now() + kSpin);
+    while (events_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < spin_until) {
+      sched_yield();
+    }
+    // The transport answers in microseconds: polled a while above before sleeping, as the
+    // progress thread does, since a sleeping thread takes tens of microseconds to wake.
     MutexLock lock(&mu_);
     while (copies_.empty() && outstanding_ != 0 &&
            events_.load(std::memory_order_relaxed) == seen) {
