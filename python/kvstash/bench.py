@@ -204,12 +204,7 @@ def main(argv=None):
         return _tier_main(args)
 
     cli = _find(args.cli, "KVSTASH_CLI", "kvstash", "--cli")
-    node = None
-    address = args.node
-    if not address:
-        node = _Node(_find(args.kvstashd, "KVSTASHD", "kvstashd", "--kvstashd"), args.block_bytes,
-                     args.cpu_bytes)
-        address = node.address
+    node, address = _node_for(args)
     per_round = []
     errors = mismatches = misses = 0
     try:
@@ -266,16 +261,20 @@ def main(argv=None):
     return 1 if errors or mismatches else 0
 
 
+def _node_for(args):
+    """The node to measure: --node's, else one started here (returned, for the caller to stop)."""
+    if args.node:
+        return None, args.node
+    node = _Node(_find(args.kvstashd, "KVSTASHD", "kvstashd", "--kvstashd"), args.block_bytes,
+                 args.cpu_bytes)
+    return node, node.address
+
+
 def _tier_main(args):
     args.tier_config = {} if args.tier_workers is None else {"workers": args.tier_workers}
     if args.tls:
         args.tier_config["tls"] = args.tls
-    node = None
-    address = args.node
-    if not address:
-        node = _Node(_find(args.kvstashd, "KVSTASHD", "kvstashd", "--kvstashd"), args.block_bytes,
-                     args.cpu_bytes)
-        address = node.address
+    node, address = _node_for(args)
     try:
         summary = bench_tier.run(args, address)
     finally:
