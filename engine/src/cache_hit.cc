@@ -10,8 +10,6 @@ namespace {
 using Kind = AttentionSpec::Kind;
 constexpr int64_t kNull = -1;
 
-size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
-
 // The search of §9.3 over hash indices: each entry is the index of the hash whose cached
 // block goes there, or kNull. `hit(i)` says whether hash i is cached (i < count).
 std::vector<int64_t> Find(const AttentionSpec& spec, size_t count,

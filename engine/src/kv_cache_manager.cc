@@ -10,8 +10,6 @@ namespace {
 
 using Kind = AttentionSpec::Kind;
 
-size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
-
 std::span<const BlockId> HitOf(const ComputedBlocks* hit, size_t g) {
   if (hit == nullptr || g >= hit->blocks.size()) return {};
   return hit->blocks[g];

@@ -13,24 +13,24 @@
 namespace kvstash::engine {
 namespace {
 
-using Kind = LayerConfig::Kind;
+using LayerKind = LayerConfig::Kind;
 using nlohmann::json;
 
 struct KindName {
-  Kind kind;
+  LayerKind kind;
   std::string_view name;
 };
-constexpr KindName kKindNames[] = {{Kind::kFull, "full"},
-                                   {Kind::kSlidingWindow, "sliding_window"},
-                                   {Kind::kChunkedLocal, "chunked_local"},
-                                   {Kind::kKvShare, "kv_share"},
-                                   {Kind::kState, "state"}};
+constexpr KindName kKindNames[] = {{LayerKind::kFull, "full"},
+                                   {LayerKind::kSlidingWindow, "sliding_window"},
+                                   {LayerKind::kChunkedLocal, "chunked_local"},
+                                   {LayerKind::kKvShare, "kv_share"},
+                                   {LayerKind::kState, "state"}};
 
-LayerConfig Full() { return {Kind::kFull, 0, 0, -1}; }
-LayerConfig Swa(uint32_t w) { return {Kind::kSlidingWindow, w, 0, -1}; }
-LayerConfig Chunked(uint32_t c) { return {Kind::kChunkedLocal, 0, c, -1}; }
-LayerConfig Share(int32_t from) { return {Kind::kKvShare, 0, 0, from}; }
-LayerConfig State() { return {Kind::kState, 0, 0, -1}; }
+LayerConfig Full() { return {LayerKind::kFull, 0, 0, -1}; }
+LayerConfig Swa(uint32_t w) { return {LayerKind::kSlidingWindow, w, 0, -1}; }
+LayerConfig Chunked(uint32_t c) { return {LayerKind::kChunkedLocal, 0, c, -1}; }
+LayerConfig Share(int32_t from) { return {LayerKind::kKvShare, 0, 0, from}; }
+LayerConfig State() { return {LayerKind::kState, 0, 0, -1}; }
 
 ModelConfig Tiny(std::string name, std::vector<LayerConfig> layers) {
   ModelConfig c;
@@ -91,14 +91,14 @@ std::vector<TensorSpec> TensorsOf(const ModelConfig& c, ModelWeights& w) {
   for (size_t i = 0; i < c.layers.size(); ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     LayerWeights& l = w.layers[i];
-    const Kind kind = c.layers[i].kind;
+    const LayerKind kind = c.layers[i].kind;
     out.push_back({p + "attn_norm", &l.attn_norm, {h}});
     out.push_back({p + "wq", &l.wq, {h, q}});
-    if (kind == Kind::kState) {
+    if (kind == LayerKind::kState) {
       out.push_back({p + "wk", &l.wk, {h, q}});
       out.push_back({p + "wv", &l.wv, {h, q}});
       out.push_back({p + "wgate_state", &l.wgate_state, {h, c.num_heads}});
-    } else if (kind != Kind::kKvShare) {
+    } else if (kind != LayerKind::kKvShare) {
       out.push_back({p + "wk", &l.wk, {h, kv}});
       out.push_back({p + "wv", &l.wv, {h, kv}});
     }
@@ -134,7 +134,7 @@ float HalfToFloat(uint16_t h) {
 
 }  // namespace
 
-std::string_view LayerKindName(Kind kind) {
+std::string_view LayerKindName(LayerKind kind) {
   for (const KindName& k : kKindNames) {
     if (k.kind == kind) return k.name;
   }
@@ -201,9 +201,10 @@ Result<ModelConfig> ModelConfig::FromJson(std::string_view text) {
           i, kind);
     }
     KVSTASH_ASSIGN_OR_RETURN(layer.window,
-                             GetU32(l, "window", 0, layer.kind == Kind::kSlidingWindow));
-    KVSTASH_ASSIGN_OR_RETURN(layer.chunk, GetU32(l, "chunk", 0, layer.kind == Kind::kChunkedLocal));
-    if (layer.kind == Kind::kKvShare) {
+                             GetU32(l, "window", 0, layer.kind == LayerKind::kSlidingWindow));
+    KVSTASH_ASSIGN_OR_RETURN(layer.chunk,
+                             GetU32(l, "chunk", 0, layer.kind == LayerKind::kChunkedLocal));
+    if (layer.kind == LayerKind::kKvShare) {
       auto from = l.find("share_from");
       if (from == l.end() || !from->is_number_integer()) {
         return InvalidArgumentError("model config: layers[{}] (kv_share) needs 'share_from'", i);
@@ -252,9 +253,9 @@ std::string ModelConfig::ToJson() const {
   json arr = json::array();
   for (const LayerConfig& l : layers) {
     json j = {{"kind", std::string(LayerKindName(l.kind))}};
-    if (l.kind == Kind::kSlidingWindow) j["window"] = l.window;
-    if (l.kind == Kind::kChunkedLocal) j["chunk"] = l.chunk;
-    if (l.kind == Kind::kKvShare) j["share_from"] = l.share_from;
+    if (l.kind == LayerKind::kSlidingWindow) j["window"] = l.window;
+    if (l.kind == LayerKind::kChunkedLocal) j["chunk"] = l.chunk;
+    if (l.kind == LayerKind::kKvShare) j["share_from"] = l.share_from;
     arr.push_back(j);
   }
   doc["layers"] = arr;
@@ -279,19 +280,19 @@ Status ModelConfig::Validate() const {
   if (layers.empty()) return InvalidArgumentError("model config: no layers");
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerConfig& l = layers[i];
-    if (l.kind == Kind::kSlidingWindow && l.window == 0) {
+    if (l.kind == LayerKind::kSlidingWindow && l.window == 0) {
       return InvalidArgumentError("model config: layers[{}] window must be positive", i);
     }
-    if (l.kind == Kind::kChunkedLocal && l.chunk == 0) {
+    if (l.kind == LayerKind::kChunkedLocal && l.chunk == 0) {
       return InvalidArgumentError("model config: layers[{}] chunk must be positive", i);
     }
-    if (l.kind == Kind::kKvShare) {
+    if (l.kind == LayerKind::kKvShare) {
       if (l.share_from < 0 || static_cast<size_t>(l.share_from) >= i) {
         return InvalidArgumentError(
             "model config: layers[{}] share_from {} must name an earlier layer", i, l.share_from);
       }
-      const Kind target = layers[l.share_from].kind;
-      if (target == Kind::kKvShare || target == Kind::kState) {
+      const LayerKind target = layers[l.share_from].kind;
+      if (target == LayerKind::kKvShare || target == LayerKind::kState) {
         return InvalidArgumentError(
             "model config: layers[{}] shares layer {}, which stores no attention KV", i,
             l.share_from);
@@ -303,7 +304,7 @@ Status ModelConfig::Validate() const {
 
 bool ModelConfig::HasStateLayers() const {
   for (const LayerConfig& l : layers) {
-    if (l.kind == Kind::kState) return true;
+    if (l.kind == LayerKind::kState) return true;
   }
   return false;
 }

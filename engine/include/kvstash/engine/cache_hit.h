@@ -21,6 +21,11 @@ using BlockId = uint32_t;
 inline constexpr BlockId kNullBlock = 0;
 using RequestId = uint64_t;
 
+// Blocks of `block_size` tokens that `tokens` tokens take (the last one possibly partial).
+constexpr size_t CeilDiv(size_t tokens, size_t block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
+
 struct AttentionSpec {
   enum class Kind : uint8_t { kFull, kSlidingWindow, kChunkedLocal, kState };
   Kind kind = Kind::kFull;
