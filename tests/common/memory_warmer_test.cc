@@ -1,6 +1,7 @@
-// ChunkPopulator (memory_warmer.h): the first touch of a chunk faults it in whole, once, without
-// changing a byte; other chunks stay untouched. Page-table entries are read from
-// /proc/self/pagemap (present bit), on shared memory as a same-host client maps a node's tier.
+// MemoryWarmer (memory_warmer.h): its threads fault a whole region in without changing a byte,
+// and its destructor stops them part way. ChunkPopulator: the first touch of a chunk faults it in
+// whole, once, without changing a byte; other chunks stay untouched. Page-table entries are read
+// from /proc/self/pagemap (present bit), on shared memory as a same-host client maps a node's tier.
 
 #include "kvstash/common/memory_warmer.h"
 
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -119,6 +121,39 @@ TEST(ChunkPopulatorTest, ThreadsTouchingAtOnceCountEachChunkOnce) {
     whole += present != 0 ? 1 : 0;
   }
   EXPECT_EQ(whole, populator.populated_chunks());
+  EXPECT_TRUE(memory.Intact());
+}
+
+TEST(MemoryWarmerTest, FaultsTheWholeRegionInWithoutChangingAByte) {
+  const size_t bytes = 9 * kChunk + 3 * kPage;  // not a whole number of the warmer's calls
+  SharedMemory memory(bytes);
+  ASSERT_TRUE(memory.ok());
+  ASSERT_EQ(memory.PresentPagesOfChunk(0), 0u);
+  MemoryWarmer warmer(memory.span(), 3);
+  EXPECT_EQ(warmer.total_bytes(), bytes);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!warmer.done() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(warmer.done()) << warmer.faulted_bytes() << " of " << bytes << " bytes";
+  EXPECT_EQ(warmer.faulted_bytes(), bytes);
+  for (size_t chunk = 0; chunk * kChunk < bytes; ++chunk) {
+    const size_t pages = (std::min(bytes, (chunk + 1) * kChunk) - chunk * kChunk) / kPage;
+    EXPECT_EQ(memory.PresentPagesOfChunk(chunk), pages) << "chunk " << chunk;
+  }
+  EXPECT_TRUE(memory.Intact()) << "warming changed the memory";
+}
+
+TEST(MemoryWarmerTest, DestroyedAtOnceStopsPartWayAndChangesNothing) {
+  const size_t bytes = 64 * kChunk;
+  SharedMemory memory(bytes);
+  ASSERT_TRUE(memory.ok());
+  size_t faulted = 0;
+  {
+    MemoryWarmer warmer(memory.span(), 2);
+    faulted = warmer.faulted_bytes();
+  }  // joins its threads, each within the call it is in
+  EXPECT_LE(faulted, bytes);
   EXPECT_TRUE(memory.Intact());
 }
 
