@@ -261,6 +261,58 @@ TEST_P(RpcFaultTest, StalledServerFailsCallsAtTheirDeadline) {
   EXPECT_TRUE(client->CallSync(kEcho, {}, Within(5s), nullptr).ok());
 }
 
+// A node that stalls right after answering a client's hello, before its UCX endpoint answers
+// the client's: the client's first frame waits on a connection that cannot complete. The client
+// gives up at the call's deadline, is destroyed while the node is stopped, and another client
+// in the same state sees the node killed. Before, over TCP alone (endpoints without UCX
+// peer-failure mode), UCX aborted the client process at each of these ("ucp_request.c:684 ...
+// got REQ message"); reaching the end of this test is the check.
+TEST_P(RpcFaultTest, ServerStoppedAfterHelloThenKilledLeavesTheClientStanding) {
+  PeerServer server(GetParam());
+  ASSERT_NE(server.port(), 0);
+  auto stalled_call = [&](RpcClient& client) {
+    auto result = std::make_shared<std::promise<Status>>();
+    auto future = result->get_future();
+    client.Call(kEcho, AsBytes("x"), Within(400ms),
+                [result](const Response& r) { result->set_value(r.status); });
+    if (future.wait_for(10s) != std::future_status::ready) return InternalError("no answer");
+    return future.get();
+  };
+  auto make_client = [&] {
+    ClientOptions options;
+    options.port = server.port();
+    options.transport = TransportFor(GetParam());
+    options.tenant = "stop-after-hello";
+    options.connect_timeout = 3000ms;
+    auto client = RpcClient::Create(options);
+    EXPECT_TRUE(client.ok()) << client.status().ToString();
+    return client.ok() ? std::move(*client) : nullptr;
+  };
+  auto first = make_client();
+  ASSERT_NE(first, nullptr);
+  const Status status = stalled_call(*first);
+  EXPECT_TRUE(status.code() == StatusCode::kDeadlineExceeded ||
+              status.code() == StatusCode::kUnavailable)
+      << status.ToString();
+  ASSERT_TRUE(WaitStopped(server.process().pid()));
+  first.reset();  // destroyed with its endpoint to the stopped node
+
+  // The node goes on a moment and stops again at the next client's hello.
+  ASSERT_EQ(::kill(server.process().pid(), SIGCONT), 0);
+  auto second = make_client();
+  ASSERT_NE(second, nullptr);
+  std::promise<Status> pending;
+  second->Call(kEcho, AsBytes("y"), Within(5s),
+               [&](const Response& r) { pending.set_value(r.status); });
+  ASSERT_TRUE(WaitStopped(server.process().pid()));
+  ASSERT_EQ(::kill(server.process().pid(), SIGKILL), 0);
+  auto answer = pending.get_future();
+  ASSERT_EQ(answer.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(answer.get().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(stalled_call(*second).code(), StatusCode::kUnavailable);  // nothing listens now
+  second.reset();
+}
+
 TEST_P(RpcFaultTest, ClientKilledMidTransferLeavesServerServing) {
   if (GetParam() == "shm_rndv") {
     // UCX 1.13 rendezvous over shared memory with peer-failure endpoints: after a peer is

@@ -3,11 +3,14 @@
 //   rpc_peer_helper server TLS [PORT]
 //     Serves echo (1), put (2: payload into registered memory), get (3: replies the last put)
 //     and hold (4: never replies). Prints "port N" once listening; runs until killed or stdin
-//     closes.
+//     closes. A client naming tenant "stop-after-hello" gets its hello answered, and then the
+//     whole process stops itself (SIGSTOP) before its UCX endpoint can answer: a node that stalls
+//     between a client's hello and its first frame.
 //   rpc_peer_helper client TLS PORT SIZE
 //     Connects and keeps 4 puts of SIZE bytes in flight forever; prints "connected", then
 //     "progress" after its first completed put. Runs until killed.
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -28,11 +31,18 @@ int Server(const std::string& tls, uint16_t port) {
   ServerOptions options;
   options.transport = kvstash::testing::TransportFor(tls);
   options.port = port;
+  RpcServer* serving = nullptr;
+  options.admit_tenant = [&serving](std::string_view tenant) {
+    // Run after the hello's answer, which is written in the handler that asked.
+    if (tenant == "stop-after-hello") serving->RunOnProgressThread([] { ::raise(SIGSTOP); });
+    return Status::OK();
+  };
   auto server = RpcServer::Create(options);
   if (!server.ok()) {
     std::cerr << server.status().ToString() << "\n";
     return 1;
   }
+  serving = server->get();
   auto region = (*server)->AllocateMemory(size_t{16} << 20);
   if (!region.ok()) {
     std::cerr << region.status().ToString() << "\n";

@@ -375,8 +375,7 @@ void HelloAcceptor::OnHello(const std::shared_ptr<ServerConnection>& connection,
   connection->client_name = hello.client_name();
   reply.set_connection_id(connection->id);
   reply.set_bind_token(connection->bind_token);
-  reply.set_error_handling(worker_.peer_failure_mode() ? wire::UCX_ERROR_HANDLING_PEER
-                                                       : wire::UCX_ERROR_HANDLING_NONE);
+  reply.set_error_handling(wire::UCX_ERROR_HANDLING_PEER);  // as CreateEndpoint made ours
   reply.set_worker_address(std::string(worker_.address()));
   if (probe_ && worker_.options().mapped_payloads) {
     const MemoryRegion& region = probe_->region;

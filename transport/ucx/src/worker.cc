@@ -50,7 +50,7 @@ Status Worker::CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string
                               std::optional<bool> peer_failure) {
   params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params->err_mode =
-      peer_failure.value_or(!tcp_only_) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+      peer_failure.value_or(true) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   return FromUcs(ucp_ep_create(worker_.get(), params, ep), what);
 }
 
@@ -127,13 +127,14 @@ Result<UcpContext> CreateContext(const TransportOptions& options, const std::str
 Result<std::shared_ptr<Worker>> Worker::Create(const TransportOptions& options,
                                                const std::string& name, const Worker* sibling) {
   std::shared_ptr<Worker> self(new Worker(sibling != nullptr ? sibling->options_ : options));
-  // TCP alone: endpoints without UCX peer-failure mode. In that mode UCX 1.13 gives up its
-  // put-zcopy rendezvous lanes over TCP and copies every received fragment once more; measured
-  // with `kvstash bench transport --tls tcp` (median of paired rounds, 2 MiB): about 0.6x
-  // ucx_perftest with it, about 0.9x without. A dead TCP peer is still seen at once through the
-  // bootstrap socket, and transfers it leaves unfinished are failed and abandoned (rpc_client).
-  // Everything else (shared memory above all, where a killed peer aborts a CMA transfer) keeps
-  // peer-failure mode.
+  // Every endpoint takes UCX peer-failure mode, TCP alone too. Without it, UCX 1.13 sends the
+  // wireup request an endpoint needs for its first reply-flagged frame straight on the TCP
+  // endpoint; when the peer is stopped (SIGSTOP, a stall) that request waits there, and when the
+  // connection then fails, is closed by force, or the worker is destroyed, UCX asserts on it
+  // ("got REQ message", ucp_request.c:684) and aborts the process: the engine, for a node that
+  // only stalled. UCX documents a forced close without peer-failure mode on both ends as
+  // undefined too. The mode costs TCP its put-zcopy rendezvous lanes (a received fragment is
+  // copied once more).
   const char* env_tls = std::getenv("UCX_TLS");
   const std::string& tls = self->options_.tls;
   self->tcp_only_ = (!tls.empty() ? tls : (env_tls != nullptr ? env_tls : "")) == "tcp";

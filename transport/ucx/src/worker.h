@@ -176,14 +176,12 @@ class Worker : public std::enable_shared_from_this<Worker> {
   // finished (as while stopping) when the worker stops. On the thread.
   void WaitRequest(void* request);
 
-  // ucp_ep_create with UCX peer-failure mode (errors, not aborts, when a peer dies), except
-  // over TCP alone (see Create); the bootstrap socket detects a dead peer either way.
+  // ucp_ep_create with UCX peer-failure mode (errors, not aborts, when a peer dies), over every
+  // transport (see Create), unless `peer_failure` says otherwise: a server states its mode at
+  // hello (HelloReply.error_handling) and its clients open their endpoints the same way (UCX
+  // fails an endpoint whose two ends differ), and nodes of before 2026-11-26 said none over TCP.
   Status CreateEndpoint(ucp_ep_params_t* params, ucp_ep_h* ep, std::string_view what,
                         std::optional<bool> peer_failure = std::nullopt);
-  // Whether this worker's endpoints detect a dead peer (UCX peer-failure mode): all but TCP
-  // alone. A server states it at hello, and its clients open their endpoints the same way (UCX
-  // fails an endpoint whose two ends differ: "error handling level mismatch").
-  bool peer_failure_mode() const { return !tcp_only_; }
 
   // Drops a rendezvous payload the receiver does not want. UCX 1.13's ucp_am_data_release of a
   // rendezvous descriptor trips an assertion in the sender over shared memory, so the bytes are
@@ -208,7 +206,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
   UcpWorkerAddress address_;
   size_t max_am_header_ = 0;
   int event_fd_ = -1;
-  bool tcp_only_ = false;  // UCX_TLS is "tcp": endpoints without peer-failure mode
+  bool tcp_only_ = false;  // UCX_TLS is "tcp": no shared-memory transport to configure
 
   asio::io_context io_{1};
   std::thread thread_;
