@@ -31,10 +31,17 @@ int Server(const std::string& tls, uint16_t port) {
   ServerOptions options;
   options.transport = kvstash::testing::TransportFor(tls);
   options.port = port;
+  // One progress thread: a task it is given from a handler runs after that handler (and after
+  // the hello answer the handler wrote), not beside it on another thread.
+  options.transport.progress_threads = 1;
   RpcServer* serving = nullptr;
   options.admit_tenant = [&serving](std::string_view tenant) {
-    // Run after the hello's answer, which is written in the handler that asked.
-    if (tenant == "stop-after-hello") serving->RunOnProgressThread([] { ::raise(SIGSTOP); });
+    // Queued from another thread (and queued before this handler returns), the stop runs after
+    // this handler, which goes on to write the hello's answer at once; asked from this thread,
+    // it would run here, before the answer.
+    if (tenant == "stop-after-hello") {
+      std::thread([serving] { serving->RunOnProgressThread([] { ::raise(SIGSTOP); }); }).join();
+    }
     return Status::OK();
   };
   auto server = RpcServer::Create(options);
