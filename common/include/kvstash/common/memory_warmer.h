@@ -11,7 +11,9 @@
 // lacks it, an atomic OR of 0 into one byte per page), so a client writing a block into a slot
 // at the same time loses nothing. A slot not faulted in yet is still usable: its first write
 // faults its pages on the writer's thread, so no store ever waits for the warmer or fails
-// because of it. Transparent huge pages are asked for first (advisory).
+// because of it. Transparent huge pages are asked for first (advisory). The threads run at the
+// lowest priority there is (SCHED_IDLE): they use only cores nothing else wants, and they take
+// the process's mmap lock 2 MiB at a time.
 //
 // ChunkPopulator: faults memory in where it is first used, a chunk at a time, instead of all of
 // it ahead (see below).
