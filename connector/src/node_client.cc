@@ -21,6 +21,7 @@ Result<NodeLimits> NodeLimitsFrom(const transport::ServerLimits& stated) {
   limits.max_keys_per_request = node.max_keys_per_request();
   limits.max_message_bytes = stated.max_message_bytes;
   limits.max_payload_bytes = stated.max_payload_bytes;
+  limits.max_batch_bytes = node.max_batch_bytes();
   return limits;
 }
 
@@ -35,6 +36,17 @@ size_t KeysPerCall(const NodeLimits& limits) {
     keys = std::min(keys, room / kKeyWireBytes);
   }
   return std::max<size_t>(keys, 1);
+}
+
+size_t BlocksPerBatch(const NodeLimits& limits) {
+  if (limits.block_bytes == 0 || limits.block_bytes > kBatchedBlockBytes ||
+      limits.max_batch_bytes < limits.block_bytes) {
+    return 0;
+  }
+  uint64_t bytes = limits.max_batch_bytes;
+  if (limits.max_payload_bytes != 0) bytes = std::min(bytes, limits.max_payload_bytes);
+  return std::max<size_t>(
+      1, std::min<size_t>(KeysPerCall(limits), static_cast<size_t>(bytes / limits.block_bytes)));
 }
 
 Result<NodeAddress> ParseNodeAddress(std::string_view text) {

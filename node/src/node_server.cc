@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstring>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -120,6 +122,68 @@ void ReplyWith(TimedCall& call, const Message& message, Bytes payload = {},
   call.Reply(std::as_bytes(std::span(bytes)), payload, region, std::move(sent));
 }
 
+// The free chunks of the memory that batched calls' payloads use (NodeServer::Impl's
+// batch_region_): shared by the buffers that hold one, so a buffer released after the node
+// stopped only puts its index back.
+class BatchChunks {
+ public:
+  explicit BatchChunks(size_t count) {
+    for (size_t i = count; i-- > 0;) free_.push_back(i);
+  }
+  std::optional<size_t> Take() {
+    MutexLock lock(&mu_);
+    if (free_.empty()) return std::nullopt;
+    const size_t chunk = free_.back();
+    free_.pop_back();
+    return chunk;
+  }
+  void Give(size_t chunk) {
+    MutexLock lock(&mu_);
+    free_.push_back(chunk);
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<size_t> free_ GUARDED_BY(mu_);
+};
+
+// A batched call's payload: a chunk of the batch memory when one is free (a client on the
+// node's host copies into and out of it itself, so the batch moves in one round trip), else
+// the heap (UCX moves it). The chunk goes back when the last holder lets go.
+class BatchBuffer {
+ public:
+  BatchBuffer(std::shared_ptr<BatchChunks> chunks, const transport::MemoryRegion* region,
+              size_t chunk_bytes, size_t bytes)
+      : chunks_(std::move(chunks)) {
+    std::optional<size_t> chunk;
+    if (chunks_ && bytes <= chunk_bytes) chunk = chunks_->Take();
+    if (chunk) {
+      chunk_ = *chunk;
+      region_ = region;
+      bytes_ = region->bytes().subspan(*chunk * chunk_bytes, bytes);
+    } else {
+      heap_.resize(bytes);
+      bytes_ = heap_;
+    }
+  }
+  ~BatchBuffer() {
+    if (chunk_) chunks_->Give(*chunk_);
+  }
+  BatchBuffer(const BatchBuffer&) = delete;
+  BatchBuffer& operator=(const BatchBuffer&) = delete;
+
+  transport::MutableBytes bytes() const { return bytes_; }
+  // The region the bytes lie in (null: the heap).
+  const transport::MemoryRegion* region() const { return region_; }
+
+ private:
+  std::shared_ptr<BatchChunks> chunks_;
+  std::optional<size_t> chunk_;
+  const transport::MemoryRegion* region_ = nullptr;
+  std::vector<std::byte> heap_;
+  transport::MutableBytes bytes_;
+};
+
 }  // namespace
 
 class NodeServer::Impl {
@@ -134,6 +198,7 @@ class NodeServer::Impl {
     if (server_) server_->Stop();
     service_.reset();
     cpu_region_ = transport::MemoryRegion();
+    batch_region_ = transport::MemoryRegion();
     server_.reset();
   }
 
@@ -142,6 +207,9 @@ class NodeServer::Impl {
     wire::NodeLimits limits;
     limits.set_block_bytes(options_.store.block_bytes);
     limits.set_max_keys_per_request(options_.max_keys_per_request);
+    max_batch_bytes_ =
+        std::min<uint64_t>(options_.max_batch_bytes, options_.server.transport.max_payload_bytes);
+    limits.set_max_batch_bytes(max_batch_bytes_);
     options_.server.service_limits = limits.SerializeAsString();
     // A hello's tenant is this node's namespace: it gets its id (or its refusal) at once. Called
     // on the progress thread, which starts after the service exists.
@@ -166,6 +234,17 @@ class NodeServer::Impl {
           "cannot allocate the CPU tier's {} bytes through the transport ({}); the store maps "
           "its own and block payloads go by UCX rendezvous",
           cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
+    }
+    if (max_batch_bytes_ != 0 && cpu_region_.size() != 0) {
+      // Batched payloads in memory a client on the host copies into and out of itself; faulted
+      // in now (a few MiB). Without it they go by UCX.
+      Result<transport::MemoryRegion> batch =
+          server_->AllocateMemory(kBatchChunks * max_batch_bytes_);
+      if (batch.ok()) {
+        std::memset(batch->data(), 0, batch->size());
+        batch_region_ = std::move(*batch);
+        batch_chunks_ = std::make_shared<BatchChunks>(kBatchChunks);
+      }
     }
     // Memory shared through the transport is faulted in after the node listens, on threads
     // of its own (common/include/kvstash/common/memory_warmer.h), instead of page by page before: a
@@ -244,6 +323,13 @@ class NodeServer::Impl {
     LatencyHistogram histogram;
   };
 
+  // Chunks of max_batch_bytes_ in batch_region_.
+  static constexpr size_t kBatchChunks = 16;
+
+  std::shared_ptr<BatchBuffer> NewBatchBuffer(size_t bytes) {
+    return std::make_shared<BatchBuffer>(batch_chunks_, &batch_region_, max_batch_bytes_, bytes);
+  }
+
   const transport::MemoryRegion* region() const {
     return cpu_region_.size() != 0 ? &cpu_region_ : nullptr;
   }
@@ -308,6 +394,10 @@ class NodeServer::Impl {
     handle(wire::METHOD_TOUCH, "touch", &Impl::OnTouch);
     handle(wire::METHOD_STATS, "stats", &Impl::OnStats);
     handle(wire::METHOD_ECHO, "echo", &Impl::OnEcho);
+    if (max_batch_bytes_ != 0) {
+      handle(wire::METHOD_GET_BLOCKS, "get_blocks", &Impl::OnGetBlocks);
+      handle(wire::METHOD_PUT_BLOCKS, "put_blocks", &Impl::OnPutBlocks);
+    }
   }
 
   void OnLookup(TimedCall call) {
@@ -422,6 +512,180 @@ class NodeServer::Impl {
               });
   }
 
+  // GetBlock of each key, the blocks read copied back to back into the reply's payload under
+  // the lock (their pins last only the copy), the reply timed until its payload has left.
+  void OnGetBlocks(TimedCall call) {
+    wire::GetBlocksRequest request;
+    const std::optional<NamespaceId> ns = Begin(call, &request, "get-blocks request");
+    std::vector<BlockKey> keys;
+    if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
+    auto buffer = NewBatchBuffer(
+        std::min<uint64_t>(max_batch_bytes_, keys.size() * options_.store.block_bytes));
+    const transport::MutableBytes room = buffer->bytes();
+    size_t used = 0;
+    wire::GetBlocksReply reply;
+    size_t blocks = 0;
+    {
+      MutexLock lock(&service_mu_);
+      for (const BlockKey& key : keys) {
+        wire::BlockResult* result = reply.add_results();
+        Result<NodeService::Read> read = service_->BeginGet(call.connection_id(), key);
+        if (!read.ok()) {
+          wire::ToWire(read.status(), result);
+          continue;
+        }
+        const size_t length = read->block.size();
+        if (length > room.size() - used) {
+          wire::ToWire(OutOfRangeError("block {}: {} bytes of blocks read before it in this "
+                                       "call; a call's blocks may add up to {} bytes",
+                                       key.ToString(), used, room.size()),
+                       result);
+        } else {
+          std::memcpy(room.data() + used, read->block.data(), length);
+          used += length;
+          result->set_length(length);
+          ++blocks;
+        }
+        // Counted once the reply's payload has left (Loaded).
+        service_->EndGet(key, *read, CancelledError("copied into a batch"));
+      }
+    }
+    ReplyWith(call, reply, room.first(used), buffer->region(),
+              [this, buffer, blocks, used, stopwatch = call.TakeStopwatch()](Status sent) {
+                stopwatch.Stop();
+                if (!sent.ok()) return;
+                MutexLock lock(&service_mu_);
+                service_->Loaded(blocks, used);
+              });
+  }
+
+  // The whole payload first, checked against the request's checksum, then PutBlock of each
+  // key in order (BeginPut, a copy into the slot, EndPut) under the lock; the reply once every
+  // block is stored or refused.
+  void OnPutBlocks(TimedCall call) {
+    auto request = std::make_shared<wire::PutBlocksRequest>();
+    const std::optional<NamespaceId> ns = Begin(call, request.get(), "put-blocks request");
+    auto keys = std::make_shared<std::vector<BlockKey>>();
+    if (!ns || !Keys(call, *ns, request->keys(), keys.get())) return;
+    if (request->lengths_size() != request->keys_size()) {
+      call.ReplyError(InvalidArgumentError("put-blocks request of {} keys with {} lengths",
+                                           request->keys_size(), request->lengths_size()));
+      return;
+    }
+    uint64_t total = 0;
+    for (const uint64_t length : request->lengths()) {
+      if (length > max_batch_bytes_ - total) {
+        call.ReplyError(InvalidArgumentError(
+            "put-blocks request of more than {} bytes of blocks; a call's blocks may add up to {}",
+            total, max_batch_bytes_));
+        return;
+      }
+      total += length;
+    }
+    if (total != call.payload_bytes()) {
+      call.ReplyError(InvalidArgumentError(
+          "put-blocks request: lengths add up to {} bytes but the payload has {}", total,
+          call.payload_bytes()));
+      return;
+    }
+    std::shared_ptr<BatchBuffer> payload = NewBatchBuffer(total);
+    auto shared = std::make_shared<TimedCall>(std::move(call));
+    auto store = [this, shared, request, keys, payload](Status received) {
+      if (!received.ok()) {
+        shared->ReplyError(received);
+        return;
+      }
+      if (request->checksum() != 0 && Xxh3Hash64(payload->bytes()) != request->checksum()) {
+        {
+          MutexLock lock(&service_mu_);
+          service_->ChecksumFailed();
+        }
+        shared->ReplyError(DataLossError(
+            "put-blocks request: checksum mismatch over its {} payload bytes; no block stored",
+            payload->bytes().size()));
+        return;
+      }
+      StoreBatch(shared, *request, *keys, payload);
+    };
+    if (total == 0) {
+      store(Status::OK());
+    } else {
+      shared->ReceivePayload(payload->bytes(), payload->region(), std::move(store));
+    }
+  }
+
+  // Stores a PutBlocks call's blocks, all in `payload`, in key order, each as PutBlock would;
+  // answers once the last is stored: at once, or when the last slot that a write-back to SSD
+  // still reads opens (on the I/O thread that opens it).
+  void StoreBatch(const std::shared_ptr<TimedCall>& call, const wire::PutBlocksRequest& request,
+                  const std::vector<BlockKey>& keys, const std::shared_ptr<BatchBuffer>& payload) {
+    struct Batch {
+      Mutex mu;
+      wire::PutBlocksReply reply GUARDED_BY(mu);
+      size_t waiting GUARDED_BY(mu) = 0;  // blocks whose slot is not open yet
+    };
+    struct Gated {
+      int index;
+      BlockKey key;
+      std::span<std::byte> slot;
+      Bytes bytes;
+      std::shared_ptr<store::SlotGate> gate;
+    };
+    auto batch = std::make_shared<Batch>();
+    std::vector<Gated> gated;
+    const uint64_t connection = call->connection_id();
+    {
+      MutexLock batch_lock(&batch->mu);
+      MutexLock lock(&service_mu_);
+      if (!service_->HasSession(connection)) {
+        // The connection ended while the payload arrived: nobody to store for, or to answer.
+        call->ReplyError(AbortedError("the connection ended before its blocks were stored"));
+        return;
+      }
+      size_t offset = 0;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        wire::BlockResult* result = batch->reply.add_results();
+        const Bytes bytes = payload->bytes().subspan(offset, request.lengths(i));
+        offset += bytes.size();
+        Result<NodeService::PutSlot> put = service_->BeginPut(connection, keys[i], bytes.size());
+        if (!put.ok()) {
+          wire::ToWire(put.status(), result);
+          continue;
+        }
+        for (const BlockKey& evicted : put->evicted) {
+          wire::ToWire(evicted, batch->reply.add_evicted());
+        }
+        if (put->skipped) {
+          result->set_skipped(true);
+          continue;
+        }
+        if (put->gate) {
+          gated.push_back({static_cast<int>(i), keys[i], put->slot, bytes, put->gate});
+          continue;
+        }
+        std::memcpy(put->slot.data(), bytes.data(), bytes.size());
+        wire::ToWire(service_->EndPut(connection, keys[i], Status::OK(), 0), result);
+      }
+      batch->waiting = gated.size();
+      if (gated.empty()) {
+        ReplyWith(*call, batch->reply);
+        return;
+      }
+    }
+    for (Gated& g : gated) {
+      g.gate->WhenOpen([this, call, batch, payload, connection, g] {
+        std::memcpy(g.slot.data(), g.bytes.data(), g.bytes.size());
+        const Status stored = [&] {
+          MutexLock lock(&service_mu_);
+          return service_->EndPut(connection, g.key, Status::OK(), 0);
+        }();
+        MutexLock lock(&batch->mu);
+        wire::ToWire(stored, batch->reply.mutable_results(g.index));
+        if (--batch->waiting == 0) ReplyWith(*call, batch->reply);
+      });
+    }
+  }
+
   void OnRelease(TimedCall call) {
     wire::ReleaseRequest request;
     const std::optional<NamespaceId> ns = Begin(call, &request, "release request");
@@ -495,8 +759,13 @@ class NodeServer::Impl {
   mutable Mutex service_mu_;
   std::unique_ptr<NodeService> service_ PT_GUARDED_BY(service_mu_);
   std::unique_ptr<MemoryWarmer> warmer_;  // faulting the CPU memory in; null when not
-  size_t memory_bytes_ = 0;               // the CPU tier's memory
-  bool memory_prefaulted_ = false;        // faulted in by the store before serving
+  uint64_t max_batch_bytes_ = 0;          // of GetBlocks and PutBlocks; 0: not served
+  // Batched calls' payloads, kBatchChunks of max_batch_bytes_; none (null chunks) where the
+  // transport shares no memory: they use the heap then.
+  transport::MemoryRegion batch_region_;
+  std::shared_ptr<BatchChunks> batch_chunks_;
+  size_t memory_bytes_ = 0;                              // the CPU tier's memory
+  bool memory_prefaulted_ = false;                       // faulted in by the store before serving
   std::array<Timed, wire::Method_ARRAYSIZE> latencies_;  // by method
 };
 

@@ -217,6 +217,18 @@ class NodeService::Impl {
     counters_.Add(NodeCounter::kBytesOut, read.block.size());
   }
 
+  void Loaded(size_t blocks, uint64_t bytes) {
+    counters_.Add(NodeCounter::kBlocksLoaded, blocks);
+    counters_.Add(NodeCounter::kBytesOut, bytes);
+  }
+
+  void ChecksumFailed() { counters_.Add(NodeCounter::kChecksumFailures); }
+
+  bool HasSession(uint64_t connection) const {
+    auto it = sessions_.find(connection);
+    return it != sessions_.end() && !it->second.closed;
+  }
+
   void EndSession(uint64_t connection) {
     auto it = sessions_.find(connection);
     if (it == sessions_.end()) return;
@@ -460,6 +472,9 @@ Result<NodeService::Read> NodeService::BeginGet(uint64_t connection, const Block
 void NodeService::EndGet(const BlockKey& key, const Read& read, const Status& sent) {
   impl_->EndGet(key, read, sent);
 }
+void NodeService::Loaded(size_t blocks, uint64_t bytes) { impl_->Loaded(blocks, bytes); }
+void NodeService::ChecksumFailed() { impl_->ChecksumFailed(); }
+bool NodeService::HasSession(uint64_t connection) const { return impl_->HasSession(connection); }
 void NodeService::EndSession(uint64_t connection) { impl_->EndSession(connection); }
 void NodeService::ExpireLeases() { impl_->ExpireLeases(); }
 Status NodeService::Flush() { return impl_->Flush(); }

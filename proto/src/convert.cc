@@ -1,5 +1,7 @@
 #include "kvstash/proto/convert.h"
 
+#include <string>
+
 namespace kvstash::wire {
 
 Key ToWire(const BlockKey& key) {
@@ -44,6 +46,21 @@ kvstash::LookupResult FromWire(wire::LookupResult result) {
     default:
       return kvstash::LookupResult::kMiss;
   }
+}
+
+void ToWire(const Status& status, BlockResult* out) {
+  out->set_code(static_cast<Code>(status.code()));
+  if (!status.ok()) out->set_message(std::string(status.message()));
+}
+
+Status StatusFromWire(const BlockResult& result) {
+  const int code = static_cast<int>(result.code());
+  if (code == 0) return Status::OK();
+  if (code < 0 || code > static_cast<int>(StatusCode::kUnauthenticated)) {
+    return Status(StatusCode::kUnknown,
+                  "status code " + std::to_string(code) + " unknown here: " + result.message());
+  }
+  return Status(static_cast<StatusCode>(code), result.message());
 }
 
 }  // namespace kvstash::wire

@@ -8,9 +8,11 @@
 // Input: a sequence of steps, each one byte `op` and what that step reads after it:
 //   client = op % 4 (3 reads as 0); raw = op & 4 (else built from small keys); action = op >> 3:
 //   0 lookup, 1 put-block, 2 load, 3 get-block, 4 release, 5 touch, 6 stats, 7 echo, 8 any
-//   method (16 bits), 9 the client disconnects, 10 leases expire (the node's clock jumps).
+//   method (16 bits), 9 the client disconnects, 10 leases expire (the node's clock jumps),
+//   11 put-blocks, 12 get-blocks.
 // A raw request is a 16-bit length and those bytes, then a 16-bit payload length; a built one
-// reads a key count and one byte per key (its hash and group), a put its checksum choice.
+// reads a key count and one byte per key (its hash and group), a put its checksum choice (a
+// put-blocks also a length choice).
 //
 // Checked besides the sanitizers: every call is answered (never left to its deadline) and never
 // with Internal; a reply answers every key it was asked; an echo echoes; a block read back is
@@ -180,6 +182,10 @@ class Harness {
         return Disconnect(client);
       case 10:
         return ExpireLeases();
+      case 11:
+        return PutBlocks(client, raw, in);
+      case 12:
+        return GetBlocks(client, raw, in);
       default:
         return;
     }
@@ -313,6 +319,91 @@ class Harness {
     std::vector<std::byte> expected(kBlock);
     FillBlock(kClients[client].key_namespace, asked.key(), expected);
     KVSTASH_FUZZ_CHECK(std::memcmp(receive_.data(), expected.data(), kBlock) == 0);
+  }
+
+  // Several blocks in one call; each key's bytes are those of that key in this client's
+  // namespace, so that a block later read back (GetBlock, GetBlocks) is checked.
+  void PutBlocks(size_t client, bool raw, std::span<const uint8_t>& in) {
+    wire::PutBlocksRequest built;
+    uint8_t choice = 0;
+    std::string request = Request(raw, in, [&] {
+      ReadKeys(in, &built);
+      choice = fuzz::Take<uint8_t>(in);
+      return std::string();
+    });
+    wire::PutBlocksRequest parsed;
+    const bool parses = raw ? parsed.ParseFromString(request) : true;
+    if (!raw) {
+      // Lengths: a block each, or (choice & 0x40) one of them another length, or (0x80) one
+      // length too many.
+      for (int i = 0; i < built.keys_size(); ++i) built.add_lengths(kBlock);
+      if ((choice & 0x40) && built.lengths_size() != 0) built.set_lengths(0, choice & 0x3f);
+      if (choice & 0x80) built.add_lengths(kBlock);
+      parsed = built;
+    }
+    // The payload: each stated length, filled as its key's bytes where it is a block.
+    uint64_t total = 0;
+    for (uint64_t length : parsed.lengths()) total += std::min<uint64_t>(length, 5 * kBlock);
+    const size_t payload = raw ? fuzz::Take<uint16_t>(in) % (5 * kBlock)
+                               : static_cast<size_t>(std::min<uint64_t>(total, 5 * kBlock));
+    const MutableBytes bytes = std::span(payload_).first(payload);
+    if (parses) {
+      size_t at = 0;
+      for (int i = 0; i < parsed.keys_size() && i < parsed.lengths_size(); ++i) {
+        const size_t length =
+            static_cast<size_t>(std::min<uint64_t>(parsed.lengths(i), 5 * kBlock));
+        if (at + length > bytes.size()) break;
+        if (length == kBlock) {
+          FillBlock(kClients[client].key_namespace, parsed.keys(i), bytes.subspan(at, length));
+        }
+        at += length;
+      }
+    }
+    if (!raw) {
+      const uint8_t kind = choice % 3;  // as PutBlock: unchecked, right, wrong
+      built.set_checksum(kind == 0 ? 0 : Xxh3Hash64(bytes) + (kind == 2 ? 1 : 0));
+      request = built.SerializeAsString();
+    }
+    const Outcome outcome = Call(client, wire::METHOD_PUT_BLOCKS, request, bytes);
+    if (!outcome.status.ok()) return;
+    wire::PutBlocksReply reply;
+    KVSTASH_FUZZ_CHECK(parses && ParseReply(outcome, &reply));
+    KVSTASH_FUZZ_CHECK(reply.results_size() == parsed.keys_size());
+    for (int i = 0; i < reply.results_size(); ++i) {
+      // A block of another length is refused, never stored.
+      if (parsed.lengths(i) != kBlock) KVSTASH_FUZZ_CHECK(reply.results(i).code() != wire::OK);
+    }
+  }
+
+  // Several blocks read in one call: each one read is its key's, back to back.
+  void GetBlocks(size_t client, bool raw, std::span<const uint8_t>& in) {
+    const std::string request = Request(raw, in, [&] {
+      wire::GetBlocksRequest built;
+      ReadKeys(in, &built);
+      return built.SerializeAsString();
+    });
+    const size_t payload = raw ? fuzz::Take<uint16_t>(in) % (5 * kBlock) : 0;
+    const Outcome outcome =
+        Call(client, wire::METHOD_GET_BLOCKS, request, std::span(payload_).first(payload));
+    if (!outcome.status.ok()) return;
+    wire::GetBlocksRequest asked;
+    wire::GetBlocksReply reply;
+    KVSTASH_FUZZ_CHECK(asked.ParseFromString(request) && ParseReply(outcome, &reply));
+    KVSTASH_FUZZ_CHECK(reply.results_size() == asked.keys_size());
+    size_t at = 0;
+    std::vector<std::byte> expected(kBlock);
+    for (int i = 0; i < reply.results_size(); ++i) {
+      const wire::BlockResult& result = reply.results(i);
+      if (result.code() != wire::OK) {
+        KVSTASH_FUZZ_CHECK(result.length() == 0);
+        continue;
+      }
+      KVSTASH_FUZZ_CHECK(result.length() == kBlock && at + kBlock <= outcome.payload_bytes);
+      FillBlock(kClients[client].key_namespace, asked.keys(i), expected);
+      KVSTASH_FUZZ_CHECK(std::memcmp(receive_.data() + at, expected.data(), kBlock) == 0);
+      at += kBlock;
+    }
+    KVSTASH_FUZZ_CHECK(at == outcome.payload_bytes);
   }
 
   void Echo(size_t client, bool raw, std::span<const uint8_t>& in) {

@@ -239,6 +239,8 @@ enum Action : uint8_t {
   kAnyMethod = 8,
   kDisconnect = 9,
   kExpire = 10,
+  kPutMany = 11,
+  kGetMany = 12,
 };
 uint8_t Op(Action action, uint8_t client, bool raw = false) {
   return static_cast<uint8_t>(action << 3 | (raw ? 4 : 0) | client);
@@ -284,6 +286,13 @@ struct Steps {
     bytes += body;
     Append<uint16_t>(bytes, reply_payload);
     Append<uint16_t>(bytes, payload);
+    return *this;
+  }
+  // PutBlocks of `keys`; choice: as fuzz_node_requests.cc reads it (checksum kind = choice % 3,
+  // 0x40 one length off, 0x80 one length too many).
+  Steps& PutMany(uint8_t client, std::vector<uint8_t> keys, uint8_t choice = 1) {
+    Keys(kPutMany, client, std::move(keys));
+    Append<uint8_t>(bytes, choice);
     return *this;
   }
   Steps& Plain(Action action, uint8_t client) {
@@ -332,6 +341,17 @@ void NodeRequests() {
             .Get(0, 1)
             .bytes);
   Write("node_requests", "echo", Steps().Echo(0, "ping", 64, 0).Echo(1, "", 0, 100).bytes);
+  Write("node_requests", "batches",
+        Steps()
+            .PutMany(0, {1, 2, 3})
+            .PutMany(1, {1, 4})
+            .PutMany(0, {5, 6}, 2)
+            .PutMany(0, {7, 8}, 0x43)
+            .PutMany(0, {9}, 0x81)
+            .Keys(kGetMany, 0, {1, 9, 2, 3, 7})
+            .Keys(kGetMany, 1, {1, 2, 4})
+            .Get(1, 4)
+            .bytes);
 
   // Raw requests, serialized as clients send them.
   wire::LookupRequest lookup;

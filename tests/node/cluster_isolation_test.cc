@@ -80,7 +80,9 @@ class ClusterIsolationTest : public ::testing::Test {
           network_->Connect(client), [this, stopped](uint16_t method, uint64_t) {
             if (stopped->load()) return Fault{Fault::Kind::kDrop};
             // Slow: blocks move late, but the node answers anything else (its probes) at once.
-            const bool block = method == wire::METHOD_PUT_BLOCK || method == wire::METHOD_GET_BLOCK;
+            const bool block =
+                method == wire::METHOD_PUT_BLOCK || method == wire::METHOD_GET_BLOCK ||
+                method == wire::METHOD_PUT_BLOCKS || method == wire::METHOD_GET_BLOCKS;
             if (slow_.load() && block) return Fault{Fault::Kind::kDelay, 300ms};
             return Fault{};
           }));
@@ -171,7 +173,8 @@ TEST_F(ClusterIsolationTest, AReadOfAStoppedReplicaIsHedgedToTheOther) {
     ASSERT_TRUE(got[k].ok()) << k << ": " << got[k].status().ToString();
     EXPECT_TRUE(MatchesPattern(keys[k].hash.lo, read[k])) << k;
   }
-  EXPECT_GE(client->counters()[ClientCounter::kAbandonedCalls], keys.size());
+  // The stopped replica's read (the 8 small blocks go in one call) was abandoned.
+  EXPECT_GE(client->counters()[ClientCounter::kAbandonedCalls], 1u);
 }
 
 TEST_F(ClusterIsolationTest, WithOneReplicaAStoppedNodeCostsAProbeNotTheDeadline) {

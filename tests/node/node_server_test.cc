@@ -463,8 +463,8 @@ TEST_P(NodeServerTest, RequestLatenciesAreCountedPerMethod) {
   ASSERT_TRUE(client->Call(wire::METHOD_ECHO, echo, (wire::EchoReply*)nullptr, receive).ok());
 
   const std::map<std::string, uint64_t> expected = {
-      {"lookup", 3},  {"put_block", 2}, {"load", 1},  {"get_block", 2},
-      {"release", 1}, {"touch", 1},     {"stats", 0}, {"echo", 1}};
+      {"lookup", 3}, {"put_block", 2}, {"load", 1}, {"get_block", 2},  {"release", 1},
+      {"touch", 1},  {"stats", 0},     {"echo", 1}, {"get_blocks", 0}, {"put_blocks", 0}};
   auto counts = [&] {
     std::map<std::string, uint64_t> out;
     for (const MethodLatency& m : node_->Latencies()) out[m.method] = m.count;

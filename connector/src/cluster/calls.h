@@ -11,6 +11,7 @@
 
 #include "kvstash/common/status.h"
 #include "kvstash/connector/block_store_client.h"
+#include "kvstash/proto/convert.h"
 #include "kvstash/transport/rpc.h"
 
 namespace kvstash::connector {
@@ -31,6 +32,26 @@ Status ParseReply(const Outcome& outcome, Reply* reply) {
     return InternalError("unparseable reply of {} bytes", outcome.reply.size());
   }
   return Status::OK();
+}
+
+// Each key's status in a batched call's outcome (GetBlocks, PutBlocks) of `keys` keys, the
+// reply parsed into *reply: the call's error for every key, or each key's result as the node
+// stated it; a reply that does not parse, or does not answer each key once, is an Internal
+// error for every key.
+template <typename Reply>
+std::vector<Status> BatchStatuses(const Outcome& outcome, size_t keys, Reply* reply) {
+  Status call = ParseReply(outcome, reply);
+  if (call.ok() && static_cast<size_t>(reply->results_size()) != keys) {
+    call = InternalError("a batch reply of {} results to a call of {} keys", reply->results_size(),
+                         keys);
+  }
+  if (!call.ok()) return std::vector<Status>(keys, call);
+  std::vector<Status> statuses;
+  statuses.reserve(keys);
+  for (const wire::BlockResult& result : reply->results()) {
+    statuses.push_back(wire::StatusFromWire(result));
+  }
+  return statuses;
 }
 
 // A status naming the node it came from.

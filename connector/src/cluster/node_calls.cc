@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <optional>
 
 #include "kvstash/common/hash.h"
@@ -109,6 +110,30 @@ uint64_t NodeCalls::StartPut(transport::CallGroup& group, Member& member, const 
   options.send_payload = block;
   options.copier = &group;
   return StartWith(member, wire::METHOD_PUT_BLOCK, put, options, std::move(done), &group);
+}
+
+uint64_t NodeCalls::StartPutBatch(transport::CallGroup& group, Member& member,
+                                  std::span<const BlockKey> keys, std::span<const Bytes> blocks,
+                                  const std::vector<size_t>& which, std::vector<std::byte>* staging,
+                                  std::function<void(Outcome)> done) {
+  wire::PutBlocksRequest put;
+  size_t total = 0;
+  for (size_t i : which) total += blocks[i].size();
+  staging->resize(total);
+  size_t offset = 0;
+  for (size_t i : which) {
+    wire::ToWire(keys[i], put.add_keys());
+    put.add_lengths(blocks[i].size());
+    std::memcpy(staging->data() + offset, blocks[i].data(), blocks[i].size());
+    offset += blocks[i].size();
+  }
+  // As PutBlock: a checksum over a network, none over shared memory.
+  if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(*staging));
+  CallOptions options;
+  options.send_payload = *staging;
+  // Copied (over shared memory) on the progress thread: handing a batch's copy to the waiting
+  // thread and back costs more thread wake-ups than the copy takes.
+  return StartWith(member, wire::METHOD_PUT_BLOCKS, put, options, std::move(done), &group);
 }
 
 std::future<Outcome> NodeCalls::StartPut(transport::CallGroup& group, Member& member,

@@ -70,6 +70,14 @@ class NodeCalls {
   std::future<Outcome> StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
                                 transport::Bytes block);
 
+  // Starts the PutBlocks call of blocks[i] under keys[i] for each i of `which`, in that order,
+  // to `member` in `group`: their bytes copied back to back into *staging, which must outlive
+  // the call. `done` gets its outcome. Returns the call's id.
+  uint64_t StartPutBatch(transport::CallGroup& group, Member& member,
+                         std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
+                         const std::vector<size_t>& which, std::vector<std::byte>* staging,
+                         std::function<void(Outcome)> done);
+
   // Starts a call; `done` runs once on the progress thread with its outcome. Its deadline is
   // `timeout` from now (zero: the client's timeout). With `group`, the call is counted in it
   // (CallGroup::Track). Returns the call's id (for Channel::Cancel).

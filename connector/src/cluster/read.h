@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <future>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "cluster/accounting.h"
@@ -21,7 +22,8 @@
 namespace kvstash::connector {
 
 // Reads blocks from their replicas: one GetBlock per key (read from this client's pin, or
-// pinned for the transfer by the node), all in flight at once, from each key's best-ranked
+// pinned for the transfer by the node), or for small blocks one GetBlocks per node and batch,
+// all in flight at once, from each key's best-ranked
 // replica; a replica that does not hold the block or cannot be reached passes the read to the
 // next, and one slower than its recent p99 is hedged to the next. Blocks a node is promoting
 // from SSD are asked for again until the timeout. Each read ends with the read repair of its
@@ -31,6 +33,8 @@ class ClusterRead {
  public:
   // The longest pause before a block being promoted is asked for again.
   static constexpr std::chrono::microseconds kMaxPause{10000};
+  // A thread keeps at most this much memory for batches to land in between reads.
+  static constexpr size_t kMaxKeptStaging = size_t{16} << 20;
 
   ClusterRead(const NodeClientOptions& options, Accounting& accounting, const MemberSet& members,
               const Placer& placer, NodeCalls& calls, CallWatch& watch, ReadRepair& repair)
@@ -52,16 +56,49 @@ class ClusterRead {
   std::vector<Result<size_t>> ReadReplicas(std::span<const BlockKey> keys,
                                            std::span<const transport::MutableBytes> outs);
 
+  // One call of a read: one key's GetBlock, straight into its buffer, or one GetBlocks of
+  // several keys of one member (small blocks), received into `staging` and copied out.
+  struct ReadCall {
+    size_t member = 0;         // index in the members
+    std::vector<size_t> keys;  // indices in the read's keys
+    bool batch = false;
+    // Where a batch's reply payload lands: staging memory of the reading thread's, copied out
+    // to the keys' buffers there. (Landing in the buffers themselves measured slower: the
+    // progress thread that copies into them takes each cache line from the core that last
+    // wrote it, often the reader's.)
+    transport::MutableBytes landing;
+    std::future<Outcome> outcome;
+    uint64_t id = 0;
+  };
+
+  // The calls of the keys in `ready`, each to the member at its rank: a member's small blocks
+  // many to a call within its limits (BlocksPerBatch), keys with another replica to go to apart
+  // from those without (only the first are hedged), any other block alone.
+  std::vector<ReadCall> PlanCalls(const Members& members, const std::vector<Placement>& places,
+                                  const std::vector<uint32_t>& rank,
+                                  const std::vector<size_t>& ready,
+                                  const std::vector<Result<NodeLimits>>& limits) const;
+
+  // Where each batch of `calls` lands (ReadCall::landing): slices of `staging`, one block of
+  // the member's block_bytes per key.
+  static void Land(std::vector<ReadCall>& calls, const std::vector<Result<NodeLimits>>& limits,
+                   std::vector<std::byte>* staging);
+
+  // Each key's outcome of a call that came back: its status and the bytes it read into its
+  // buffer (a batch's blocks copied from where they landed to their keys' buffers, each checked
+  // against what the reply said and what the buffer holds).
+  std::vector<std::pair<Status, size_t>> KeyOutcomes(ReadCall& call, const Outcome& outcome,
+                                                     std::span<const transport::MutableBytes> outs,
+                                                     NodeHealth& health);
+
   // Reads slower than their node's recent p99 (at least lookup_budget), of keys with another
   // replica to ask, are cancelled (their nodes told they were late) and go to that replica:
-  // which of `ready` were. Calls that are not hedged are left to end by their deadline; the
+  // which of `calls` were. Calls that are not hedged are left to end by their deadline; the
   // caller waits for every callback (the transport no longer touches a cancelled call's buffer
   // once its callback ran).
   std::vector<bool> Hedge(transport::CallGroup& group, const Members& members,
                           const std::vector<Placement>& places, const std::vector<uint32_t>& rank,
-                          const std::vector<size_t>& ready,
-                          const std::vector<std::future<Outcome>>& calls,
-                          const std::vector<uint64_t>& ids, transport::Clock::time_point started);
+                          const std::vector<ReadCall>& calls, transport::Clock::time_point started);
 
   const NodeClientOptions& options_;
   Accounting& accounting_;

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <future>
 #include <memory>
 #include <utility>
@@ -57,14 +58,31 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
     settle->out.assign(keys.size(), 0);
     settle->held.assign(keys.size(), false);
   }
+  // A call's keys are settled by its outcome: each held once a replica took it, or once its
+  // last call is out with none holding it. Run by the callbacks.
+  auto settle_keys = [settle](const std::vector<size_t>& which, const std::vector<Status>& got) {
+    MutexLock lock(&settle->mu);
+    for (size_t k = 0; k < which.size(); ++k) {
+      const size_t i = which[k];
+      const bool was_unsettled = !settle->held[i];
+      if (got[k].ok()) settle->held[i] = true;
+      --settle->out[i];
+      if (was_unsettled && (settle->held[i] || settle->out[i] == 0)) --settle->unsettled;
+    }
+  };
+  // One PutBlock, or one PutBlocks of a member's small blocks (`staging` holding their bytes).
   struct PutCall {
     Member* member;
-    size_t key;
+    std::vector<size_t> keys;
     uint64_t id = 0;
     std::future<Outcome> outcome;
+    bool batch = false;
+    std::unique_ptr<std::vector<std::byte>> staging;
   };
   std::vector<PutCall> puts;
   puts.reserve(keys.size() * options_.replicas);
+  // Per member: the keys whose blocks go batched, in the order they are placed.
+  std::vector<std::vector<size_t>> batched(members.size());
   for (size_t i = keys.size(); i-- > 0;) {
     const Placement p = placer_.Place(members, keys[i]);
     for (uint32_t r = 0; r < p.count; ++r) {
@@ -103,19 +121,40 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
         MutexLock lock(&settle->mu);
         if (settle->out[i]++ == 0 && !settle->held[i]) ++settle->unsettled;
       }
+      if (BlocksPerBatch(*limits[n]) != 0) {
+        batched[n].push_back(i);
+        continue;
+      }
       auto promise = std::make_shared<std::promise<Outcome>>();
-      PutCall call{&member, i, 0, promise->get_future()};
-      call.id = calls_.StartPut(group, member, keys[i], blocks[i], [settle, i, promise](Outcome o) {
-        {
-          MutexLock lock(&settle->mu);
-          const bool was_unsettled = !settle->held[i];
-          if (o.status.ok()) settle->held[i] = true;
-          --settle->out[i];
-          if (was_unsettled && (settle->held[i] || settle->out[i] == 0)) --settle->unsettled;
-        }
-        promise->set_value(std::move(o));
-      });
-      puts.push_back(std::move(call));
+      PutCall& call = puts.emplace_back();
+      call.member = &member;
+      call.keys = {i};
+      call.outcome = promise->get_future();
+      call.id =
+          calls_.StartPut(group, member, keys[i], blocks[i], [settle_keys, i, promise](Outcome o) {
+            settle_keys({i}, {o.status});
+            promise->set_value(std::move(o));
+          });
+    }
+  }
+  for (size_t n = 0; n < members.size(); ++n) {
+    const size_t per_batch = batched[n].empty() ? 0 : BlocksPerBatch(*limits[n]);
+    for (size_t begin = 0; begin < batched[n].size(); begin += per_batch) {
+      const size_t end = std::min(batched[n].size(), begin + per_batch);
+      auto promise = std::make_shared<std::promise<Outcome>>();
+      PutCall& call = puts.emplace_back();
+      call.member = members[n].get();
+      call.keys.assign(batched[n].begin() + begin, batched[n].begin() + end);
+      call.batch = true;
+      call.outcome = promise->get_future();
+      call.staging = std::make_unique<std::vector<std::byte>>();
+      call.id =
+          calls_.StartPutBatch(group, *call.member, keys, blocks, call.keys, call.staging.get(),
+                               [settle_keys, which = call.keys, promise](Outcome o) {
+                                 wire::PutBlocksReply reply;
+                                 settle_keys(which, BatchStatuses(o, which.size(), &reply));
+                                 promise->set_value(std::move(o));
+                               });
     }
   }
   const std::vector<bool> abandoned = watch_.WaitForReplicas(group, puts, [settle] {
@@ -123,14 +162,27 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
     return settle->unsettled == 0;
   });
   for (size_t k = 0; k < puts.size(); ++k) {
-    auto& [member, i, id, future] = puts[k];
-    const Status status = ParseReply(future.get(), (wire::PutBlockReply*)nullptr);
-    // An abandoned call's node was told it was late; its cancel is no answer of its own.
-    if (!abandoned[k] || status.ok()) accounting_.Record(*member->state, status);
-    if (status.ok()) {
-      stored[i] = true;
+    PutCall& call = puts[k];
+    const Outcome outcome = call.outcome.get();
+    std::vector<Status> statuses;
+    if (call.batch) {
+      wire::PutBlocksReply reply;
+      statuses = BatchStatuses(outcome, call.keys.size(), &reply);
     } else {
-      failed(*member, i, status);
+      statuses = {ParseReply(outcome, (wire::PutBlockReply*)nullptr)};
+    }
+    const Status& status = call.batch ? outcome.status : statuses[0];
+    // An abandoned call's node was told it was late; its cancel is no answer of its own.
+    if (!abandoned[k] || status.ok()) accounting_.Record(*call.member->state, status);
+    for (size_t j = 0; j < call.keys.size(); ++j) {
+      const size_t i = call.keys[j];
+      if (statuses[j].ok()) {
+        stored[i] = true;
+        continue;
+      }
+      // A batch's refusals of single keys count as the node's refusals of PutBlock would.
+      if (call.batch && status.ok()) accounting_.Record(*call.member->state, statuses[j]);
+      failed(*call.member, i, statuses[j]);
     }
   }
   Status lost;  // the first key no replica took, all unreachable

@@ -144,6 +144,8 @@ struct NodeLimits {
   uint32_t max_keys_per_request = 0;  // keys in one request; 0: not stated
   uint64_t max_message_bytes = 0;     // bytes of one request message (the protobuf part)
   uint64_t max_payload_bytes = 0;     // bytes of one request payload
+  // Bytes of blocks in one GetBlocks or PutBlocks call; 0: the node serves neither.
+  uint64_t max_batch_bytes = 0;
 };
 // The limits a server stated; InvalidArgument when the node's part does not parse (a peer that
 // is not a kvstash node, or a hostile one).
@@ -153,6 +155,15 @@ Result<NodeLimits> NodeLimitsFrom(const transport::ServerLimits& stated);
 // its message limit holds (each key costs at most kKeyWireBytes). At least 1.
 inline constexpr size_t kKeyWireBytes = 32;
 size_t KeysPerCall(const NodeLimits& limits);
+
+// Blocks of at most this many bytes travel many to a call (GetBlocks, PutBlocks) to a node that
+// serves such calls: for them a call costs more than the node's extra copy. Larger blocks go
+// one to a call, straight between the client's buffer and the node's slot.
+inline constexpr uint64_t kBatchedBlockBytes = uint64_t{64} << 10;
+// Blocks of one batched call to a node with these limits: 0 when its blocks do not travel
+// batched (larger than kBatchedBlockBytes, or a node that serves no batches), else as many as
+// its batch, key and message limits hold, at least 1.
+size_t BlocksPerBatch(const NodeLimits& limits);
 
 class NodeClient : public BlockStoreClient {
  public:

@@ -7,7 +7,9 @@
 // transport's disconnects end it.
 //
 // Block bytes move once: PutBlock's payload lands straight in the CPU slot the service
-// reserved, and GetBlock's reply payload leaves from the pinned slot. The CPU tier's memory is
+// reserved, and GetBlock's reply payload leaves from the pinned slot. Small blocks may travel
+// many to a call (GetBlocks, PutBlocks), copied once more on the node, between its slots and
+// the call's payload: for them a call costs more than a copy. The CPU tier's memory is
 // allocated through the transport, so a client on the same host copies to and from it
 // directly (see transport/rpc.h); where that memory cannot be had, the store maps its own and
 // payloads go by UCX rendezvous.
@@ -35,6 +37,10 @@ struct NodeOptions : NodeServiceOptions {
   transport::ServerOptions server;  // listen address, port, auth token, transport, limits
   // Keys in one request; stated to clients at hello with the block size (wire.NodeLimits).
   uint32_t max_keys_per_request = 4096;
+  // The largest payload of one GetBlocks or PutBlocks call (at most the transport's
+  // max_payload_bytes); stated at hello. Clients batch blocks this small and smaller. 0: the
+  // node serves neither, and clients send one call per block.
+  uint64_t max_batch_bytes = uint64_t{1} << 20;
   // Makes the transport the node serves on; empty: UCX (an RpcServer of `server`). Tests give a
   // loopback network's listener (transport/loopback.h).
   std::function<Result<std::unique_ptr<transport::Listener>>(const transport::ServerOptions&)>

@@ -143,7 +143,14 @@ class NodeService {
   Result<Read> BeginGet(uint64_t connection, const BlockKey& key);
   // The bytes of a BeginGet have left (`sent` OK) or could not; releases the read's own pin.
   void EndGet(const BlockKey& key, const Read& read, const Status& sent);
+  // The reply of a batched read (GetBlocks) left with `blocks` blocks of `bytes` in all, copied
+  // out of their slots before (EndGet released their pins then, unsent): counted as sent.
+  void Loaded(size_t blocks, uint64_t bytes);
+  // A batched store's payload (PutBlocks) did not match its checksum: none of it was stored.
+  void ChecksumFailed();
 
+  // Whether the connection has a session (BeginRequest made it, EndSession has not ended it).
+  bool HasSession(uint64_t connection) const;
   // The connection ended: its pins are released, and once no bytes are arriving into its slots
   // any more (EndPut), the session is gone. Unknown connections are ignored.
   void EndSession(uint64_t connection);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kvstash/common/block_key.h"
+#include "kvstash/common/status.h"
 #include "kvstash/proto/wire.pb.h"
 
 namespace kvstash::wire {
@@ -17,5 +18,11 @@ BlockKey FromWire(const Key& key, NamespaceId namespace_id = 0);
 wire::LookupResult ToWire(kvstash::LookupResult result);
 // Values a newer peer may send read as kMiss, which is never wrong for a cache.
 kvstash::LookupResult FromWire(wire::LookupResult result);
+
+// A key's outcome in a batched call (BlockResult's code and message).
+void ToWire(const Status& status, BlockResult* out);
+// The status a BlockResult states. A code this build does not know (a newer or hostile peer)
+// reads as Unknown, with the number in the message.
+Status StatusFromWire(const BlockResult& result);
 
 }  // namespace kvstash::wire
