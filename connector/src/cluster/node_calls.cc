@@ -114,23 +114,20 @@ uint64_t NodeCalls::StartPut(transport::CallGroup& group, Member& member, const 
 
 uint64_t NodeCalls::StartPutBatch(transport::CallGroup& group, Member& member,
                                   std::span<const BlockKey> keys, std::span<const Bytes> blocks,
-                                  const std::vector<size_t>& which, std::vector<std::byte>* staging,
+                                  const std::vector<size_t>& which, transport::MutableBytes staging,
                                   std::function<void(Outcome)> done) {
   wire::PutBlocksRequest put;
-  size_t total = 0;
-  for (size_t i : which) total += blocks[i].size();
-  staging->resize(total);
   size_t offset = 0;
   for (size_t i : which) {
     wire::ToWire(keys[i], put.add_keys());
     put.add_lengths(blocks[i].size());
-    std::memcpy(staging->data() + offset, blocks[i].data(), blocks[i].size());
+    std::memcpy(staging.data() + offset, blocks[i].data(), blocks[i].size());
     offset += blocks[i].size();
   }
   // As PutBlock: a checksum over a network, none over shared memory.
-  if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(*staging));
+  if (!member.channel->payloads_mapped()) put.set_checksum(Xxh3Hash64(staging));
   CallOptions options;
-  options.send_payload = *staging;
+  options.send_payload = staging;
   // Copied (over shared memory) on the progress thread: handing a batch's copy to the waiting
   // thread and back costs more thread wake-ups than the copy takes.
   return StartWith(member, wire::METHOD_PUT_BLOCKS, put, options, std::move(done), &group);

@@ -71,11 +71,11 @@ class NodeCalls {
                                 transport::Bytes block);
 
   // Starts the PutBlocks call of blocks[i] under keys[i] for each i of `which`, in that order,
-  // to `member` in `group`: their bytes copied back to back into *staging, which must outlive
-  // the call. `done` gets its outcome. Returns the call's id.
+  // to `member` in `group`: their bytes copied back to back into `staging` (exactly their
+  // size), which must outlive the call. `done` gets its outcome. Returns the call's id.
   uint64_t StartPutBatch(transport::CallGroup& group, Member& member,
                          std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
-                         const std::vector<size_t>& which, std::vector<std::byte>* staging,
+                         const std::vector<size_t>& which, transport::MutableBytes staging,
                          std::function<void(Outcome)> done);
 
   // Starts a call; `done` runs once on the progress thread with its outcome. Its deadline is

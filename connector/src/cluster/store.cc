@@ -77,7 +77,6 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
     uint64_t id = 0;
     std::future<Outcome> outcome;
     bool batch = false;
-    std::unique_ptr<std::vector<std::byte>> staging;
   };
   std::vector<PutCall> puts;
   puts.reserve(keys.size() * options_.replicas);
@@ -137,6 +136,20 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
           });
     }
   }
+  // A batch's blocks go back to back in staging memory of this thread's, kept between stores
+  // (every call has ended when a store returns) unless large.
+  thread_local std::vector<std::byte> staging;
+  size_t staged = 0;
+  for (size_t n = 0; n < members.size(); ++n) {
+    for (size_t i : batched[n]) staged += blocks[i].size();
+  }
+  if (staging.size() < staged) staging.resize(staged);
+  struct Trim {
+    ~Trim() {
+      if (staging.capacity() > kMaxKeptStaging) std::vector<std::byte>().swap(staging);
+    }
+  } trim;
+  size_t at = 0;
   for (size_t n = 0; n < members.size(); ++n) {
     const size_t per_batch = batched[n].empty() ? 0 : BlocksPerBatch(*limits[n]);
     for (size_t begin = 0; begin < batched[n].size(); begin += per_batch) {
@@ -147,14 +160,16 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
       call.keys.assign(batched[n].begin() + begin, batched[n].begin() + end);
       call.batch = true;
       call.outcome = promise->get_future();
-      call.staging = std::make_unique<std::vector<std::byte>>();
-      call.id =
-          calls_.StartPutBatch(group, *call.member, keys, blocks, call.keys, call.staging.get(),
-                               [settle_keys, which = call.keys, promise](Outcome o) {
-                                 wire::PutBlocksReply reply;
-                                 settle_keys(which, BatchStatuses(o, which.size(), &reply));
-                                 promise->set_value(std::move(o));
-                               });
+      size_t bytes = 0;
+      for (size_t i : call.keys) bytes += blocks[i].size();
+      const transport::MutableBytes room = std::span(staging).subspan(at, bytes);
+      at += bytes;
+      call.id = calls_.StartPutBatch(group, *call.member, keys, blocks, call.keys, room,
+                                     [settle_keys, which = call.keys, promise](Outcome o) {
+                                       wire::PutBlocksReply reply;
+                                       settle_keys(which, BatchStatuses(o, which.size(), &reply));
+                                       promise->set_value(std::move(o));
+                                     });
     }
   }
   const std::vector<bool> abandoned = watch_.WaitForReplicas(group, puts, [settle] {

@@ -23,6 +23,9 @@ namespace kvstash::connector {
 // the calls, the watch and the counters, which outlive it. Thread-safe.
 class ClusterStore {
  public:
+  // A thread keeps at most this much memory for batches' payloads between stores.
+  static constexpr size_t kMaxKeptStaging = size_t{16} << 20;
+
   ClusterStore(const NodeClientOptions& options, Accounting& accounting, const MemberSet& members,
                const Placer& placer, NodeCalls& calls, CallWatch& watch)
       : options_(options),
