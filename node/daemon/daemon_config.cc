@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <fstream>
@@ -79,6 +80,13 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
       ->capture_default_str();
   app.add_option("--max-payload-bytes", flags.max_payload_bytes,
                  "Largest payload accepted in one request (at least block-bytes)")
+      ->capture_default_str();
+  app.add_option(
+         "--max-batch-bytes", flags.max_batch_bytes,
+         "Largest payload of one call of many small blocks (GetBlocks, PutBlocks), at "
+         "most max-payload-bytes and 4MiB; clients send blocks of 64KiB or less many to a call, "
+         "one round trip per node instead of one per block. The node keeps 16 times "
+         "this in shared memory for them. 0: no such calls, one per block")
       ->capture_default_str();
   app.add_option("--metrics-address", flags.metrics_address,
                  "HOST:PORT of the HTTP endpoint with Prometheus metrics at /metrics and a "
@@ -400,6 +408,13 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
     return InvalidArgumentError("max-payload-bytes: {} is below block-bytes {}",
                                 FormatBytes(options.server.transport.max_payload_bytes),
                                 FormatBytes(block));
+  }
+  KVSTASH_ASSIGN_OR_RETURN(options.max_batch_bytes,
+                           ParseBytes("max-batch-bytes", flags.max_batch_bytes));
+  if (options.max_batch_bytes >
+      std::min<uint64_t>(options.server.transport.max_payload_bytes, kMaxBatchBytes)) {
+    return InvalidArgumentError("max-batch-bytes: {} is outside 0..{} (and max-payload-bytes)",
+                                FormatBytes(options.max_batch_bytes), FormatBytes(kMaxBatchBytes));
   }
   if (options.server.transport.max_message_bytes < 4096) {
     return InvalidArgumentError("max-message-bytes: {} is below 4KiB",

@@ -39,6 +39,7 @@ struct DaemonFlags {
   int max_keys_per_request = 4096;
   std::string max_message_bytes = "4MiB";
   std::string max_payload_bytes = "64MiB";
+  std::string max_batch_bytes = "1MiB";  // "0": no batched calls
   std::string log_level = "info";
   std::string metrics_address = "127.0.0.1:7374";  // "off": no metrics endpoint
   int lease_timeout_ms = 30000;

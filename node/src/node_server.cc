@@ -236,12 +236,11 @@ class NodeServer::Impl {
           cpu_bytes, region.ok() ? "unaligned" : region.status().ToString());
     }
     if (max_batch_bytes_ != 0 && cpu_region_.size() != 0) {
-      // Batched payloads in memory a client on the host copies into and out of itself; faulted
-      // in now (a few MiB). Without it they go by UCX.
+      // Batched payloads in memory a client on the host copies into and out of itself (its pages
+      // faulted in by their first batches). Without it they go by UCX.
       Result<transport::MemoryRegion> batch =
           server_->AllocateMemory(kBatchChunks * max_batch_bytes_);
       if (batch.ok()) {
-        std::memset(batch->data(), 0, batch->size());
         batch_region_ = std::move(*batch);
         batch_chunks_ = std::make_shared<BatchChunks>(kBatchChunks);
       }

@@ -47,6 +47,9 @@ struct NodeOptions : NodeServiceOptions {
       listen;
 };
 
+// The largest max_batch_bytes kvstashd takes: the node keeps 16 times it in shared memory.
+inline constexpr uint64_t kMaxBatchBytes = uint64_t{4} << 20;
+
 // The upper bounds of the request latency buckets (inclusive, as Prometheus' `le`); latencies
 // above the last fall in an overflow bucket. Steps of x2 to x2.5 from 5 us to 1 s: a shared
 // memory round trip takes some microseconds, a rendezvous of a large block milliseconds.
