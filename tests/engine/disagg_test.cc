@@ -95,6 +95,8 @@ TEST_F(DisaggTest, NodeKilledOrFrozenBetweenPrefillAndDecodeOnlyCostsRecomputati
   }
 }
 
+const std::vector<std::string> kWaitForNodes = {"--lookup-budget-ms", "10000"};
+
 TEST_F(DisaggTest, NextTurnStartsFromThePreviousTurnsBlocks) {
   StartNodes();
   // Turn 1 on one worker; turn 2 (history + reply + new user tokens) on a fresh worker.
@@ -103,7 +105,9 @@ TEST_F(DisaggTest, NextTurnStartsFromThePreviousTurnsBlocks) {
   for (int turn = 1; turn <= 3; ++turn) {
     SCOPED_TRACE(turn);
     WorkerRun alone = Generate("tiny-hybrid", history, "both", "");
-    WorkerRun run = Generate("tiny-hybrid", history, "both", nodes_);
+    // A lookup waits for every node, however busy the machine (the default 50 ms budget reads
+    // a node not scheduled in time as misses, by design).
+    WorkerRun run = Generate("tiny-hybrid", history, "both", nodes_, kWaitForNodes);
     ASSERT_EQ(run.exit_code, 0) << run.err;
     EXPECT_EQ(run.tokens, alone.tokens);
     if (turn > 1) {
@@ -124,7 +128,7 @@ TEST_F(DisaggTest, SlidingWindowPullIsBoundedByTheWindowNotThePrompt) {
   for (size_t length : {200, 800}) {
     const std::string prompt = Prompt(length, 4);
     ASSERT_EQ(Generate("tiny-swa", prompt, "prefill", nodes_).exit_code, 0);
-    WorkerRun decode = Generate("tiny-swa", prompt, "decode", nodes_);
+    WorkerRun decode = Generate("tiny-swa", prompt, "decode", nodes_, kWaitForNodes);
     ASSERT_EQ(decode.exit_code, 0) << decode.err;
     EXPECT_GE(decode.stats["node_tokens"], length - 16);
     loaded[i++] = decode.stats["loaded_bytes"];
