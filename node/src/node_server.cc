@@ -635,35 +635,40 @@ class NodeServer::Impl {
     const uint64_t connection = call->connection_id();
     {
       MutexLock batch_lock(&batch->mu);
-      MutexLock lock(&service_mu_);
-      if (!service_->HasSession(connection)) {
+      bool session = true;
+      {
+        MutexLock lock(&service_mu_);
+        session = service_->HasSession(connection);
+        size_t offset = 0;
+        for (size_t i = 0; session && i < keys.size(); ++i) {
+          wire::BlockResult* result = batch->reply.add_results();
+          const Bytes bytes = payload->bytes().subspan(offset, request.lengths(i));
+          offset += bytes.size();
+          Result<NodeService::PutSlot> put = service_->BeginPut(connection, keys[i], bytes.size());
+          if (!put.ok()) {
+            wire::ToWire(put.status(), result);
+            continue;
+          }
+          for (const BlockKey& evicted : put->evicted) {
+            wire::ToWire(evicted, batch->reply.add_evicted());
+          }
+          if (put->skipped) {
+            result->set_skipped(true);
+            continue;
+          }
+          if (put->gate) {
+            gated.push_back({static_cast<int>(i), keys[i], put->slot, bytes, put->gate});
+            continue;
+          }
+          std::memcpy(put->slot.data(), bytes.data(), bytes.size());
+          wire::ToWire(service_->EndPut(connection, keys[i], Status::OK(), 0), result);
+        }
+      }
+      // Answered outside the service's lock.
+      if (!session) {
         // The connection ended while the payload arrived: nobody to store for, or to answer.
         call->ReplyError(AbortedError("the connection ended before its blocks were stored"));
         return;
-      }
-      size_t offset = 0;
-      for (size_t i = 0; i < keys.size(); ++i) {
-        wire::BlockResult* result = batch->reply.add_results();
-        const Bytes bytes = payload->bytes().subspan(offset, request.lengths(i));
-        offset += bytes.size();
-        Result<NodeService::PutSlot> put = service_->BeginPut(connection, keys[i], bytes.size());
-        if (!put.ok()) {
-          wire::ToWire(put.status(), result);
-          continue;
-        }
-        for (const BlockKey& evicted : put->evicted) {
-          wire::ToWire(evicted, batch->reply.add_evicted());
-        }
-        if (put->skipped) {
-          result->set_skipped(true);
-          continue;
-        }
-        if (put->gate) {
-          gated.push_back({static_cast<int>(i), keys[i], put->slot, bytes, put->gate});
-          continue;
-        }
-        std::memcpy(put->slot.data(), bytes.data(), bytes.size());
-        wire::ToWire(service_->EndPut(connection, keys[i], Status::OK(), 0), result);
       }
       batch->waiting = gated.size();
       if (gated.empty()) {
