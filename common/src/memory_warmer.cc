@@ -12,8 +12,7 @@ namespace kvstash {
 
 namespace {
 
-// Per madvise call of a ChunkPopulator (2 MiB: 512 pages of 4 KiB, one huge page), and the
-// warmer's step between its checks of stop. MADV_POPULATE_WRITE holds the
+// Per madvise call (2 MiB: 512 pages of 4 KiB, one huge page). MADV_POPULATE_WRITE holds the
 // process's mmap lock for the whole call, and a thread that maps memory (malloc, a thread's
 // stack, UCX registering a buffer) waits for it, with every page fault of the node's other
 // threads queued behind that one: the lock must be let go often. With 32 MiB calls a fresh 2 GiB
@@ -32,16 +31,6 @@ void Populate(std::byte* p, size_t bytes, size_t page) {
   if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
   // Older kernels: one atomic read-modify-write of a byte per page writes what is there, so a
   // concurrent writer of that byte keeps its value.
-  for (size_t off = 0; off < bytes; off += page) {
-    __atomic_fetch_or(reinterpret_cast<unsigned char*>(p + off), 0, __ATOMIC_RELAXED);
-  }
-}
-
-// Faults [p, p + bytes) in page by page without changing a byte of it: one atomic
-// read-modify-write of a byte per page, so a concurrent writer of that byte keeps its value.
-// Each fault holds only its own VMA's lock (Linux 6.4 and later; before, the process's mmap lock
-// for that one fault), never the mmap lock across a whole range as MADV_POPULATE_WRITE does.
-void TouchPages(std::byte* p, size_t bytes, size_t page) {
   for (size_t off = 0; off < bytes; off += page) {
     __atomic_fetch_or(reinterpret_cast<unsigned char*>(p + off), 0, __ATOMIC_RELAXED);
   }
@@ -75,21 +64,21 @@ void MemoryWarmer::Run(size_t begin, size_t end) {
   // against 1.40; on an idle machine, 0.95 against 0.85 (8 TCP clients, within the rounds'
   // spread). A machine never idle warms only what is touched; failure to switch is harmless.
   //
-  // At that priority a thread can wait a long time for a core while it holds a lock, so the
-  // warmer faults page by page (TouchPages) and never holds the process's mmap lock across a
-  // range: with MADV_POPULATE_WRITE a warmer preempted inside its call kept every mmap of the
-  // node's other threads (UCX setting up a connection) waiting. A fresh 1 GiB node beside two
-  // processes that keep both cores busy answered a new client's connect and stats in 38 to
-  // 1,304 ms that way (median 1,039 of 9; a prefill worker's connect in DisaggTest timed out
-  // after 2 s), and in 58 to 130 ms page by page (median 107, paired runs). Idle, a 2 GiB node
-  // is faulted in in 2.4 s page by page against 2.1 s (2 paired runs).
+  // Known cost: with every core busy, a warmer preempted inside MADV_POPULATE_WRITE keeps the
+  // process's mmap lock until it runs again, and every mmap of the node waits (UCX setting up a
+  // connection): beside two processes keeping both cores busy, a fresh 1 GiB node answered a new
+  // client's connect and stats in a median of 1,039 ms (38 to 1,304, 9 runs). Faulting page by
+  // page instead (one atomic byte per page, no mmap lock across a range) cut that to 107 ms, but
+  // cost fresh shared-memory throughput with one core busy (`bench peer --busy 1`, 2 paired
+  // rounds: 256 KiB x 1 client 1.07 against 1.17 GB/s, below Redis's unix socket; 2 MiB x 1
+  // 1.08-1.20 against 1.37-1.76), so it is not done; one core free keeps the lock short.
   sched_param idle{};
   pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   for (size_t off = begin; off < end && !stop_.load(std::memory_order_relaxed);
        off += kChunkBytes) {
     const size_t bytes = std::min(kChunkBytes, end - off);
-    TouchPages(memory_.data() + off, bytes, page);
+    Populate(memory_.data() + off, bytes, page);
     faulted_.fetch_add(bytes, std::memory_order_relaxed);
   }
 }
