@@ -257,7 +257,6 @@ std::vector<std::pair<Status, size_t>> ClusterRead::KeyOutcomes(
   // The blocks lie back to back where the payload landed (this thread's staging), as long as
   // the reply says; a reply that says more than came, or more than a key's buffer holds, is the
   // node's error, not a block.
-  std::vector<size_t> at(call.keys.size(), 0);  // each block's offset in the landing
   size_t offset = 0;
   for (size_t k = 0; k < call.keys.size(); ++k) {
     got[k].first = statuses[k];
@@ -276,14 +275,9 @@ std::vector<std::pair<Status, size_t>> ClusterRead::KeyOutcomes(
       offset = outcome.payload_bytes;  // nothing after it can be placed
       continue;
     }
-    at[k] = offset;
+    std::memcpy(outs[call.keys[k]].data(), call.landing.data() + offset, length);
     offset += length;
     got[k].second = length;
-  }
-  for (size_t k = 0; k < call.keys.size(); ++k) {
-    if (got[k].first.ok()) {
-      std::memcpy(outs[call.keys[k]].data(), call.landing.data() + at[k], got[k].second);
-    }
   }
   return got;
 }
