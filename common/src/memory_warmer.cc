@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 
 namespace kvstash {
 
@@ -38,9 +39,17 @@ void Populate(std::byte* p, size_t bytes, size_t page) {
 
 }  // namespace
 
+bool AdviseHugePages(std::span<std::byte> memory, bool huge) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(memory.data()) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(memory.data()) + memory.size()) & ~(page - 1);
+  if (memory.empty() || end <= begin) return true;  // no whole page to advise
+  return madvise(reinterpret_cast<void*>(begin), end - begin,
+                 huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0;
+}
+
 MemoryWarmer::MemoryWarmer(std::span<std::byte> memory, size_t threads) : memory_(memory) {
   if (memory_.empty()) return;
-  madvise(memory_.data(), memory_.size(), MADV_HUGEPAGE);  // advisory; failure is fine
   threads = std::max<size_t>(1, std::min(threads, memory_.size() / kChunkBytes + 1));
   const size_t share = (memory_.size() / threads + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
   for (size_t t = 0; t < threads; ++t) {

@@ -229,6 +229,9 @@ class NodeServer::Impl {
     if (region.ok() && reinterpret_cast<uintptr_t>(region->data()) % 4096 == 0) {
       cpu_region_ = std::move(*region);
       options_.store.cpu_memory = cpu_region_.bytes().first(cpu_bytes);
+      // The page size of the tier is the node's to choose, not the allocator's (UCX backs
+      // memory for TCP alone with huge pages): set before any page is faulted in.
+      AdviseHugePages(cpu_region_.bytes(), options_.store.huge_pages);
     } else {
       KVSTASH_LOG_WARN(
           "cannot allocate the CPU tier's {} bytes through the transport ({}); the store maps "

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "kvstash/common/memory_warmer.h"
+
 namespace kvstash::store {
 
 namespace {
@@ -59,7 +61,7 @@ Result<std::unique_ptr<BlockSlab>> BlockSlab::Create(const BlockSlabOptions& opt
     if (base == MAP_FAILED) {
       return FromErrno(errno, fmt::format("mapping a block slab of {} bytes", bytes));
     }
-    if (options.huge_pages) madvise(base, bytes, MADV_HUGEPAGE);  // advisory; failure is fine
+    AdviseHugePages({static_cast<std::byte*>(base), bytes}, options.huge_pages);  // advisory
   }
   if (options.prefault) {
     // Fault every page in now by writing one byte per page, after the huge-page advice (with

@@ -141,6 +141,7 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredStoreOption
   slab_options.slot_bytes = options.block_bytes;
   slab_options.slot_count = options.cpu_capacity_blocks;
   slab_options.prefault = options.prefault;
+  slab_options.huge_pages = options.huge_pages;
   slab_options.memory = options.cpu_memory;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockSlab> slab, BlockSlab::Create(slab_options));
   std::unique_ptr<SsdTier> ssd;

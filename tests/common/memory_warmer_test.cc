@@ -6,19 +6,26 @@
 #include "kvstash/common/memory_warmer.h"
 
 #include <fcntl.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace kvstash {
 namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
 constexpr size_t kChunk = size_t{1} << 20;
@@ -155,6 +162,46 @@ TEST(MemoryWarmerTest, DestroyedAtOnceStopsPartWayAndChangesNothing) {
   }  // joins its threads, each within the call it is in
   EXPECT_LE(faulted, bytes);
   EXPECT_TRUE(memory.Intact());
+}
+
+// The advice flags (/proc/self/smaps VmFlags) of the mapping holding `address`, with a space
+// on either side of each; "" when none holds it.
+std::string AdviceOf(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const uintptr_t at = reinterpret_cast<uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2 &&
+        line.find(' ') < line.find(':')) {
+      inside = begin <= at && at < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8) + " ";
+    }
+  }
+  return "";
+}
+
+// The advice covers the whole pages the span reaches into and no others, and says huge or not
+// whatever it said before; a span of no whole page is advised of nothing.
+TEST(AdviseHugePagesTest, AdvisesTheWholePagesOfTheSpanEitherWay) {
+  const size_t bytes = 8 * kPage;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* base = static_cast<std::byte*>(p);
+  // Pages 2..4 whole; the span starts and ends inside pages 1 and 5.
+  const std::span<std::byte> span(base + kPage + 100, 5 * kPage - 200);
+  EXPECT_TRUE(AdviseHugePages(span, true));
+  EXPECT_THAT(AdviceOf(base + 2 * kPage), HasSubstr(" hg "));
+  EXPECT_THAT(AdviceOf(base + 4 * kPage), HasSubstr(" hg "));
+  EXPECT_THAT(AdviceOf(base + kPage), Not(HasSubstr(" hg ")));
+  EXPECT_THAT(AdviceOf(base + 5 * kPage), Not(HasSubstr(" hg ")));
+  EXPECT_TRUE(AdviseHugePages(span, false));
+  EXPECT_THAT(AdviceOf(base + 3 * kPage), HasSubstr(" nh "));
+  EXPECT_THAT(AdviceOf(base + 3 * kPage), Not(HasSubstr(" hg ")));
+  EXPECT_TRUE(AdviseHugePages({base + 7 * kPage + 1, kPage - 2}, true));  // no whole page
+  EXPECT_THAT(AdviceOf(base + 7 * kPage), Not(HasSubstr(" hg ")));
+  munmap(p, bytes);
 }
 
 TEST(ChunkPopulatorTest, ChunkSizeIsWholePages) {

@@ -456,6 +456,7 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
                            "--block-bytes",
                            "--cpu-bytes",
                            "--cpu-policy",
+                           "--huge-pages",
                            "--shm-dir",
                            "--ssd-dir",
                            "--ssd-bytes",
@@ -474,6 +475,50 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
                            "--log-level",
                            "SIGTERM"}) {
     EXPECT_THAT(r.out, HasSubstr(flag));
+  }
+}
+
+// The VmFlags lines (/proc/PID/smaps) of the readable mappings of `pid` of `bytes` or more.
+std::vector<std::string> FlagsOfMappingsOfAtLeast(pid_t pid, size_t bytes) {
+  std::ifstream smaps("/proc/" + std::to_string(pid) + "/smaps");
+  std::vector<std::string> flags;
+  size_t size_kib = 0;
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.rfind("Size:", 0) == 0) size_kib = std::stoull(line.substr(5));
+    if (line.rfind("VmFlags:", 0) == 0 && size_kib * 1024 >= bytes &&
+        line.find(" rd ") != std::string::npos) {
+      flags.push_back(line + " ");
+    }
+  }
+  return flags;
+}
+
+// The CPU tier is in 4 KiB pages unless --huge-pages asks for huge ones, whatever allocates it:
+// UCX backs memory for TCP alone with transparent huge pages, and a System V segment (the
+// default transports) takes the shared-memory setting. The kernel's advice flags of the tier's
+// mapping say it: `nh` (no huge pages) or `hg`.
+TEST(KvstashdTest, TheCpuTierTakesHugePagesOnlyWhenAsked) {
+  constexpr size_t kTier = size_t{64} << 20;
+  struct Case {
+    std::vector<std::string> args;
+    const char* flag;
+  };
+  const std::vector<Case> cases = {
+      {{"--tls", "tcp"}, " nh "},
+      {{"--tls", "tcp", "--huge-pages"}, " hg "},
+      {{}, " nh "},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"--block-bytes", "64KiB", "--cpu-bytes", "64MiB"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    Daemon daemon(args, /*sizes=*/false);
+    ASSERT_NE(daemon.port(), 0);
+    const std::vector<std::string> flags = FlagsOfMappingsOfAtLeast(daemon.process().pid(), kTier);
+    ASSERT_FALSE(flags.empty()) << ::testing::PrintToString(c.args);
+    for (const std::string& line : flags) {
+      EXPECT_THAT(line, HasSubstr(c.flag)) << ::testing::PrintToString(c.args);
+    }
+    EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
   }
 }
 

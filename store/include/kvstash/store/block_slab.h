@@ -21,8 +21,10 @@ struct BlockSlabOptions {
   // Touch every page at creation, so the first write to a slot does not fault and
   // registration with a transport (which pins pages) costs no page faults later.
   bool prefault = true;
-  // Ask for transparent huge pages (fewer TLB misses on large copies); advisory.
-  bool huge_pages = true;
+  // Transparent huge pages (fewer TLB misses once faulted in) or 4 KiB pages only, whatever the
+  // system's default; advisory. Off: a fresh huge page can cost several times its 4 KiB pages
+  // to fault in (AdviseHugePages, common/memory_warmer.h).
+  bool huge_pages = false;
   // Memory to carve the slots from instead of a mapping of the slab's own (a node hands it
   // memory its transport can share with clients). Owned by the caller and must outlive the
   // slab; at least RequiredBytes(options), starting on a slot_alignment boundary. Prefault

@@ -46,6 +46,9 @@ struct TieredStoreOptions {
   // Count the CPU tier's blocks per namespace even without quotas (cpu().NamespaceUsages()).
   bool count_namespaces = false;
   bool prefault = true;
+  // Back the CPU tier with transparent huge pages (BlockSlabOptions::huge_pages); the caller
+  // advises memory it provides itself.
+  bool huge_pages = false;
   // The CPU tier's memory, when the caller provides it (a node: memory its transport shares
   // with clients); at least CpuMemoryBytes(options), page-aligned, outliving the store.
   // Empty: the store maps its own.
