@@ -245,6 +245,7 @@ class NodeServer::Impl {
           server_->AllocateMemory(kBatchChunks * max_batch_bytes_);
       if (batch.ok()) {
         batch_region_ = std::move(*batch);
+        AdviseHugePages(batch_region_.bytes(), options_.store.huge_pages);  // as the tier's
         batch_chunks_ = std::make_shared<BatchChunks>(kBatchChunks);
       }
     }
