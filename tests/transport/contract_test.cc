@@ -1,8 +1,9 @@
 // The contract of the transport seam (kvstash/transport/channel.h), run against every
-// implementation of it: UCX over shared memory and over TCP (rpc.h), the in-process loopback
-// (loopback.h), and the fault channel with no fault planned over UCX and over the loopback
-// (fault_channel.h). Only the seam's interfaces are used: what passes here is what a service
-// and its clients may count on whatever carries their calls. ctest label `contract`.
+// implementation of it: UCX over shared memory and over TCP (rpc.h), the stream transport over
+// plain TCP (stream.h), the in-process loopback (loopback.h), and the fault channel with no
+// fault planned over UCX, the stream transport and the loopback (fault_channel.h). Only the seam's
+// interfaces are used: what passes here is what a service and its clients may count on whatever
+// carries their calls. ctest label `contract`.
 //
 // ContractCoverage.EveryImplementationOfTheSeamRunsTheSuite reads the product's sources for
 // classes that implement Channel or Listener and fails for one no instantiation exercises; each
@@ -32,6 +33,7 @@
 #include "kvstash/transport/fault_channel.h"
 #include "kvstash/transport/loopback.h"
 #include "kvstash/transport/rpc.h"
+#include "kvstash/transport/stream.h"
 
 namespace kvstash::transport {
 namespace {
@@ -72,6 +74,19 @@ class UcxTransport : public Transport {
 
  private:
   std::string tls_;
+};
+
+class StreamTransport : public Transport {
+ public:
+  Result<std::unique_ptr<Listener>> Listen(ServerOptions options) override {
+    KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<StreamServer> server, StreamServer::Create(options));
+    return std::unique_ptr<Listener>(std::move(server));
+  }
+  Result<std::unique_ptr<Channel>> Connect(ClientOptions options) override {
+    options.connect_timeout = 5000ms;
+    KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<StreamClient> client, StreamClient::Create(options));
+    return std::unique_ptr<Channel>(std::move(client));
+  }
 };
 
 class LoopbackTransport : public Transport {
@@ -121,6 +136,10 @@ const std::vector<Implementation>& Implementations() {
   static const std::vector<Implementation> all = {
       {"ucx_shm", "RpcClient", "RpcServer", [] { return std::make_unique<UcxTransport>("shm"); }},
       {"ucx_tcp", "RpcClient", "RpcServer", [] { return std::make_unique<UcxTransport>("tcp"); }},
+      {"stream", "StreamClient", "StreamServer",
+       [] { return std::make_unique<StreamTransport>(); }},
+      {"fault_over_stream", "FaultChannel", "StreamServer",
+       [] { return std::make_unique<NoFaultTransport>(std::make_unique<StreamTransport>()); }},
       {"loopback", "LoopbackChannel", "LoopbackListener",
        [] { return std::make_unique<LoopbackTransport>(); }},
       {"fault_over_loopback", "FaultChannel", "LoopbackListener",

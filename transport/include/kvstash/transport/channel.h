@@ -46,6 +46,10 @@ struct TransportOptions {
   // A server's progress threads, each with its UCX worker, serving its connections (each
   // connection one thread's); 0: one per core, at most 4. Clients ignore it.
   size_t progress_threads = 0;
+  // The stream transport (stream.h) cuts off a peer that stops mid-frame (a header, message or
+  // payload begun and not finished, or a reply it does not read) for this long, freeing what
+  // the frame held (a tier slot, a call). UCX ignores it.
+  std::chrono::milliseconds stall_timeout{10000};
   // How long the progress thread spins without events before it sleeps on the event fd.
   std::chrono::microseconds spin_before_sleep{200};
   // While spinning, yield the core to any other runnable thread (sched_yield) between polls.

@@ -1,7 +1,8 @@
 #pragma once
 
 // The bootstrap socket's framing: each message is a 4-byte little-endian length and that many
-// bytes of protobuf (wire.Hello, wire.HelloReply). Private to transport/.
+// bytes of protobuf (wire.Hello, wire.HelloReply). Private to transport/ (the UCX and the stream
+// transports both say hello this way).
 
 #include <google/protobuf/message_lite.h>
 
