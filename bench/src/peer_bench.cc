@@ -30,6 +30,7 @@
 #include "commands.h"
 #include "kvstash/bench/harness.h"
 #include "kvstash/common/byte_units.h"
+#include "kvstash/transport/stream.h"
 #include "node_connection.h"
 #include "peer_clients.h"
 #include "peer_servers.h"
@@ -51,10 +52,13 @@ struct System {
   Store store;
   std::string_view tls;  // kvstash: its UCX transports
   bool unix_socket = false;
+  bool stream = false;  // kvstash: the stream transport (kvstashd --transport stream)
 };
 
 constexpr System kKvstashTcp = {"kvstash_tcp", "kvstash-tcp", "kvstash TCP", Store::kKvstash,
                                 "tcp"};
+constexpr System kKvstashStream = {
+    "kvstash_stream", "kvstash-stream", "kvstash stream (TCP)", Store::kKvstash, "", false, true};
 constexpr System kMemcachedTcp = {"memcached_tcp", "memcached-tcp", "memcached TCP",
                                   Store::kMemcached, ""};
 constexpr System kRedisTcp = {"redis_tcp", "redis-tcp", "Redis TCP", Store::kRedis, ""};
@@ -64,8 +68,8 @@ constexpr System kRedisUnix = {"redis_unix",  "redis-unix", "Redis unix socket",
                                Store::kRedis, "",           true};
 constexpr System kCopyLimit = {"copy_limit", "", "memory copy limit (same run)", Store::kCopy, ""};
 // The table's rows, in the order.
-constexpr const System* kSystems[] = {&kKvstashTcp, &kMemcachedTcp, &kRedisTcp, &kKvstashShm,
-                                      &kRedisUnix};
+constexpr const System* kSystems[] = {&kKvstashTcp, &kKvstashStream, &kMemcachedTcp,
+                                      &kRedisTcp,   &kKvstashShm,    &kRedisUnix};
 
 // A column of the table: blocks of one size from a number of clients.
 struct Cell {
@@ -86,14 +90,15 @@ std::string Figure(const System& system, const Cell& cell) {
 }
 std::string BestTcpPeer(const Cell& cell) { return "best_tcp_peer_" + cell.name; }
 std::string TcpRatio(const Cell& cell) { return "tcp_ratio_" + cell.name; }
+std::string StreamRatio(const Cell& cell) { return "stream_ratio_" + cell.name; }
 std::string ShmRatio(const Cell& cell) { return "shm_ratio_" + cell.name; }
 std::string ShmCopyRatio(const Cell& cell) { return "shm_copy_ratio_" + cell.name; }
 
 struct PeerFlags {
   std::vector<std::string> sizes = {"256KiB", "2MiB"};
   std::vector<int> clients = {1, 8};
-  std::vector<std::string> systems = {"kvstash-tcp", "memcached-tcp", "redis-tcp", "kvstash-shm",
-                                      "redis-unix"};
+  std::vector<std::string> systems = {"kvstash-tcp", "kvstash-stream", "memcached-tcp",
+                                      "redis-tcp",   "kvstash-shm",    "redis-unix"};
   double seconds = 2;
   int rounds = 5;
   double read_share = 0.5;
@@ -122,7 +127,8 @@ struct Plan {
   uint64_t cpu_bytes = 0;
   MemcachedProtocol memcached_protocol = MemcachedProtocol::kBinary;
   std::string kvstashd;
-  bool tcp_ratio = false, shm_ratio = false, shm_copy_ratio = false;
+  bool tcp_ratio = false, stream_ratio = false, shm_ratio = false, shm_copy_ratio = false;
+  bool best_tcp_peer = false;
 };
 
 bool Has(const Plan& plan, const System& system) {
@@ -144,11 +150,17 @@ BenchSpec PeerSpec(const Plan& plan) {
     }
     spec.figures.push_back(
         Higher(Figure(kCopyLimit, cell), "GB/s", fmt::format("the copy limit for {}", cell.label)));
-    if (plan.tcp_ratio) {
+    if (plan.best_tcp_peer) {
       spec.figures.push_back(Higher(BestTcpPeer(cell), "GB/s",
                                     "the faster of memcached TCP and Redis TCP in the round"));
+    }
+    if (plan.tcp_ratio) {
       spec.ratios.push_back(RatioOf(TcpRatio(cell), Figure(kKvstashTcp, cell), BestTcpPeer(cell),
                                     "kvstash TCP / the best TCP peer", 1.0));
+    }
+    if (plan.stream_ratio) {
+      spec.ratios.push_back(RatioOf(StreamRatio(cell), Figure(kKvstashStream, cell),
+                                    BestTcpPeer(cell), "kvstash stream / the best TCP peer", 1.0));
     }
     if (plan.shm_ratio) {
       spec.ratios.push_back(RatioOf(ShmRatio(cell), Figure(kKvstashShm, cell),
@@ -343,6 +355,14 @@ Result<LoadTotals> RunClients(const Context& context, const System& system, cons
         options.key_namespace = "bench";
         options.transport.tls = std::string(system.tls);
         options.worker = workers.Of(client);
+        if (system.stream) {
+          options.connect = [](const transport::ClientOptions& client_options)
+              -> Result<std::unique_ptr<transport::Channel>> {
+            KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<transport::StreamClient> stream,
+                                     transport::StreamClient::Create(client_options));
+            return std::unique_ptr<transport::Channel>(std::move(stream));
+          };
+        }
         return ConnectNodeClient(std::move(options));  // an overwrite would be skipped
       }
       case Store::kMemcached:
@@ -429,7 +449,7 @@ Result<Measurement> RunClientsInChild(const Context& context, const System& syst
     Json report;
     // Held past the report: their teardown is left to the kernel.
     auto* workers = new Result<ClientWorkers>(ClientWorkers::Create(0, "", 0));
-    if (system.store == Store::kKvstash) {
+    if (system.store == Store::kKvstash && !system.stream) {
       *workers = ClientWorkers::Create(flags.workers, std::string(system.tls), flags.spin_us);
     }
     const Result<LoadTotals> totals =
@@ -530,7 +550,7 @@ Result<Measurement> MeasureStore(const Context& context, const System& system, c
   switch (system.store) {
     case Store::kKvstash:
       settings.program = context.plan.kvstashd;
-      server = StartKvstashd(settings, std::string(system.tls));
+      server = StartKvstashd(settings, std::string(system.tls), system.stream);
       break;
     case Store::kMemcached:
       settings.program = flags.memcached;
@@ -588,8 +608,8 @@ Result<Plan> MakePlan(const PeerFlags& flags) {
                                  [&](const System* s) { return s->flag == flag; });
     if (it == std::end(kSystems)) {
       return InvalidArgumentError(
-          "--systems: '{}' is not one of kvstash-tcp, memcached-tcp, redis-tcp, kvstash-shm, "
-          "redis-unix",
+          "--systems: '{}' is not one of kvstash-tcp, kvstash-stream, memcached-tcp, redis-tcp, "
+          "kvstash-shm, redis-unix",
           flag);
     }
   }
@@ -623,7 +643,10 @@ Result<Plan> MakePlan(const PeerFlags& flags) {
   plan.memcached_protocol =
       flags.memcached_protocol == "ascii" ? MemcachedProtocol::kAscii : MemcachedProtocol::kBinary;
   plan.kvstashd = flags.kvstashd.empty() ? FindKvstashd() : flags.kvstashd;
-  plan.tcp_ratio = Has(plan, kKvstashTcp) && (Has(plan, kMemcachedTcp) || Has(plan, kRedisTcp));
+  const bool tcp_peer = Has(plan, kMemcachedTcp) || Has(plan, kRedisTcp);
+  plan.tcp_ratio = Has(plan, kKvstashTcp) && tcp_peer;
+  plan.stream_ratio = Has(plan, kKvstashStream) && tcp_peer;
+  plan.best_tcp_peer = plan.tcp_ratio || plan.stream_ratio;
   plan.shm_ratio = Has(plan, kKvstashShm) && Has(plan, kRedisUnix);
   plan.shm_copy_ratio = Has(plan, kKvstashShm);
   return plan;
@@ -650,6 +673,10 @@ std::string SummaryTable(const Report& report, const Plan& plan) {
   if (plan.tcp_ratio) {
     add("ratio kvstash TCP / best TCP peer",
         [&](const Cell& c) { return report.RatioMedian(TcpRatio(c)); });
+  }
+  if (plan.stream_ratio) {
+    add("ratio kvstash stream / best TCP peer",
+        [&](const Cell& c) { return report.RatioMedian(StreamRatio(c)); });
   }
   if (plan.shm_ratio) {
     add("ratio kvstash shm / Redis unix",
@@ -732,7 +759,7 @@ int RunBenchPeer(const PeerFlags& flags) {
         progress.Update(fmt::format("round {}/{}  {}  {}: {} GB/s", r, flags.rounds, cell.label,
                                     system->label, FormatFigure(gbps)));
       }
-      if (plan.tcp_ratio) {
+      if (plan.best_tcp_peer) {
         std::optional<double> best;
         for (const System* peer : {&kMemcachedTcp, &kRedisTcp}) {
           if (!Has(plan, *peer)) continue;
@@ -825,7 +852,8 @@ void AddBenchPeerCommand(CLI::App& bench, int* exit_code) {
       "peer",
       "kvstash against what users would run instead, on this machine in one run: for every "
       "cell (a block size from --sizes and a number of clients from --clients) and round, it "
-      "starts each store fresh on loopback (kvstashd over TCP and over shared memory, "
+      "starts each store fresh on loopback (kvstashd over UCX's TCP, over its own stream transport "
+      "and over shared memory, "
       "memcached over TCP, Redis over TCP and over a unix socket; each with --cpu-bytes of "
       "memory and evicting its least recently used blocks when full), waits --delay-s, runs "
       "`kvstash bench node`'s load against it for --seconds and stops it; then it measures "
@@ -846,8 +874,8 @@ void AddBenchPeerCommand(CLI::App& bench, int* exit_code) {
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--systems", flags->systems,
-                  "Systems to run: kvstash-tcp, memcached-tcp, redis-tcp, kvstash-shm, "
-                  "redis-unix")
+                  "Systems to run: kvstash-tcp (UCX over TCP), kvstash-stream (kvstashd "
+                  "--transport stream), memcached-tcp, redis-tcp, kvstash-shm, redis-unix")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--seconds", flags->seconds, "Load on each system per cell and round")
@@ -922,14 +950,14 @@ void AddBenchPeerCommand(CLI::App& bench, int* exit_code) {
       "Figures (table rows and --json keys), each the median over rounds, per cell <size>_x<n> "
       "(256KiB_x8: blocks of 256 KiB from 8 clients):\n"
       "  <system>_<cell> (GB/s, higher is better): bytes the store took and gave (puts + reads) "
-      "per second of load, over all clients; systems kvstash_tcp, memcached_tcp, redis_tcp, "
-      "kvstash_shm, redis_unix\n"
+      "per second of load, over all clients; systems kvstash_tcp, kvstash_stream, memcached_tcp, "
+      "redis_tcp, kvstash_shm, redis_unix\n"
       "  copy_limit_<cell> (GB/s): one thread of this process copying blocks of the size into a "
       "region of --cpu-bytes (at most 1 GiB) in a scattered order\n"
       "  best_tcp_peer_<cell> (GB/s): the faster of memcached_tcp and redis_tcp in the round\n"
-      "  tcp_ratio_<cell> = kvstash_tcp / best_tcp_peer, shm_ratio_<cell> = kvstash_shm / "
-      "redis_unix, shm_copy_ratio_<cell> = kvstash_shm / copy_limit: the medians of the rounds' "
-      "own ratios (goals 1, 1 and 0.6)\n"
+      "  tcp_ratio_<cell> = kvstash_tcp / best_tcp_peer, stream_ratio_<cell> = kvstash_stream / "
+      "best_tcp_peer, shm_ratio_<cell> = kvstash_shm / redis_unix, shm_copy_ratio_<cell> = "
+      "kvstash_shm / copy_limit: the medians of the rounds' own ratios (goals 1, 1, 1 and 0.6)\n"
       "--json also carries the settings, \"orders\" (each round's order of systems), "
       "\"outcomes\" (per system: puts, gets, get_misses, errors, mismatches, seconds over all "
       "rounds), and the totals \"errors\" and \"mismatches\".\n"

@@ -176,22 +176,25 @@ int StoreServer::Stop() {
 }
 
 Result<std::unique_ptr<StoreServer>> StartKvstashd(const StoreSettings& settings,
-                                                   const std::string& tls) {
-  const std::vector<std::string> argv = {settings.program,
-                                         "--listen",
-                                         "127.0.0.1",
-                                         "--port",
-                                         "0",
-                                         "--metrics-address",
-                                         "off",
-                                         "--log-level",
-                                         "warn",
-                                         "--tls",
-                                         tls,
-                                         "--block-bytes",
-                                         std::to_string(settings.block_bytes),
-                                         "--cpu-bytes",
-                                         std::to_string(settings.memory_bytes)};
+                                                   const std::string& tls, bool stream) {
+  std::vector<std::string> argv = {settings.program,
+                                   "--listen",
+                                   "127.0.0.1",
+                                   "--port",
+                                   "0",
+                                   "--metrics-address",
+                                   "off",
+                                   "--log-level",
+                                   "warn",
+                                   "--block-bytes",
+                                   std::to_string(settings.block_bytes),
+                                   "--cpu-bytes",
+                                   std::to_string(settings.memory_bytes)};
+  if (stream) {
+    argv.insert(argv.end(), {"--transport", "stream"});
+  } else {
+    argv.insert(argv.end(), {"--tls", tls});
+  }
   // UCX may print before it; the start line names the port.
   constexpr std::string_view kStart = "kvstashd listening on 127.0.0.1:";
   return StartAndWait(

@@ -52,10 +52,10 @@ struct StoreSettings {
   const std::atomic<bool>* cancel = nullptr;
 };
 
-// kvstashd with a CPU tier of memory_bytes, blocks of block_bytes, UCX transports `tls`, on a
-// port it picks (--port 0, read from its start line).
+// kvstashd with a CPU tier of memory_bytes, blocks of block_bytes, UCX transports `tls` (or
+// the stream transport when `stream`), on a port it picks (--port 0, read from its start line).
 Result<std::unique_ptr<StoreServer>> StartKvstashd(const StoreSettings& settings,
-                                                   const std::string& tls);
+                                                   const std::string& tls, bool stream = false);
 // redis-server as a cache: no persistence (--save '', --appendonly no), --maxmemory
 // memory_bytes with allkeys-lru, on a free TCP port and a unix socket in settings.dir.
 Result<std::unique_ptr<StoreServer>> StartRedis(const StoreSettings& settings);

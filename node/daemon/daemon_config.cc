@@ -11,6 +11,7 @@
 
 #include "kvstash/common/byte_units.h"
 #include "kvstash/common/token_file.h"
+#include "kvstash/transport/stream.h"
 
 namespace kvstash::node {
 
@@ -23,6 +24,13 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
   app.add_option("--listen", flags.listen, "Address to listen on (TCP bootstrap of every client)")
       ->capture_default_str();
   app.add_option("--port", flags.port, "Port to listen on (0: any free port, printed at start)")
+      ->capture_default_str();
+  app.add_option("--transport", flags.transport,
+                 "What carries the calls: ucx (UCX: shared memory with clients on this host, "
+                 "TCP or InfiniBand across hosts, as --tls says) or stream (kvstash's own over "
+                 "plain TCP, one socket per client; no memory shared, so the node maps its own "
+                 "tier and faults it in before it listens). Over TCP, UCX 1.13 can abort a client "
+                 "process when a node stalls or dies mid-transfer; stream never does")
       ->capture_default_str();
   app.add_option("--tls", flags.tls,
                  "UCX transports for block traffic, as UCX_TLS names them (shm, tcp, "
@@ -348,6 +356,20 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   options.server.bind_address = flags.listen;
   options.server.port = static_cast<uint16_t>(flags.port);
   options.server.transport.tls = flags.tls;
+  if (flags.transport == "stream") {
+    if (!flags.tls.empty()) {
+      return InvalidArgumentError("tls: '{}' names UCX transports, and transport is stream",
+                                  flags.tls);
+    }
+    options.listen =
+        [](const transport::ServerOptions& server) -> Result<std::unique_ptr<transport::Listener>> {
+      KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<transport::StreamServer> stream,
+                               transport::StreamServer::Create(server));
+      return std::unique_ptr<transport::Listener>(std::move(stream));
+    };
+  } else if (flags.transport != "ucx") {
+    return InvalidArgumentError("transport: '{}' is not ucx or stream", flags.transport);
+  }
   KVSTASH_ASSIGN_OR_RETURN(const uint64_t block, ParseBytes("block-bytes", flags.block_bytes));
   if (block < 4096 || block > (uint64_t{1} << 30)) {
     return InvalidArgumentError("block-bytes: {} is outside 4KiB..1GiB", FormatBytes(block));

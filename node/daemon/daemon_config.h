@@ -23,7 +23,8 @@ inline constexpr uint16_t kDefaultPort = 7373;
 struct DaemonFlags {
   std::string listen = "127.0.0.1";
   int port = kDefaultPort;
-  std::string tls;  // UCX transports; empty: UCX_TLS or UCX's choice
+  std::string transport = "ucx";  // ucx or stream (transport/stream.h)
+  std::string tls;                // UCX transports; empty: UCX_TLS or UCX's choice
   std::string block_bytes = "256KiB";
   std::string cpu_bytes = "1GiB";
   std::string cpu_policy = "lru";

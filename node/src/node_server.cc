@@ -232,6 +232,10 @@ class NodeServer::Impl {
       // The page size of the tier is the node's to choose, not the allocator's (UCX backs
       // memory for TCP alone with huge pages): set before any page is faulted in.
       AdviseHugePages(cpu_region_.bytes(), options_.store.huge_pages);
+    } else if (!region.ok() && region.status().code() == StatusCode::kUnimplemented) {
+      // A transport that shares no memory (the stream transport, the loopback): every payload
+      // is copied through it anyway.
+      KVSTASH_LOG_INFO("the transport shares no memory: the store maps its own CPU tier");
     } else {
       KVSTASH_LOG_WARN(
           "cannot allocate the CPU tier's {} bytes through the transport ({}); the store maps "

@@ -53,6 +53,35 @@ TEST(KvstashdTest, ServesThenStopsCleanlyOnSigterm) {
   }
 }
 
+// kvstashd --transport stream serves blocks over its own TCP framing, checks tokens as over
+// UCX, and tells a UCX client that connects what to do instead.
+TEST(KvstashdTest, ServesOverTheStreamTransportAndTellsAUcxClientToUseIt) {
+  Daemon daemon({"--transport", "stream", "--auth-token", "s3cret"});
+  ASSERT_NE(daemon.port(), 0);
+  NodeTestClient client(daemon.port(), "tenant", "s3cret", "stream", kBlock);
+  ASSERT_TRUE(client.ok());
+  client.Store({1, 2, 3});
+  EXPECT_THAT(client.PerKey({1, 2, 3, 4}),
+              ::testing::ElementsAre(wire::LOOKUP_HIT, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
+                                     wire::LOOKUP_MISS));
+  EXPECT_TRUE(client.ReadBack(1));
+  EXPECT_TRUE(client.ReadBack(3));
+
+  NodeTestClient intruder(daemon.port(), "tenant", "wrong", "stream", kBlock);
+  wire::LookupRequest lookup;
+  *lookup.add_keys() = ::kvstash::testing::WireKey(1);
+  wire::LookupReply reply;
+  EXPECT_EQ(intruder.Call(wire::METHOD_LOOKUP, lookup, &reply).code(),
+            StatusCode::kUnauthenticated);
+
+  NodeTestClient ucx(daemon.port(), "tenant", "s3cret", "tcp", kBlock);
+  const Status refused = ucx.rpc().Connect();
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+  EXPECT_THAT(refused.message(), HasSubstr("stream transport"));
+  EXPECT_TRUE(client.ReadBack(2));  // the node still serves
+  EXPECT_EQ(daemon.process().Kill(SIGTERM), 0);
+}
+
 // GET http://127.0.0.1:port/path: the response body, or "" when the request fails.
 std::string HttpGet(uint16_t port, const std::string& path) {
   const int fd = ::kvstash::testing::ConnectLoopback(port);
@@ -432,6 +461,8 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
       {{"--default-namespace-quota", "4GiB"}, "default-namespace-quota"},
       {{"--config", bad_quota}, "namespace-quota"},
       {{"--no-such-flag"}, "--no-such-flag"},
+      {{"--transport", "rdma"}, "transport: 'rdma' is not ucx or stream"},
+      {{"--transport", "stream", "--tls", "tcp"}, "'tcp' names UCX transports"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {kKvstashd};
@@ -452,6 +483,7 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
   for (const char* flag : {"--config",
                            "--listen",
                            "--port",
+                           "--transport",
                            "--tls",
                            "--block-bytes",
                            "--cpu-bytes",

@@ -1,11 +1,12 @@
 #pragma once
 
-// A test's view of a node: wire-level calls over an RpcClient (the connector's node client is
-// not written yet), with blocks of FillPattern(key).
+// A test's view of a node: wire-level calls over an RpcClient, or a StreamClient for a node of
+// kvstashd --transport stream (tls "stream"), with blocks of FillPattern(key).
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kvstash/common/hash.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/rpc.h"
+#include "kvstash/transport/stream.h"
 
 namespace kvstash::testing {
 
@@ -34,6 +36,12 @@ class NodeTestClient {
     options.port = port;
     options.auth_token = token;
     options.tenant = ns;
+    if (tls == "stream") {
+      auto stream = transport::StreamClient::Create(options);
+      EXPECT_TRUE(stream.ok()) << stream.status().ToString();
+      if (stream.ok()) stream_ = std::move(*stream);
+      return;
+    }
     options.transport.tls = tls;
     auto client = transport::RpcClient::Create(options);
     EXPECT_TRUE(client.ok()) << client.status().ToString();
@@ -41,7 +49,7 @@ class NodeTestClient {
   }
 
   transport::RpcClient& rpc() { return *client_; }
-  bool ok() const { return client_ != nullptr; }
+  bool ok() const { return client_ != nullptr || stream_ != nullptr; }
 
   template <typename Request, typename Reply>
   Status Call(wire::Method method, const Request& request, Reply* reply,
@@ -49,8 +57,11 @@ class NodeTestClient {
     options.deadline = transport::Clock::now() + std::chrono::seconds(10);
     const std::string bytes = request.SerializeAsString();
     std::vector<std::byte> out;
-    const Status status = client_->CallSync(
-        static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)), options, &out, payload);
+    const Status status =
+        stream_ ? StreamCall(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)),
+                             options, &out, payload)
+                : client_->CallSync(static_cast<uint16_t>(method), std::as_bytes(std::span(bytes)),
+                                    options, &out, payload);
     if (status.ok() && reply != nullptr &&
         !reply->ParseFromArray(out.data(), static_cast<int>(out.size()))) {
       return InternalError("unparseable reply");
@@ -108,8 +119,21 @@ class NodeTestClient {
   }
 
  private:
+  Status StreamCall(uint16_t method, transport::Bytes request,
+                    const transport::CallOptions& options, std::vector<std::byte>* out,
+                    size_t* payload) {
+    std::promise<Status> done;
+    stream_->Call(method, request, options, [&](const transport::Response& r) {
+      out->assign(r.message.begin(), r.message.end());
+      if (payload != nullptr) *payload = r.payload_bytes;
+      done.set_value(r.status);
+    });
+    return done.get_future().get();
+  }
+
   size_t block_bytes_;
   std::unique_ptr<transport::RpcClient> client_;
+  std::unique_ptr<transport::StreamClient> stream_;  // when tls is stream
 };
 
 }  // namespace kvstash::testing
