@@ -341,7 +341,7 @@ class StreamClient::Impl : public std::enable_shared_from_this<StreamClient::Imp
       auto self = weak.lock();
       if (!self || self->attempt_ != attempt || self->state_ != State::kConnecting) return;
       if (!status.ok()) {
-        self->FailConnect(std::move(status));
+        self->FailConnect(status);
         return;
       }
       AsyncReadMessage(*self->socket_, [weak, attempt](Status s, std::string body) {
