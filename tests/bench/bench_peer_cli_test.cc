@@ -35,8 +35,8 @@ using namespace std::chrono_literals;
 
 const std::string kKvstash = testing::CliPath();
 const std::string kKvstashd = testing::KvstashdPath();
-const std::vector<std::string> kSystems = {"kvstash_tcp", "memcached_tcp", "redis_tcp",
-                                           "kvstash_shm", "redis_unix"};
+const std::vector<std::string> kSystems = {"kvstash_tcp", "kvstash_stream", "memcached_tcp",
+                                           "redis_tcp",   "kvstash_shm",    "redis_unix"};
 
 // One small cell (blocks of 64 KiB from 2 clients), one round of half a second, small stores.
 std::vector<std::string> ShortRun(std::vector<std::string> extra,
@@ -123,6 +123,7 @@ TEST(BenchPeerCliTest, ShortRunCarriesEveryFigure) {
       Number(doc, "best_tcp_peer_64KiB_x2"),
       std::max(Number(doc, "memcached_tcp_64KiB_x2"), Number(doc, "redis_tcp_64KiB_x2")));
   ExpectRatio(doc, "tcp_ratio_64KiB_x2", "kvstash_tcp_64KiB_x2", "best_tcp_peer_64KiB_x2");
+  ExpectRatio(doc, "stream_ratio_64KiB_x2", "kvstash_stream_64KiB_x2", "best_tcp_peer_64KiB_x2");
   ExpectRatio(doc, "shm_ratio_64KiB_x2", "kvstash_shm_64KiB_x2", "redis_unix_64KiB_x2");
   ExpectRatio(doc, "shm_copy_ratio_64KiB_x2", "kvstash_shm_64KiB_x2", "copy_limit_64KiB_x2");
   // The round's order: every system and the copy limit once.
