@@ -29,6 +29,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "call_helpers.h"
 #include "kvstash/transport/channel.h"
 #include "kvstash/transport/fault_channel.h"
 #include "kvstash/transport/loopback.h"
@@ -39,6 +40,14 @@ namespace kvstash::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using test_calls::AsBytes;
+using test_calls::AsString;
+using test_calls::Await;
+using test_calls::CallAndWait;
+using test_calls::Outcome;
+using test_calls::Start;
+using test_calls::WaitFor;
+using test_calls::Within;
 using ::testing::HasSubstr;
 
 constexpr uint16_t kEcho = 1;   // replies with the request
@@ -159,66 +168,6 @@ std::string ClassOf(const T& object) {
   std::free(demangled);
   if (const size_t colon = name.rfind("::"); colon != std::string::npos) name.erase(0, colon + 2);
   return name;
-}
-
-Bytes AsBytes(std::string_view s) { return std::as_bytes(std::span(s)); }
-std::string AsString(Bytes b) {
-  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
-}
-
-struct Outcome {
-  Status status;
-  std::string message;
-  size_t payload_bytes = 0;
-};
-
-CallOptions Within(std::chrono::milliseconds timeout) {
-  CallOptions options;
-  options.deadline = Clock::now() + timeout;
-  return options;
-}
-
-// Starts a call; its outcome, once, through the future. A second completion fails the test.
-std::future<Outcome> Start(Channel& channel, uint16_t method, std::string_view request,
-                           CallOptions options, uint64_t* id = nullptr) {
-  auto promise = std::make_shared<std::promise<Outcome>>();
-  auto completions = std::make_shared<std::atomic<int>>(0);
-  std::future<Outcome> future = promise->get_future();
-  const uint64_t call_id =
-      channel.Call(method, AsBytes(request), options, [promise, completions](const Response& r) {
-        if (completions->fetch_add(1) != 0) {
-          ADD_FAILURE() << "a call completed twice, the second time with " << r.status.ToString();
-          return;
-        }
-        promise->set_value(Outcome{r.status, AsString(r.message), r.payload_bytes});
-      });
-  if (id != nullptr) *id = call_id;
-  return future;
-}
-
-// Waits for a call's outcome, at most `wait`: a call that never completes fails the test
-// instead of hanging it.
-Outcome Await(std::future<Outcome> future, std::chrono::seconds wait = 20s) {
-  if (future.wait_for(wait) != std::future_status::ready) {
-    ADD_FAILURE() << "a call did not complete within " << wait.count() << " s";
-    return Outcome{DeadlineExceededError("the test gave up waiting"), {}, 0};
-  }
-  return future.get();
-}
-
-Outcome CallAndWait(Channel& channel, uint16_t method, std::string_view request,
-                    CallOptions options = Within(10s)) {
-  return Await(Start(channel, method, request, options));
-}
-
-// Waits until `condition` holds, at most `wait`.
-bool WaitFor(const std::function<bool()>& condition, std::chrono::seconds wait = 20s) {
-  const auto give_up = Clock::now() + wait;
-  while (!condition()) {
-    if (Clock::now() > give_up) return false;
-    std::this_thread::sleep_for(2ms);
-  }
-  return true;
 }
 
 class ContractTest : public ::testing::TestWithParam<Implementation> {

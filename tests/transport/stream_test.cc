@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "call_helpers.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/channel.h"
 #include "stream_frame.h"
@@ -42,6 +43,14 @@ using namespace std::chrono_literals;
 using stream::kStreamHeaderBytes;
 using stream::StreamHeader;
 using stream::StreamKind;
+using test_calls::AsBytes;
+using test_calls::AsString;
+using test_calls::Await;
+using test_calls::CallAndWait;
+using test_calls::Outcome;
+using test_calls::Start;
+using test_calls::WaitFor;
+using test_calls::Within;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
@@ -57,11 +66,6 @@ constexpr size_t kMiB = size_t{1} << 20;
 constexpr size_t kMaxMessage = 64 << 10;  // the server's limits in these tests
 constexpr size_t kMaxPayload = 48 * kMiB;
 
-Bytes AsBytes(std::string_view s) { return std::as_bytes(std::span(s)); }
-std::string AsString(Bytes b) {
-  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
-}
-
 // The byte at offset i of the payloads of these tests: no run of it repeats at a short period,
 // so a payload shifted or mixed with another shows.
 std::byte Pattern(size_t i) { return std::byte((i * 131 + (i >> 12)) & 0xff); }
@@ -69,16 +73,6 @@ std::vector<std::byte> PatternBlock(size_t bytes) {
   std::vector<std::byte> block(bytes);
   for (size_t i = 0; i < bytes; ++i) block[i] = Pattern(i);
   return block;
-}
-
-// Waits until `condition` holds, at most `wait`.
-bool WaitFor(const std::function<bool()>& condition, std::chrono::milliseconds wait = 20s) {
-  const auto give_up = Clock::now() + wait;
-  while (!condition()) {
-    if (Clock::now() > give_up) return false;
-    std::this_thread::sleep_for(2ms);
-  }
-  return true;
 }
 
 // ---- Raw sockets -------------------------------------------------------------------------------
@@ -316,50 +310,6 @@ std::optional<ReadFrame> ReadFrameFrom(RawSocket& s, bool server,
     return std::nullopt;
   }
   return frame;
-}
-
-// ---- Calls ----------------------------------------------------------------------------------
-
-struct Outcome {
-  Status status;
-  std::string message;
-  size_t payload_bytes = 0;
-};
-
-CallOptions Within(std::chrono::milliseconds timeout) {
-  CallOptions options;
-  options.deadline = Clock::now() + timeout;
-  return options;
-}
-
-// Starts a call; its outcome, once, through the future. A second completion fails the test.
-std::future<Outcome> Start(Channel& channel, uint16_t method, std::string_view request,
-                           CallOptions options) {
-  auto promise = std::make_shared<std::promise<Outcome>>();
-  auto completions = std::make_shared<std::atomic<int>>(0);
-  std::future<Outcome> future = promise->get_future();
-  channel.Call(method, AsBytes(request), options, [promise, completions](const Response& r) {
-    if (completions->fetch_add(1) != 0) {
-      ADD_FAILURE() << "a call completed twice, the second time with " << r.status.ToString();
-      return;
-    }
-    promise->set_value(Outcome{r.status, AsString(r.message), r.payload_bytes});
-  });
-  return future;
-}
-
-// A call's outcome, at most `wait` away: a call that never completes fails the test.
-Outcome Await(std::future<Outcome> future, std::chrono::seconds wait = 20s) {
-  if (future.wait_for(wait) != std::future_status::ready) {
-    ADD_FAILURE() << "a call did not complete within " << wait.count() << " s";
-    return Outcome{DeadlineExceededError("the test gave up waiting"), {}, 0};
-  }
-  return future.get();
-}
-
-Outcome CallAndWait(Channel& channel, uint16_t method, std::string_view request,
-                    CallOptions options = Within(10s)) {
-  return Await(Start(channel, method, request, options));
 }
 
 // ---- A real server, raw clients ---------------------------------------------------------------
