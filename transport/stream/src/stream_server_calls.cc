@@ -176,8 +176,6 @@ void StreamConnection::Answered(uint64_t request_id) {
 }
 
 void StreamConnection::OnClosed(const Status& why, bool malformed) {
-  if (closed_) return;
-  closed_ = true;
   for (auto& [id, weak] : calls_) {
     if (auto call = weak.lock()) call->MarkCancelled();
   }

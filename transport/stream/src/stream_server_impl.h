@@ -125,7 +125,6 @@ class StreamConnection : public std::enable_shared_from_this<StreamConnection> {
   const std::shared_ptr<ServerShared> shared_;
   std::shared_ptr<FrameStream> stream_;
   std::unordered_map<uint64_t, std::weak_ptr<StreamCall>> calls_;  // unanswered
-  bool closed_ = false;
   Mutex inline_mu_;  // Run's work after the server stopped, one at a time
 };
 
