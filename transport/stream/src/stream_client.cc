@@ -17,13 +17,24 @@
 #include "kvstash/common/mutex.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/stream.h"
-#include "wire_error.h"
 
 namespace kvstash::transport {
 
 using stream::FrameStream;
 using stream::StreamHeader;
 using stream::StreamKind;
+
+namespace {
+
+Status StatusFromWireError(uint16_t code, Bytes message) {
+  wire::Error error;
+  if (!error.ParseFromArray(message.data(), static_cast<int>(message.size()))) {
+    return Status(static_cast<StatusCode>(code), "(unparseable error message from the server)");
+  }
+  return Status(static_cast<StatusCode>(code), error.message());
+}
+
+}  // namespace
 
 // Everything runs on the client's one io thread; Call, Cancel, ConnectAsync and Reset post
 // there (or run inline when already there). Held by shared_ptr; handlers hold it weakly, so
@@ -224,7 +235,7 @@ class StreamClient::Impl : public std::enable_shared_from_this<StreamClient::Imp
     }
     Pending& call = it->second;
     if (header.status != 0) {
-      Complete(header.request_id, internal::StatusFromWireError(header.status, message), {}, 0);
+      Complete(header.request_id, StatusFromWireError(header.status, message), {}, 0);
       return;
     }
     const size_t n = header.payload_bytes;

@@ -7,7 +7,6 @@
 #include "kvstash/common/logging.h"
 #include "kvstash/proto/wire.pb.h"
 #include "stream_server_impl.h"
-#include "wire_error.h"
 
 namespace kvstash::transport::stream {
 
@@ -61,17 +60,22 @@ void StreamCall::Reply(Bytes message, Bytes payload, const MemoryRegion*,
 }
 
 void StreamCall::ReplyError(const Status& status) {
-  const Status error = status.ok() ? InternalError("an error reply with status OK") : status;
-  connection_->Run([self = shared_from_this(), error] {
-    self->Answer(error, internal::WireErrorBytes(error), {}, nullptr);
+  wire::Error error;
+  error.set_code(static_cast<wire::Code>(status.code()));
+  error.set_message(std::string(status.message()));
+  const Status code = status.ok() ? InternalError("an error reply with status OK") : status;
+  connection_->Run([self = shared_from_this(), code, bytes = error.SerializeAsString()]() mutable {
+    self->Answer(code, std::move(bytes), {}, nullptr);
   });
 }
 
 void StreamCall::Drop() {
   connection_->Run([self = shared_from_this()] {
     if (self->answered_) return;
-    const Status error = InternalError("the server's handler let the call go unanswered");
-    self->Answer(error, internal::WireErrorBytes(error), {}, nullptr);
+    wire::Error error;
+    error.set_code(wire::INTERNAL);
+    error.set_message("the server's handler let the call go unanswered");
+    self->Answer(InternalError("unanswered"), error.SerializeAsString(), {}, nullptr);
   });
 }
 

@@ -69,6 +69,14 @@ Status CheckCall(const PendingCall& call, const Worker& worker) {
   return Status::OK();
 }
 
+Status StatusFromWireError(uint16_t code, Bytes message) {
+  wire::Error error;
+  if (!error.ParseFromArray(message.data(), static_cast<int>(message.size()))) {
+    return Status(static_cast<StatusCode>(code), "(unparseable error message from the server)");
+  }
+  return Status(static_cast<StatusCode>(code), error.message());
+}
+
 TransportStats ClientCounters::Snapshot() const {
   TransportStats s;
   s.calls = calls_started.load();

@@ -22,7 +22,6 @@
 #include "kvstash/common/status.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/transport/rpc.h"
-#include "wire_error.h"
 #include "worker.h"
 
 namespace kvstash::transport::internal {
@@ -85,6 +84,10 @@ struct LooseSend {
   std::vector<std::byte> data;
   std::function<void(Status)> sent;  // when UCX has finished the send; may be empty
 };
+
+// The status a server's error reply carries: `code`, with the message of the wire::Error in
+// `message` (or a note that it did not parse).
+Status StatusFromWireError(uint16_t code, Bytes message);
 
 // A client's counters (RpcClient::stats). Each part of the client adds to its own; read from
 // any thread.

@@ -13,7 +13,6 @@
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "rpc_server_impl.h"
-#include "wire_error.h"
 #include "worker.h"
 
 namespace kvstash::transport {
@@ -100,7 +99,10 @@ void ReplySender::Reply(const std::shared_ptr<UcxCall>& state, StatusCode code, 
 }
 
 void ReplySender::ReplyStatus(const std::shared_ptr<UcxCall>& state, const Status& status) {
-  const std::string bytes = internal::WireErrorBytes(status);
+  wire::Error error;
+  error.set_code(internal::ToWire(status.code()));
+  error.set_message(std::string(status.message()));
+  const std::string bytes = error.SerializeAsString();
   Reply(state, status.code(), std::as_bytes(std::span(bytes)), {}, nullptr, {});
 }
 
