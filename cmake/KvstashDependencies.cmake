@@ -37,5 +37,8 @@ pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 pkg_check_modules(LIBCRYPTO REQUIRED IMPORTED_TARGET libcrypto)
 find_program(KVSTASH_UCX_PERFTEST ucx_perftest)
 # The clients of the stores `kvstash bench peer` compares kvstash with (Redis, memcached).
+# KV events (events/): ZMQ's sockets and msgpack-c's encoding, both C libraries.
+pkg_check_modules(ZMQ REQUIRED IMPORTED_TARGET libzmq)
+pkg_check_modules(MSGPACK REQUIRED IMPORTED_TARGET msgpack)
 pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
 pkg_check_modules(LIBMEMCACHED REQUIRED IMPORTED_TARGET libmemcached)

@@ -35,6 +35,15 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
   app.add_option("--tls", flags.tls,
                  "UCX transports for block traffic, as UCX_TLS names them (shm, tcp, "
                  "shm,tcp...). Default: UCX_TLS, else UCX's own choice");
+  app.add_option("--kv-events", flags.kv_events,
+                 "Publish what the node stores and removes, in vLLM's KV events schema, on this "
+                 "ZMQ endpoint (PUB; tcp://*:5557 binds, tcp://HOST:PORT connects to a "
+                 "subscriber that binds): one topic per namespace, its name; media CPU and SSD "
+                 "(docs/semantics.md §19). Default: off");
+  app.add_option("--kv-events-replay", flags.kv_events_replay,
+                 "With --kv-events: a ZMQ ROUTER endpoint (bound, e.g. tcp://*:5558) that "
+                 "replays buffered event batches from a sequence number, as vLLM's publisher "
+                 "does");
   app.add_option("--block-bytes", flags.block_bytes,
                  "Size of every block this node stores (clients learn it at hello); 4KiB..1GiB")
       ->capture_default_str();
@@ -370,6 +379,11 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   } else if (flags.transport != "ucx") {
     return InvalidArgumentError("transport: '{}' is not ucx or stream", flags.transport);
   }
+  if (!flags.kv_events_replay.empty() && flags.kv_events.empty()) {
+    return InvalidArgumentError("kv-events-replay: '{}' needs --kv-events", flags.kv_events_replay);
+  }
+  options.kv_events.publisher.endpoint = flags.kv_events;
+  options.kv_events.publisher.replay_endpoint = flags.kv_events_replay;
   KVSTASH_ASSIGN_OR_RETURN(const uint64_t block, ParseBytes("block-bytes", flags.block_bytes));
   if (block < 4096 || block > (uint64_t{1} << 30)) {
     return InvalidArgumentError("block-bytes: {} is outside 4KiB..1GiB", FormatBytes(block));

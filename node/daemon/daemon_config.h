@@ -25,6 +25,8 @@ struct DaemonFlags {
   int port = kDefaultPort;
   std::string transport = "ucx";  // ucx or stream (transport/stream.h)
   std::string tls;                // UCX transports; empty: UCX_TLS or UCX's choice
+  std::string kv_events;          // ZMQ endpoint of the KV events' PUB socket; empty: off
+  std::string kv_events_replay;   // ZMQ endpoint of their replay ROUTER; empty: none
   std::string block_bytes = "256KiB";
   std::string cpu_bytes = "1GiB";
   std::string cpu_policy = "lru";

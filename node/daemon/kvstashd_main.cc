@@ -248,6 +248,12 @@ int main(int argc, char** argv) {
                             : std::string("none")));
   std::cout << "kvstashd listening on " << options->server.bind_address << ":" << server->port()
             << std::endl;
+  if (const events::EventPublisher* events = server->kv_events()) {
+    std::cout << "kvstashd KV events on " << events->endpoint()
+              << (events->replay_endpoint().empty() ? ""
+                                                    : ", replay on " + events->replay_endpoint())
+              << std::endl;
+  }
   // Joins the cluster once it serves: a client that learns of it from etcd can connect at once.
   std::unique_ptr<membership::Registration> registration;
   if (registration_options->has_value()) {

@@ -29,6 +29,8 @@ Value NodeValue(const Snapshot& s) {
   [](const Snapshot& s) -> Value { return s.transport ? Value(s.transport->expr) : std::nullopt; }
 #define KVSTASH_MEMORY(expr) \
   [](const Snapshot& s) -> Value { return s.memory ? Value(s.memory->expr) : std::nullopt; }
+#define KVSTASH_EVENTS(expr) \
+  [](const Snapshot& s) -> Value { return s.events ? Value(s.events->expr) : std::nullopt; }
 
 const MetricFamilyDef kBlocks{"kvstash_blocks", MetricType::Gauge, "Blocks held, by tier"};
 const MetricFamilyDef kBytes{"kvstash_bytes", MetricType::Gauge,
@@ -94,6 +96,16 @@ const MetricFamilyDef kForeignFrames{"kvstash_foreign_frames_total", MetricType:
 const MetricFamilyDef kAcceptPauses{"kvstash_accept_pauses_total", MetricType::Counter,
                                     "Failed accepts (no file descriptors or memory) after which "
                                     "the node paused accepting"};
+
+const MetricFamilyDef kEventBatches{"kvstash_kv_event_batches_total", MetricType::Counter,
+                                    "KV event batches, by outcome: sent, dropped (the queue was "
+                                    "full; their sequence numbers skipped) or replayed"};
+const MetricFamilyDef kEventReplays{"kvstash_kv_event_replays_total", MetricType::Counter,
+                                    "KV event replay requests, by outcome: served or refused "
+                                    "(malformed)"};
+const MetricFamilyDef kEventLosses{"kvstash_kv_event_losses_total", MetricType::Counter,
+                                   "Times the store dropped undrained events, after which every "
+                                   "topic started over with AllBlocksCleared"};
 
 using N = NodeCounter;
 
@@ -170,6 +182,25 @@ const std::vector<CounterDef>& Defs() {
       // The CPU tier's memory.
       {"cpu.memory_bytes", KVSTASH_MEMORY(total), &kMemory, {{"state", "total"}}},
       {"cpu.faulted_bytes", KVSTASH_MEMORY(faulted), &kMemory, {{"state", "faulted"}}},
+      // KV events.
+      {"events.batches_sent", KVSTASH_EVENTS(batches_sent), &kEventBatches, {{"outcome", "sent"}}},
+      {"events.batches_dropped",
+       KVSTASH_EVENTS(batches_dropped),
+       &kEventBatches,
+       {{"outcome", "dropped"}}},
+      {"events.batches_replayed",
+       KVSTASH_EVENTS(batches_replayed),
+       &kEventBatches,
+       {{"outcome", "replayed"}}},
+      {"events.replays_served",
+       KVSTASH_EVENTS(replays_served),
+       &kEventReplays,
+       {{"outcome", "served"}}},
+      {"events.replays_refused",
+       KVSTASH_EVENTS(replays_refused),
+       &kEventReplays,
+       {{"outcome", "refused"}}},
+      {"events.losses", KVSTASH_EVENTS(rounds_lost), &kEventLosses, {}},
   };
   return defs;
 }
@@ -178,6 +209,7 @@ const std::vector<CounterDef>& Defs() {
 #undef KVSTASH_ARC
 #undef KVSTASH_TRANSPORT
 #undef KVSTASH_MEMORY
+#undef KVSTASH_EVENTS
 
 }  // namespace
 

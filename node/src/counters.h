@@ -85,6 +85,12 @@ struct CounterSnapshot {
     uint64_t total = 0, faulted = 0;
   };
   std::optional<Memory> memory;
+  // KV events (kv_event_pump.h), when the node publishes them.
+  struct Events {
+    uint64_t batches_sent = 0, batches_dropped = 0, batches_replayed = 0;
+    uint64_t replays_served = 0, replays_refused = 0, rounds_lost = 0;
+  };
+  std::optional<Events> events;
 };
 
 // Reads the store's side of a snapshot.

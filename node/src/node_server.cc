@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "counters.h"
+#include "kv_event_pump.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/memory_warmer.h"
@@ -196,6 +197,7 @@ class NodeServer::Impl {
     // still exists. The warmer stops first (within one chunk), at any moment of its work.
     warmer_.reset();
     if (server_) server_->Stop();
+    kv_events_.reset();  // drains the store's last events first
     service_.reset();
     cpu_region_ = transport::MemoryRegion();
     batch_region_ = transport::MemoryRegion();
@@ -258,8 +260,18 @@ class NodeServer::Impl {
     // node of any size serves at once.
     const bool warm_later = options_.store.prefault && cpu_region_.size() != 0;
     if (warm_later) options_.store.prefault = false;
+    const bool events = !options_.kv_events.publisher.endpoint.empty();
+    if (events) options_.store.enable_events = true;
     KVSTASH_ASSIGN_OR_RETURN(service_,
                              NodeService::Create(static_cast<NodeServiceOptions&>(options_)));
+    if (events) {
+      // NodeService::NamespaceName may be called on any thread.
+      KvEventPump::NameOf name_of = [this](NamespaceId ns) NO_THREAD_SAFETY_ANALYSIS {
+        return service_->NamespaceName(ns);
+      };
+      KVSTASH_ASSIGN_OR_RETURN(
+          kv_events_, KvEventPump::Create(options_.kv_events, &service().store(), name_of));
+    }
     Register();
     server_->OnDisconnect([this](uint64_t connection) {
       MutexLock lock(&service_mu_);
@@ -291,6 +303,9 @@ class NodeServer::Impl {
   // For tests and the daemon, which call what NodeService lets any thread call (Counters,
   // Namespaces) or drive it while nothing serves.
   NodeService& service() NO_THREAD_SAFETY_ANALYSIS { return *service_; }
+  const events::EventPublisher* kv_events() const {
+    return kv_events_ ? &kv_events_->publisher() : nullptr;
+  }
   bool shares_cpu_memory() const { return cpu_region_.size() != 0; }
   double memory_faulted_share() const {
     if (memory_bytes_ == 0) return 1;
@@ -308,6 +323,12 @@ class NodeServer::Impl {
     snapshot.memory =
         CounterSnapshot::Memory{memory_bytes_, warmer_ ? warmer_->faulted_bytes()
                                                        : (memory_prefaulted_ ? memory_bytes_ : 0)};
+    if (kv_events_) {
+      const KvEventPumpStats e = kv_events_->stats();
+      snapshot.events = CounterSnapshot::Events{
+          e.publisher.batches_sent,   e.publisher.batches_dropped, e.publisher.batches_replayed,
+          e.publisher.replays_served, e.publisher.replays_refused, e.rounds_lost};
+    }
     counters.merge(ReadCounters(snapshot));
     return counters;
   }
@@ -770,8 +791,9 @@ class NodeServer::Impl {
   // payload transfers run outside it. Counters and Namespaces need no lock (the service's own).
   mutable Mutex service_mu_;
   std::unique_ptr<NodeService> service_ PT_GUARDED_BY(service_mu_);
-  std::unique_ptr<MemoryWarmer> warmer_;  // faulting the CPU memory in; null when not
-  uint64_t max_batch_bytes_ = 0;          // of GetBlocks and PutBlocks; 0: not served
+  std::unique_ptr<MemoryWarmer> warmer_;    // faulting the CPU memory in; null when not
+  std::unique_ptr<KvEventPump> kv_events_;  // publishing the store's events; null when off
+  uint64_t max_batch_bytes_ = 0;            // of GetBlocks and PutBlocks; 0: not served
   // Batched calls' payloads, kBatchChunks of max_batch_bytes_; none (null chunks) where the
   // transport shares no memory: they use the heap then.
   transport::MemoryRegion batch_region_;
@@ -798,5 +820,6 @@ double NodeServer::memory_faulted_share() const { return impl_->memory_faulted_s
 std::vector<NamespaceStats> NodeServer::Namespaces() const { return impl_->service().Namespaces(); }
 store::TieredStore& NodeServer::store() { return impl_->service().store(); }
 bool NodeServer::shares_cpu_memory() const { return impl_->shares_cpu_memory(); }
+const events::EventPublisher* NodeServer::kv_events() const { return impl_->kv_events(); }
 
 }  // namespace kvstash::node

@@ -62,6 +62,7 @@ class NodeService::Impl {
   }
 
   Status AdmitNamespace(std::string_view name) { return registry_->Register(name).status(); }
+  std::optional<std::string> NamespaceName(NamespaceId ns) const { return registry_->NameOf(ns); }
 
   Result<NamespaceId> BeginRequest(uint64_t connection, std::string_view key_namespace) {
     auto it = sessions_.find(connection);
@@ -482,5 +483,8 @@ std::map<std::string, uint64_t> NodeService::Counters() const { return impl_->Co
 std::vector<NamespaceStats> NodeService::Namespaces() const { return impl_->Namespaces(); }
 store::TieredStore& NodeService::store() { return impl_->store(); }
 size_t NodeService::sessions() const { return impl_->sessions(); }
+std::optional<std::string> NodeService::NamespaceName(NamespaceId ns) const {
+  return impl_->NamespaceName(ns);
+}
 
 }  // namespace kvstash::node

@@ -14,6 +14,7 @@ KVSTASH_PACKAGES=(
   libucx-dev ucx-utils libasio-dev libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libcpp-httplib-dev libssl-dev curl etcd-server
   redis-server memcached libhiredis-dev libmemcached-dev
+  libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
   pybind11-dev python3-dev python3-pytest python3-numpy python3-torch python3-pip python3-setuptools
   python3-venv
 )

@@ -286,9 +286,7 @@ class BlockManagerImpl final : public BlockManager {
         index_.Erase(id, hashes_[i]);
         FreeSlot(id);
       }
-      if (options_.enable_events) {
-        events_.push_back({OffloadEvent::Kind::kRemoved, plan->evicted});
-      }
+      if (options_.enable_events) RecordEvent(OffloadEvent::Kind::kRemoved, plan->evicted);
     }
     call_keys_.Trim();
     for (const BlockKey& key : plan->keys_to_store) {
@@ -322,7 +320,7 @@ class BlockManagerImpl final : public BlockManager {
         DropEntry(id, hash);
       }
     }
-    if (!stored.empty()) events_.push_back({OffloadEvent::Kind::kStored, std::move(stored)});
+    if (!stored.empty()) RecordEvent(OffloadEvent::Kind::kStored, std::move(stored));
   }
 
   size_t Remove(std::span<const BlockKey> keys, std::vector<BlockKey>* out) override {
@@ -339,7 +337,7 @@ class BlockManagerImpl final : public BlockManager {
     const size_t count = removed.size();
     if (out != nullptr) out->insert(out->end(), removed.begin(), removed.end());
     if (options_.enable_events && count > 0) {
-      events_.push_back({OffloadEvent::Kind::kRemoved, std::move(removed)});
+      RecordEvent(OffloadEvent::Kind::kRemoved, std::move(removed));
     }
     return count;
   }
@@ -406,6 +404,7 @@ class BlockManagerImpl final : public BlockManager {
 
   std::vector<OffloadEvent> TakeEvents() override {
     MutexLock lock(&mu_);
+    pending_event_keys_ = 0;
     return std::exchange(events_, {});
   }
 
@@ -581,6 +580,21 @@ class BlockManagerImpl final : public BlockManager {
   }
 
   // Fresh slots first, in increasing order; then freed slots, last freed first.
+  // Appends an event; past max_pending_event_keys undrained keys, drops every undrained event
+  // for one kLost marker, so that the memory events hold stays bounded when nothing drains
+  // them for a while.
+  void RecordEvent(OffloadEvent::Kind kind, std::vector<BlockKey> keys) REQUIRES(mu_) {
+    pending_event_keys_ += keys.size();
+    const size_t limit = options_.max_pending_event_keys;
+    if (limit != 0 && pending_event_keys_ > limit) {
+      events_.clear();
+      events_.push_back({OffloadEvent::Kind::kLost, {}});
+      pending_event_keys_ = 0;
+      return;
+    }
+    events_.push_back({kind, std::move(keys)});
+  }
+
   uint32_t AllocateSlot() REQUIRES(mu_) {
     ++resident_;
     if (fresh_used_ < capacity_) return fresh_used_++;
@@ -620,6 +634,7 @@ class BlockManagerImpl final : public BlockManager {
   size_t free_count_ GUARDED_BY(mu_) = 0;
   size_t resident_ GUARDED_BY(mu_) = 0;
   std::vector<OffloadEvent> events_ GUARDED_BY(mu_);
+  size_t pending_event_keys_ GUARDED_BY(mu_) = 0;  // keys in events_
   // Scratch space reused across calls.
   CallKeySet call_keys_ GUARDED_BY(mu_);
   std::vector<uint32_t> victims_ GUARDED_BY(mu_);

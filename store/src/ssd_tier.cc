@@ -380,6 +380,8 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options) 
   BlockManagerOptions index_options;
   index_options.capacity_blocks = capacity_blocks;
   index_options.policy = options.policy;
+  index_options.enable_events = options.enable_events;
+  index_options.max_pending_event_keys = options.max_pending_event_keys;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockManager> index,
                            BlockManager::Create(index_options));
   try {
@@ -662,6 +664,18 @@ Status SsdTier::Delete(const BlockKey& key) {
     return FailedPreconditionError("block {} is pinned by a reader", key.ToString());
   }
   return Status::OK();
+}
+
+std::vector<BlockKey> SsdTier::ResidentKeys() const {
+  const BlockManagerState state = index_->DebugState();
+  std::vector<BlockKey> keys;
+  keys.reserve(state.lru.size() + state.t1.size() + state.t2.size());
+  for (const auto* list : {&state.lru, &state.t1, &state.t2}) {
+    for (const BlockInfo& b : *list) {
+      if (b.ref_count >= 0) keys.push_back(b.key);
+    }
+  }
+  return keys;
 }
 
 SsdTierStats SsdTier::stats() const {

@@ -136,6 +136,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredStoreOption
   cpu_options.policy = options.cpu_policy;
   cpu_options.quotas = options.cpu_quotas;
   cpu_options.count_namespaces = options.count_namespaces;
+  cpu_options.enable_events = options.enable_events;
+  cpu_options.max_pending_event_keys = options.max_pending_event_keys;
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<BlockManager> cpu, BlockManager::Create(cpu_options));
   BlockSlabOptions slab_options;
   slab_options.slot_bytes = options.block_bytes;
@@ -148,6 +150,8 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredStoreOption
   if (options.ssd) {
     SsdTierOptions ssd_options = *options.ssd;
     ssd_options.block_bytes = options.block_bytes;
+    ssd_options.enable_events = options.enable_events;
+    ssd_options.max_pending_event_keys = options.max_pending_event_keys;
     KVSTASH_ASSIGN_OR_RETURN(ssd, SsdTier::Create(ssd_options));
   }
   return std::unique_ptr<TieredStore>(

@@ -1,7 +1,8 @@
 // Writes the fuzz targets' seeds (tests/fuzz/corpus/<target>/seed-*) from real messages: frames
 // written by WriteFrame, a hello with a real UCX worker address, node requests serialized as
 // clients send them, a worker's requests and replies as protocol.cc writes them, a config with
-// every setting, and both kinds of trace. Run by hand after a wire or format change:
+// every setting, both kinds of trace, and KV event batches as a node publishes them. Run by hand
+// after a wire or format change:
 //   build-asan/tests/fuzz/fuzz_make_seeds tests/fuzz/corpus
 // It replaces the seed-* files it writes and leaves every other file (regression inputs) alone.
 
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "kvstash/common/hash.h"
+#include "kvstash/events/kv_events.h"
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/worker/protocol.h"
@@ -470,6 +472,30 @@ void Traces(const fs::path& example) {
 }  // namespace
 }  // namespace kvstash::fuzz
 
+// KV event batches: a node's (a wide hash as bytes, a group), one with every field a worker
+// fills, and an empty one.
+void KvEvents() {
+  using namespace events;
+  BlockStored node_stored;
+  node_stored.block_hashes = {std::string(16, '\x5a'), uint64_t{42}};
+  node_stored.medium = std::string(kMediumCpu);
+  node_stored.group_idx = 1;
+  BlockStored worker_stored;
+  worker_stored.block_hashes = {uint64_t{7}};
+  worker_stored.parent_block_hash = uint64_t{6};
+  worker_stored.token_ids = {1, 2, 3, 70000};
+  worker_stored.block_size = 16;
+  worker_stored.medium = std::string(kMediumGpu);
+  worker_stored.group_idx = 2;
+  worker_stored.kv_cache_spec_kind = "sliding_window";
+  worker_stored.kv_cache_spec_sliding_window = 4096;
+  BlockRemoved removed{{uint64_t{42}}, std::string(kMediumSsd), 1};
+  Write("kv_events", "node",
+        EncodeBatch(KvEventBatch{1.7e9, {AllBlocksCleared{}, node_stored, removed}, std::nullopt}));
+  Write("kv_events", "worker", EncodeBatch(KvEventBatch{1.7e9, {worker_stored}, 0}));
+  Write("kv_events", "empty", EncodeBatch(KvEventBatch{0, {}, std::nullopt}));
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s CORPUS_DIR (tests/fuzz/corpus)\n", argv[0]);
@@ -483,5 +509,6 @@ int main(int argc, char** argv) {
   WorkerRequests();
   DaemonConfigs();
   Traces(g_root / ".." / ".." / "data" / "policy" / "example.trace");
+  KvEvents();
   return 0;
 }

@@ -463,6 +463,8 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
       {{"--no-such-flag"}, "--no-such-flag"},
       {{"--transport", "rdma"}, "transport: 'rdma' is not ucx or stream"},
       {{"--transport", "stream", "--tls", "tcp"}, "'tcp' names UCX transports"},
+      {{"--kv-events-replay", "tcp://*:5558"},
+       "kv-events-replay: 'tcp://*:5558' needs --kv-events"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {kKvstashd};
@@ -475,6 +477,12 @@ TEST(KvstashdTest, BadSettingsExitTwoNamingTheSetting) {
   const auto missing = RunProcess({kKvstashd, "--auth-token-file", "/nonexistent/token"});
   EXPECT_EQ(missing.exit_code, 1) << missing.err;
   EXPECT_THAT(missing.err, HasSubstr("/nonexistent/token"));
+  // An events endpoint ZMQ cannot use stops the start, naming it.
+  const auto events =
+      RunProcess({kKvstashd, "--port", "0", "--metrics-address", "off", "--cpu-bytes", "1MiB",
+                  "--block-bytes", "4KiB", "--kv-events", "tcp://*:notaport"});
+  EXPECT_EQ(events.exit_code, 1) << events.err;
+  EXPECT_THAT(events.err, HasSubstr("tcp://*:notaport"));
 }
 
 TEST(KvstashdTest, HelpExplainsEverySetting) {
@@ -485,6 +493,8 @@ TEST(KvstashdTest, HelpExplainsEverySetting) {
                            "--port",
                            "--transport",
                            "--tls",
+                           "--kv-events",
+                           "--kv-events-replay",
                            "--block-bytes",
                            "--cpu-bytes",
                            "--cpu-policy",

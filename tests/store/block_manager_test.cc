@@ -195,6 +195,21 @@ TEST_P(BlockManagerTest, EventsOffRecordsNothing) {
   EXPECT_THAT(m->TakeEvents(), IsEmpty());
 }
 
+// Undrained events past the bound are all dropped for one lost mark; what follows it is kept,
+// and a drain starts the count again.
+TEST_P(BlockManagerTest, UndrainedEventsPastTheirBoundBecomeOneLostMark) {
+  auto m = MakeManager({.capacity = 4, .policy = GetParam(), .max_pending_event_keys = 3});
+  StoreAndCommit(*m, Keys({1, 2}));
+  StoreAndCommit(*m, Keys({3}));
+  EXPECT_THAT(m->TakeEvents(), ElementsAre(testing::Stored({1, 2}), testing::Stored({3})));
+  StoreAndCommit(*m, Keys({4}));
+  StoreAndCommit(*m, Keys({5, 6}));  // evicts 1, 2: 2 + 1 + 2 keys > 3
+  StoreAndCommit(*m, Keys({7}));     // evicts 3
+  EXPECT_THAT(m->TakeEvents(),
+              ElementsAre(testing::Lost(), testing::Removed({3}), testing::Stored({7})));
+  EXPECT_THAT(m->TakeEvents(), IsEmpty());
+}
+
 // A long run of pinned blocks at the old end is parked once and never rescanned; after they
 // are unpinned they are evicted in their original recency order.
 TEST_P(BlockManagerTest, PinnedBlocksAtTheOldEndKeepTheirOrder) {

@@ -40,11 +40,13 @@ struct ManagerSpec {
   bool events = true;
   NamespaceQuotas quotas = {};
   bool count_namespaces = false;
+  size_t max_pending_event_keys = 0;
 };
 
 inline std::unique_ptr<BlockManager> MakeManager(const ManagerSpec& spec) {
   BlockManagerOptions options;
   options.capacity_blocks = spec.capacity;
+  options.max_pending_event_keys = spec.max_pending_event_keys;
   options.policy = spec.policy;
   options.store_threshold = spec.store_threshold;
   options.max_tracker_size = spec.max_tracker_size;
@@ -86,6 +88,7 @@ inline OffloadEvent Stored(std::initializer_list<uint64_t> ids) {
 inline OffloadEvent Removed(std::initializer_list<uint64_t> ids) {
   return {OffloadEvent::Kind::kRemoved, Keys(ids)};
 }
+inline OffloadEvent Lost() { return {OffloadEvent::Kind::kLost, {}}; }
 
 }  // namespace kvstash::store::testing
 
@@ -100,7 +103,9 @@ inline void PrintTo(const NamespaceUsage& u, std::ostream* os) {
       << (u.quota_blocks ? std::to_string(*u.quota_blocks) : "none") << ")";
 }
 inline void PrintTo(const OffloadEvent& e, std::ostream* os) {
-  *os << (e.kind == OffloadEvent::Kind::kStored ? "stored{" : "removed{");
+  *os << (e.kind == OffloadEvent::Kind::kStored    ? "stored{"
+          : e.kind == OffloadEvent::Kind::kRemoved ? "removed{"
+                                                   : "lost{");
   for (const auto& k : e.keys) *os << k.ToString() << " ";
   *os << "}";
 }

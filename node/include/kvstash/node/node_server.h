@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kvstash/common/status.h"
+#include "kvstash/events/publisher.h"
 #include "kvstash/node/node_service.h"
 #include "kvstash/store/tiered_store.h"
 #include "kvstash/transport/rpc.h"
@@ -33,6 +34,13 @@
 namespace kvstash::node {
 
 // The service's options (store, lease, quotas) and how it is served.
+// KV events (docs/semantics.md §19): off unless `publisher.endpoint` is set.
+struct KvEventOptions {
+  events::PublisherOptions publisher;  // where (PUB, replay ROUTER) and how much to buffer
+  // How often the store's events are drained and published.
+  std::chrono::milliseconds interval{10};
+};
+
 struct NodeOptions : NodeServiceOptions {
   transport::ServerOptions server;  // listen address, port, auth token, transport, limits
   // Keys in one request; stated to clients at hello with the block size (wire.NodeLimits).
@@ -45,6 +53,7 @@ struct NodeOptions : NodeServiceOptions {
   // loopback network's listener (transport/loopback.h).
   std::function<Result<std::unique_ptr<transport::Listener>>(const transport::ServerOptions&)>
       listen;
+  KvEventOptions kv_events;
 };
 
 // The largest max_batch_bytes kvstashd takes: the node keeps 16 times it in shared memory.
@@ -108,6 +117,8 @@ class NodeServer {
   // faults its memory in on background threads meanwhile (a slot not in yet is faulted by its
   // first write); 1 once all of it is in. Thread-safe.
   double memory_faulted_share() const;
+  // The KV events' publisher (its endpoints, as bound), or null when the node publishes none.
+  const events::EventPublisher* kv_events() const;
 
   class Impl;
 

@@ -171,6 +171,8 @@ class NodeService {
   std::vector<NamespaceStats> Namespaces() const;
   store::TieredStore& store();
   size_t sessions() const;
+  // The name of namespace id `ns`, if the node's table gives it one. Thread-safe.
+  std::optional<std::string> NamespaceName(NamespaceId ns) const;
 
   class Impl;
 

@@ -46,6 +46,9 @@ struct BlockManagerOptions {
   size_t max_tracker_size = 64000;
   // Record stored/removed events for TakeEvents. Off by default: nothing drains them.
   bool enable_events = false;
+  // The most keys undrained events may name; past it they are all dropped for one kLost event.
+  // 0: no bound.
+  size_t max_pending_event_keys = 0;
   // Tests only: the first recency stamp, set near 2^32 to exercise stamp renumbering.
   uint32_t first_recency_stamp = 0;
   // Per-namespace ceilings (see PrepareStore). Each ceiling is 1 to capacity_blocks.
@@ -78,7 +81,9 @@ struct StorePlan {
 };
 
 struct OffloadEvent {
-  enum class Kind : uint8_t { kStored, kRemoved };
+  // kLost: events were dropped here (BlockManagerOptions::max_pending_event_keys); what the
+  // tier holds is known again only from the events after it. No keys.
+  enum class Kind : uint8_t { kStored, kRemoved, kLost };
   Kind kind;
   std::vector<BlockKey> keys;  // stored: in commit order; removed: in eviction order
 

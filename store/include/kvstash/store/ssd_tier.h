@@ -43,6 +43,11 @@ struct SsdTierOptions {
   // (counted in dropped_records). Empty: all. A node keeps only namespaces its table still
   // names, so an id never reaches a namespace other than the one that stored the block.
   std::function<bool(NamespaceId)> keep_namespace;
+  // Record the tier's stored and removed blocks for TakeEvents (BlockManagerOptions'
+  // enable_events and max_pending_event_keys). The blocks Create finds are not events:
+  // ResidentKeys lists them.
+  bool enable_events = false;
+  size_t max_pending_event_keys = 0;
 };
 
 // Counters since Create. Monotonic; read without a lock.
@@ -127,6 +132,11 @@ class SsdTier {
   size_t slot_stride() const { return stride_; }
   size_t capacity_blocks() const { return index_->capacity(); }
   size_t resident_blocks() const { return index_->resident_blocks(); }
+  // The blocks stored since the last call, and removed (BlockManager::TakeEvents).
+  std::vector<OffloadEvent> TakeEvents() { return index_->TakeEvents(); }
+  // Every readable block's key, least recent first within each policy list. O(n log n) under
+  // the index's lock: for a snapshot at start, not for the data path.
+  std::vector<BlockKey> ResidentKeys() const;
   bool direct_io() const { return direct_io_; }
   SsdTierStats stats() const;
 

@@ -45,6 +45,11 @@ struct TieredStoreOptions {
   NamespaceQuotas cpu_quotas;
   // Count the CPU tier's blocks per namespace even without quotas (cpu().NamespaceUsages()).
   bool count_namespaces = false;
+  // Record both tiers' stored and removed blocks (cpu().TakeEvents(), ssd()->TakeEvents()),
+  // each tier's undrained events naming at most max_pending_event_keys keys (then a kLost
+  // event; BlockManagerOptions).
+  bool enable_events = false;
+  size_t max_pending_event_keys = size_t{1} << 20;
   bool prefault = true;
   // Back the CPU tier with transparent huge pages (BlockSlabOptions::huge_pages); the caller
   // advises memory it provides itself.
