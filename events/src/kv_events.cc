@@ -35,6 +35,18 @@ class Packer {
     msgpack_pack_bin(&packer_, s.size());
     msgpack_pack_bin_body(&packer_, s.data(), s.size());
   }
+  void Hash(const Hash128& h) {
+    if (h.hi == 0) {
+      Uint(h.lo);
+      return;
+    }
+    char bytes[16];
+    for (int i = 0; i < 8; ++i) {
+      bytes[i] = static_cast<char>((h.hi >> (56 - 8 * i)) & 0xff);
+      bytes[8 + i] = static_cast<char>((h.lo >> (56 - 8 * i)) & 0xff);
+    }
+    Bin(std::string_view(bytes, sizeof(bytes)));
+  }
   void Hash(const ExternalHash& h) {
     if (const auto* n = std::get_if<uint64_t>(&h)) {
       Uint(*n);
@@ -437,6 +449,54 @@ struct Unpacked {
 };
 
 }  // namespace
+
+ExternalHash ExternalHashOf(const Hash128& hash) {
+  if (hash.hi == 0) return hash.lo;
+  std::string bytes(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    bytes[i] = static_cast<char>((hash.hi >> (56 - 8 * i)) & 0xff);
+    bytes[8 + i] = static_cast<char>((hash.lo >> (56 - 8 * i)) & 0xff);
+  }
+  return bytes;
+}
+
+std::string EncodeRuns(double ts, std::span<const BlockRun> runs) {
+  Packer p;
+  p.Array(2);
+  p.Double(ts);
+  p.Array(runs.size());
+  for (const BlockRun& run : runs) {
+    switch (run.kind) {
+      case BlockRun::Kind::kAllCleared:
+        Encode(p, AllBlocksCleared{});
+        continue;
+      case BlockRun::Kind::kStored:
+        // As Encode(BlockStored) with group_idx set and the spec fields None.
+        p.Array(10);
+        p.Str("BlockStored");
+        p.Array(run.hashes.size());
+        for (const Hash128& h : run.hashes) p.Hash(h);
+        p.Nil();     // parent_block_hash
+        p.Array(0);  // token_ids
+        p.Int(0);    // block_size
+        p.Nil();     // lora_id
+        p.Str(run.medium);
+        p.Nil();  // lora_name
+        p.Nil();  // extra_keys
+        p.Int(run.group);
+        continue;
+      case BlockRun::Kind::kRemoved:
+        p.Array(4);
+        p.Str("BlockRemoved");
+        p.Array(run.hashes.size());
+        for (const Hash128& h : run.hashes) p.Hash(h);
+        p.Str(run.medium);
+        p.Int(run.group);
+        continue;
+    }
+  }
+  return p.Take();
+}
 
 std::string EncodeBatch(const KvEventBatch& batch) {
   Packer p;

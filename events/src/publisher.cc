@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "kvstash/common/logging.h"
@@ -110,7 +111,7 @@ class EventPublisher::Impl {
     zmq_ctx_term(context_);
   }
 
-  bool Publish(std::string_view topic, KvEventBatch batch) {
+  bool Publish(std::string_view topic, std::variant<KvEventBatch, std::string> batch) {
     MutexLock lock(&mu_);
     int64_t& next = sequences_[std::string(topic)];
     const int64_t sequence = next++;
@@ -148,7 +149,7 @@ class EventPublisher::Impl {
   struct Queued {
     std::string topic;
     int64_t sequence;
-    KvEventBatch batch;
+    std::variant<KvEventBatch, std::string> batch;  // to encode, or encoded
   };
   struct Buffered {
     std::string topic;
@@ -189,7 +190,9 @@ class EventPublisher::Impl {
 
   void Send(Queued q) {
     const std::string seq = EncodeSequence(q.sequence);
-    std::string payload = EncodeBatch(q.batch);
+    std::string payload = std::holds_alternative<std::string>(q.batch)
+                              ? std::move(std::get<std::string>(q.batch))
+                              : EncodeBatch(std::get<KvEventBatch>(q.batch));
     const bool sent = SendFrame(pub_.s, q.topic, true) && SendFrame(pub_.s, seq, true) &&
                       SendFrame(pub_.s, payload, false);
     // A PUB socket drops what a subscriber cannot take rather than block; the batch is still
@@ -346,6 +349,9 @@ EventPublisher::EventPublisher(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 EventPublisher::~EventPublisher() = default;
 bool EventPublisher::Publish(std::string_view topic, KvEventBatch batch) {
   return impl_->Publish(topic, std::move(batch));
+}
+bool EventPublisher::PublishEncoded(std::string_view topic, std::string payload) {
+  return impl_->Publish(topic, std::move(payload));
 }
 void EventPublisher::Flush() { impl_->Flush(); }
 int64_t EventPublisher::next_sequence(std::string_view topic) const {

@@ -1,6 +1,7 @@
 #include "kv_event_pump.h"
 
 #include <map>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -16,76 +17,121 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// The key as its client gave it: a 64-bit hash as an integer, a wider one as 16 bytes,
-// big-endian.
-events::ExternalHash ExternalOf(const BlockHash& hash) {
-  if (hash.hi == 0) return hash.lo;
-  std::string bytes(16, '\0');
-  for (int i = 0; i < 8; ++i) {
-    bytes[i] = static_cast<char>((hash.hi >> (56 - 8 * i)) & 0xff);
-    bytes[8 + i] = static_cast<char>((hash.lo >> (56 - 8 * i)) & 0xff);
-  }
-  return bytes;
-}
-
-// One namespace's events of a round, in order, and how many hashes they name.
-struct Pending {
-  std::vector<events::KvEvent> events;
-  size_t hashes = 0;
-};
-
-// Appends `event`'s keys to the namespaces' lists: one vLLM event per run of keys of one
-// namespace and group.
-void Convert(const store::OffloadEvent& event, std::string_view medium,
-             std::map<NamespaceId, Pending>* out) {
-  const auto& keys = event.keys;
-  for (size_t begin = 0; begin < keys.size();) {
-    size_t end = begin + 1;
-    while (end < keys.size() && keys[end].namespace_id == keys[begin].namespace_id &&
-           keys[end].group == keys[begin].group) {
-      ++end;
-    }
-    std::vector<events::ExternalHash> hashes;
-    hashes.reserve(end - begin);
-    for (size_t i = begin; i < end; ++i) hashes.push_back(ExternalOf(keys[i].hash));
-    Pending& p = (*out)[keys[begin].namespace_id];
-    p.hashes += hashes.size();
-    const int64_t group = keys[begin].group;
-    if (event.kind == store::OffloadEvent::Kind::kStored) {
-      events::BlockStored e;
-      e.block_hashes = std::move(hashes);
-      e.medium = std::string(medium);
-      e.group_idx = group;
-      p.events.emplace_back(std::move(e));
-    } else {
-      events::BlockRemoved e;
-      e.block_hashes = std::move(hashes);
-      e.medium = std::string(medium);
-      e.group_idx = group;
-      p.events.emplace_back(std::move(e));
-    }
-    begin = end;
-  }
-}
-
-// Converts a tier's drained events; true when it lost some (then only those after the last
-// kLost count, the rest being cleared anyway).
-bool ConvertAll(const std::vector<store::OffloadEvent>& drained, std::string_view medium,
-                std::map<NamespaceId, Pending>* out) {
-  size_t first = 0;
-  bool lost = false;
-  for (size_t i = 0; i < drained.size(); ++i) {
-    if (drained[i].kind == store::OffloadEvent::Kind::kLost) {
-      lost = true;
-      first = i + 1;
-    }
-  }
-  if (lost) out->clear();
-  for (size_t i = first; i < drained.size(); ++i) Convert(drained[i], medium, out);
-  return lost;
-}
-
 }  // namespace
+
+// A round's events, folded: each key's last event in each tier wins (a key stored and evicted
+// within the round is published as removed, one evicted and stored again as stored), so that
+// a round's removed and stored keys are disjoint sets and may go in any order. Per namespace,
+// then per (tier, group), in the order they first came.
+class KvEventRound {
+ public:
+  enum Medium : uint8_t { kCpu = 0, kSsd = 1 };
+  static constexpr std::string_view kMediumNames[] = {events::kMediumCpu, events::kMediumSsd};
+
+  // Folds a tier's drained events in; true when the tier lost some (then only the events after
+  // its last kLost mark count: what came before is cleared anyway).
+  bool Add(const store::OffloadEventLog& drained, Medium medium) {
+    // A kLost run is always first (the manager drops everything before it).
+    bool lost = false;
+    size_t at = 0;
+    for (const auto& [kind, count] : drained.runs) {
+      if (kind == store::OffloadEvent::Kind::kLost) {
+        lost = true;
+        Clear(medium);
+        continue;
+      }
+      const bool stored = kind == store::OffloadEvent::Kind::kStored;
+      for (size_t i = at; i < at + count; ++i) Note(drained.keys[i], medium, stored);
+      at += count;
+    }
+    return lost;
+  }
+
+  bool empty() const { return lists_.empty(); }
+  // Empties it, keeping the tables' memory for the next round.
+  void Reset() {
+    lists_.clear();
+    last_[kCpu].clear();
+    last_[kSsd].clear();
+  }
+  std::vector<NamespaceId> namespaces() const {
+    std::vector<NamespaceId> out;
+    for (const auto& [ns, lists] : lists_) out.push_back(ns);
+    return out;
+  }
+
+  // Namespace `ns`'s runs (live entries only), removed before stored in each list; `hashes`
+  // holds their hashes.
+  void Runs(NamespaceId ns, std::vector<events::BlockRun>* runs,
+            std::vector<Hash128>* hashes) const {
+    auto it = lists_.find(ns);
+    if (it == lists_.end()) return;
+    // Two passes: hashes first (so that its storage is final), then spans into it.
+    struct Span {
+      events::BlockRun::Kind kind;
+      Medium medium;
+      uint32_t group;
+      size_t begin, end;
+    };
+    std::vector<Span> spans;
+    for (const List& list : it->second) {
+      for (const bool stored : {false, true}) {
+        const size_t begin = hashes->size();
+        for (const Entry& e : list.entries) {
+          if (e.live && e.stored == stored) hashes->push_back(e.hash);
+        }
+        if (hashes->size() > begin) {
+          spans.push_back(
+              {stored ? events::BlockRun::Kind::kStored : events::BlockRun::Kind::kRemoved,
+               list.medium, list.group, begin, hashes->size()});
+        }
+      }
+    }
+    for (const Span& sp : spans) {
+      runs->push_back({sp.kind, kMediumNames[sp.medium], sp.group,
+                       std::span<const Hash128>(hashes->data() + sp.begin, sp.end - sp.begin)});
+    }
+  }
+
+ private:
+  struct Entry {
+    Hash128 hash;
+    bool stored;
+    bool live;
+  };
+  struct List {
+    Medium medium;
+    uint32_t group;
+    std::vector<Entry> entries;
+  };
+  struct Where {
+    size_t list;
+    size_t entry;
+  };
+
+  void Note(const BlockKey& key, Medium medium, bool stored) {
+    std::vector<List>& lists = lists_[key.namespace_id];
+    auto [it, fresh] = last_[medium].try_emplace(key, Where{});
+    if (!fresh) lists[it->second.list].entries[it->second.entry].live = false;
+    size_t l = 0;
+    while (l < lists.size() && (lists[l].medium != medium || lists[l].group != key.group)) ++l;
+    if (l == lists.size()) lists.push_back({medium, key.group, {}});
+    lists[l].entries.push_back({key.hash, stored, true});
+    it->second = Where{l, lists[l].entries.size() - 1};
+  }
+
+  void Clear(Medium medium) {
+    last_[medium].clear();
+    for (auto& [ns, lists] : lists_) {
+      for (List& list : lists) {
+        if (list.medium == medium) list.entries.clear();
+      }
+    }
+  }
+
+  std::map<NamespaceId, std::vector<List>> lists_;
+  std::unordered_map<BlockKey, Where> last_[2];
+};
 
 Result<std::unique_ptr<KvEventPump>> KvEventPump::Create(const KvEventOptions& options,
                                                          store::TieredStore* store,
@@ -102,6 +148,7 @@ KvEventPump::KvEventPump(const KvEventOptions& options, store::TieredStore* stor
       store_(store),
       name_of_(std::move(name_of)),
       publisher_(std::move(publisher)),
+      round_(std::make_unique<KvEventRound>()),
       thread_([this] { Run(); }) {}
 
 KvEventPump::~KvEventPump() {
@@ -131,16 +178,16 @@ void KvEventPump::Run() {
   // The blocks the SSD tier found at start: each namespace's topic begins with them.
   if (store::SsdTier* ssd = store_->ssd()) {
     MutexLock lock(&pump_mu_);
-    std::vector<BlockKey> keys = ssd->ResidentKeys();
-    std::map<NamespaceId, Pending> held;
-    Convert({store::OffloadEvent::Kind::kStored, std::move(keys)}, events::kMediumSsd, &held);
-    for (auto& [ns, pending] : held) {
+    KvEventRound held;
+    store::OffloadEventLog log;
+    log.keys = ssd->ResidentKeys();
+    log.runs.push_back({store::OffloadEvent::Kind::kStored, log.keys.size()});
+    held.Add(log, KvEventRound::kSsd);
+    for (NamespaceId ns : held.namespaces()) {
       std::optional<std::string> name = name_of_(ns);
       if (!name) continue;
       announced_.insert(ns);
-      events::KvEventBatch batch{Now(), {events::AllBlocksCleared{}}, std::nullopt};
-      for (events::KvEvent& e : pending.events) batch.events.push_back(std::move(e));
-      publisher_->Publish(*name, std::move(batch));
+      Publish(ns, *name, held, /*clear=*/true);
     }
   }
   while (true) {
@@ -157,11 +204,13 @@ void KvEventPump::Run() {
 
 void KvEventPump::Pump() {
   MutexLock pump_lock(&pump_mu_);
-  std::map<NamespaceId, Pending> cpu;
-  std::map<NamespaceId, Pending> ssd;
-  bool lost = ConvertAll(store_->cpu().TakeEvents(), events::kMediumCpu, &cpu);
+  KvEventRound& round = *round_;
+  round.Reset();
+  store_->cpu().TakeEvents(&cpu_log_);
+  bool lost = round.Add(cpu_log_, KvEventRound::kCpu);
   if (store::SsdTier* tier = store_->ssd()) {
-    lost = ConvertAll(tier->TakeEvents(), events::kMediumSsd, &ssd) || lost;
+    tier->TakeEvents(&ssd_log_);
+    lost = round.Add(ssd_log_, KvEventRound::kSsd) || lost;
   }
   if (lost) {
     MutexLock lock(&mu_);
@@ -174,44 +223,44 @@ void KvEventPump::Pump() {
   }
   // Every namespace with events, and on a loss every one announced before.
   std::set<NamespaceId> namespaces = lost ? announced_ : dropped_;
-  for (const auto& [ns, p] : cpu) namespaces.insert(ns);
-  for (const auto& [ns, p] : ssd) namespaces.insert(ns);
+  for (NamespaceId ns : round.namespaces()) namespaces.insert(ns);
   for (NamespaceId ns : namespaces) {
     std::optional<std::string> name = name_of_(ns);
     if (!name) continue;  // an id the table does not name: no client can hold its blocks
-    std::vector<events::KvEvent> all;
     const bool restart = lost || dropped_.erase(ns) > 0;
-    if (announced_.insert(ns).second || restart) all.emplace_back(events::AllBlocksCleared{});
-    for (auto* tier : {&cpu, &ssd}) {
-      auto it = tier->find(ns);
-      if (it == tier->end()) continue;
-      for (events::KvEvent& e : it->second.events) all.push_back(std::move(e));
-    }
-    // Batches of at most kMaxHashesPerBatch hashes (an event is never split).
-    events::KvEventBatch batch{Now(), {}, std::nullopt};
-    size_t hashes = 0;
-    for (events::KvEvent& e : all) {
-      const size_t n = std::visit(
-          [](const auto& v) -> size_t {
-            if constexpr (std::is_same_v<std::decay_t<decltype(v)>, events::AllBlocksCleared>) {
-              return 0;
-            } else {
-              return v.block_hashes.size();
-            }
-          },
-          e);
-      if (!batch.events.empty() && hashes + n > kMaxHashesPerBatch) {
-        if (!publisher_->Publish(*name, std::move(batch))) dropped_.insert(ns);
-        batch = events::KvEventBatch{Now(), {}, std::nullopt};
-        hashes = 0;
-      }
-      batch.events.push_back(std::move(e));
-      hashes += n;
-    }
-    if (!batch.events.empty() && !publisher_->Publish(*name, std::move(batch))) {
-      dropped_.insert(ns);
-    }
+    const bool clear = announced_.insert(ns).second || restart;
+    Publish(ns, *name, round, clear);
   }
+}
+
+void KvEventPump::Publish(NamespaceId ns, const std::string& topic, const KvEventRound& round,
+                          bool clear) {
+  std::vector<events::BlockRun> runs;
+  std::vector<Hash128> hashes;
+  if (clear) runs.push_back({events::BlockRun::Kind::kAllCleared, {}, 0, {}});
+  round.Runs(ns, &runs, &hashes);
+  // Batches of at most kMaxHashesPerBatch hashes, a run split where it must.
+  std::vector<events::BlockRun> batch;
+  size_t in_batch = 0;
+  auto send = [&] {
+    pump_mu_.AssertHeld();  // the caller's
+    if (batch.empty()) return;
+    if (!publisher_->PublishEncoded(topic, events::EncodeRuns(Now(), batch))) dropped_.insert(ns);
+    batch.clear();
+    in_batch = 0;
+  };
+  for (events::BlockRun run : runs) {
+    do {
+      events::BlockRun part = run;
+      const size_t room = kMaxHashesPerBatch - in_batch;
+      if (part.hashes.size() > room) part.hashes = part.hashes.first(room);
+      run.hashes = run.hashes.subspan(part.hashes.size());
+      batch.push_back(part);
+      in_batch += part.hashes.size();
+      if (in_batch >= kMaxHashesPerBatch) send();
+    } while (!run.hashes.empty());
+  }
+  send();
 }
 
 }  // namespace kvstash::node

@@ -19,6 +19,8 @@
 
 namespace kvstash::node {
 
+class KvEventRound;  // kv_event_pump.cc
+
 // Counters since start, with the publisher's.
 struct KvEventPumpStats {
   events::PublisherStats publisher;
@@ -56,6 +58,10 @@ class KvEventPump {
   void Run();
   // One round: drains both tiers and publishes per namespace.
   void Pump() EXCLUDES(pump_mu_);
+  // Publishes namespace `ns`'s events of `round` on `topic`, after AllBlocksCleared when
+  // `clear`; a batch the publisher drops marks the topic for a fresh start.
+  void Publish(NamespaceId ns, const std::string& topic, const KvEventRound& round, bool clear)
+      REQUIRES(pump_mu_);
 
   const std::chrono::milliseconds interval_;
   store::TieredStore* const store_;
@@ -66,6 +72,10 @@ class KvEventPump {
   Mutex pump_mu_;
   std::set<NamespaceId> announced_ GUARDED_BY(pump_mu_);
   std::set<NamespaceId> dropped_ GUARDED_BY(pump_mu_);
+  // The tiers' drained events; their memory goes back to the tiers at the next drain.
+  store::OffloadEventLog cpu_log_ GUARDED_BY(pump_mu_);
+  store::OffloadEventLog ssd_log_ GUARDED_BY(pump_mu_);
+  std::unique_ptr<KvEventRound> round_ PT_GUARDED_BY(pump_mu_);  // reused from round to round
 
   mutable Mutex mu_;
   CondVar wake_;

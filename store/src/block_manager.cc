@@ -306,7 +306,7 @@ class BlockManagerImpl final : public BlockManager {
 
   void CompleteStore(std::span<const BlockKey> keys, bool success) override {
     MutexLock lock(&mu_);
-    std::vector<BlockKey> stored;
+    size_t stored = 0;  // keys appended to events_.keys
     PrefetchingWalk walk = Walk(keys);
     for (const BlockKey& key : keys) {
       const uint64_t hash = walk.Next();
@@ -315,12 +315,15 @@ class BlockManagerImpl final : public BlockManager {
       if (success) {
         entries_[id].ref = 0;
         policy_->OnEvictable(id);
-        if (options_.enable_events) stored.push_back(key);
+        if (options_.enable_events) {
+          events_.keys.push_back(key);
+          ++stored;
+        }
       } else {
         DropEntry(id, hash);
       }
     }
-    if (!stored.empty()) RecordEvent(OffloadEvent::Kind::kStored, std::move(stored));
+    if (stored > 0) CloseEventRun(OffloadEvent::Kind::kStored, stored);
   }
 
   size_t Remove(std::span<const BlockKey> keys, std::vector<BlockKey>* out) override {
@@ -337,7 +340,7 @@ class BlockManagerImpl final : public BlockManager {
     const size_t count = removed.size();
     if (out != nullptr) out->insert(out->end(), removed.begin(), removed.end());
     if (options_.enable_events && count > 0) {
-      RecordEvent(OffloadEvent::Kind::kRemoved, std::move(removed));
+      RecordEvent(OffloadEvent::Kind::kRemoved, removed);
     }
     return count;
   }
@@ -403,9 +406,24 @@ class BlockManagerImpl final : public BlockManager {
   }
 
   std::vector<OffloadEvent> TakeEvents() override {
+    OffloadEventLog log;
+    TakeEvents(&log);
+    std::vector<OffloadEvent> out;
+    out.reserve(log.runs.size());
+    size_t at = 0;
+    for (const auto& [kind, count] : log.runs) {
+      out.push_back(
+          {kind, std::vector<BlockKey>(log.keys.begin() + static_cast<ptrdiff_t>(at),
+                                       log.keys.begin() + static_cast<ptrdiff_t>(at + count))});
+      at += count;
+    }
+    return out;
+  }
+
+  void TakeEvents(OffloadEventLog* log) override {
+    log->clear();
     MutexLock lock(&mu_);
-    pending_event_keys_ = 0;
-    return std::exchange(events_, {});
+    std::swap(*log, events_);
   }
 
   void Reset() override {
@@ -583,16 +601,19 @@ class BlockManagerImpl final : public BlockManager {
   // Appends an event; past max_pending_event_keys undrained keys, drops every undrained event
   // for one kLost marker, so that the memory events hold stays bounded when nothing drains
   // them for a while.
-  void RecordEvent(OffloadEvent::Kind kind, std::vector<BlockKey> keys) REQUIRES(mu_) {
-    pending_event_keys_ += keys.size();
+  void RecordEvent(OffloadEvent::Kind kind, std::span<const BlockKey> keys) REQUIRES(mu_) {
+    events_.keys.insert(events_.keys.end(), keys.begin(), keys.end());
+    CloseEventRun(kind, keys.size());
+  }
+  // The last `count` keys of events_.keys are one event.
+  void CloseEventRun(OffloadEvent::Kind kind, size_t count) REQUIRES(mu_) {
     const size_t limit = options_.max_pending_event_keys;
-    if (limit != 0 && pending_event_keys_ > limit) {
+    if (limit != 0 && events_.keys.size() > limit) {
       events_.clear();
-      events_.push_back({OffloadEvent::Kind::kLost, {}});
-      pending_event_keys_ = 0;
+      events_.runs.push_back({OffloadEvent::Kind::kLost, 0});
       return;
     }
-    events_.push_back({kind, std::move(keys)});
+    events_.runs.push_back({kind, count});
   }
 
   uint32_t AllocateSlot() REQUIRES(mu_) {
@@ -633,8 +654,7 @@ class BlockManagerImpl final : public BlockManager {
   uint32_t free_head_ GUARDED_BY(mu_) = kNoId;  // stack of freed slots through Entry::aux
   size_t free_count_ GUARDED_BY(mu_) = 0;
   size_t resident_ GUARDED_BY(mu_) = 0;
-  std::vector<OffloadEvent> events_ GUARDED_BY(mu_);
-  size_t pending_event_keys_ GUARDED_BY(mu_) = 0;  // keys in events_
+  OffloadEventLog events_ GUARDED_BY(mu_);
   // Scratch space reused across calls.
   CallKeySet call_keys_ GUARDED_BY(mu_);
   std::vector<uint32_t> victims_ GUARDED_BY(mu_);

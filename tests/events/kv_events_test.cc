@@ -204,6 +204,24 @@ TEST(KvEventsTest, RandomAndMutatedBytesNeverCrashTheDecoder) {
   EXPECT_LT(accepted, 20000u);
 }
 
+TEST(KvEventsTest, RunsEncodeAsTheEventsTheyStandFor) {
+  const std::vector<Hash128> hashes = {{.lo = 5, .hi = 0}, {.lo = 0x0f, .hi = 0x01}};
+  const BlockRun runs[] = {
+      {BlockRun::Kind::kAllCleared, {}, 0, {}},
+      {BlockRun::Kind::kStored, kMediumCpu, 3, hashes},
+      {BlockRun::Kind::kRemoved, kMediumSsd, 0, std::span(hashes).first(1)},
+  };
+  BlockStored stored;
+  stored.block_hashes = {uint64_t{5}, ExternalHashOf(hashes[1])};
+  stored.medium = "CPU";
+  stored.group_idx = 3;
+  const KvEventBatch batch{
+      4.25, {AllBlocksCleared{}, stored, BlockRemoved{{uint64_t{5}}, "SSD", 0}}, std::nullopt};
+  EXPECT_EQ(Hex(EncodeRuns(4.25, runs)), Hex(EncodeBatch(batch)));
+  EXPECT_EQ(std::get<std::string>(ExternalHashOf(hashes[1])),
+            std::string("\0\0\0\0\0\0\0\x01\0\0\0\0\0\0\0\x0f", 16));
+}
+
 TEST(KvEventsTest, SequenceNumbersAreEightBytesBigEndian) {
   EXPECT_EQ(Hex(EncodeSequence(258)), "0000000000000102");
   EXPECT_EQ(Hex(EncodeSequence(-1)), "ffffffffffffffff");

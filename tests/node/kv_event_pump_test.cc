@@ -168,6 +168,25 @@ TEST_F(KvEventPumpTest, EachNamespaceIsATopicStartingWithAllBlocksCleared) {
   EXPECT_EQ(pump_->stats().rounds_lost, 0u);
 }
 
+TEST_F(KvEventPumpTest, ARoundPublishesEachKeysLastEventOnly) {
+  Start();
+  Store({Key(1, 1), Key(1, 2)});
+  pump_->PublishNow();
+  EXPECT_EQ(Next("a").seq, 0);
+  // Within one round: 1 removed then stored again (held: stored), 3 stored then removed
+  // (gone: removed), 2 removed.
+  const std::vector<BlockKey> one = {Key(1, 1)};
+  ASSERT_EQ(store_->cpu().Remove(one), 1u);
+  Store({Key(1, 3), Key(1, 1)});
+  const std::vector<BlockKey> three_two = {Key(1, 3), Key(1, 2)};
+  ASSERT_EQ(store_->cpu().Remove(three_two), 2u);
+  pump_->PublishNow();
+  Message a = Next("a");
+  EXPECT_EQ(a.seq, 1);
+  EXPECT_THAT(a.events, ::testing::ElementsAre(KvEvent(BlockRemoved{{3u, 2u}, "CPU", 0}),
+                                               KvEvent(Stored({1u}, "CPU"))));
+}
+
 TEST_F(KvEventPumpTest, EventsTheStoreDroppedRestartEveryTopic) {
   Start(/*max_pending_event_keys=*/4);
   Store({Key(1, 1)});

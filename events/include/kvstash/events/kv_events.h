@@ -12,6 +12,7 @@
 #include <variant>
 #include <vector>
 
+#include "kvstash/common/hash.h"
 #include "kvstash/common/status.h"
 
 namespace kvstash::events {
@@ -86,6 +87,25 @@ std::string EncodeBatch(const KvEventBatch& batch);
 inline constexpr size_t kMaxBatchBytes = 64 << 20;
 Result<KvEventBatch> DecodeBatch(std::span<const std::byte> bytes,
                                  size_t max_bytes = kMaxBatchBytes);
+
+// A kvstash key's hash as events name it: an integer when its upper 64 bits are 0, else 16
+// bytes, big-endian (docs/semantics.md §19).
+ExternalHash ExternalHashOf(const Hash128& hash);
+
+// Blocks of one group a cache stored or removed (or the AllBlocksCleared that starts over), as a
+// node's events carry them: for EncodeRuns.
+struct BlockRun {
+  enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
+  Kind kind = Kind::kStored;
+  std::string_view medium;
+  int64_t group = 0;
+  std::span<const Hash128> hashes;  // ExternalHashOf each
+};
+
+// The bytes of EncodeBatch for a batch of one event per run, without building the events: a
+// stored run is a BlockStored with no parent, no tokens and block size 0 (a node knows keys,
+// not tokens), a removed run a BlockRemoved, both with `group` as group_idx.
+std::string EncodeRuns(double ts, std::span<const BlockRun> runs);
 
 // The 8-byte big-endian sequence number frame of a publisher's messages and replay requests.
 std::string EncodeSequence(int64_t sequence);

@@ -67,6 +67,8 @@ class EventPublisher {
   // Queues `batch` on `topic`, numbered now. False when the queue is full: the batch is
   // dropped and counted, its number skipped. Never blocks.
   bool Publish(std::string_view topic, KvEventBatch batch);
+  // The same for a batch already encoded (EncodeBatch, EncodeRuns).
+  bool PublishEncoded(std::string_view topic, std::string payload);
   // Waits until every batch queued before the call is sent (tests, shutdown).
   void Flush();
   // The next sequence number of `topic` (how many it has had).

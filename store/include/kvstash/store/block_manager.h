@@ -90,6 +90,20 @@ struct OffloadEvent {
   friend bool operator==(const OffloadEvent&, const OffloadEvent&) = default;
 };
 
+// Events as the manager records them, flat: `runs[i]` names the next `runs[i].second` keys of
+// `keys` (a kLost run names none). What a drain that must not allocate swaps out
+// (TakeEvents(OffloadEventLog*)).
+struct OffloadEventLog {
+  std::vector<BlockKey> keys;
+  std::vector<std::pair<OffloadEvent::Kind, size_t>> runs;
+
+  bool empty() const { return runs.empty(); }
+  void clear() {
+    keys.clear();
+    runs.clear();
+  }
+};
+
 // One resident block as state dumps show it.
 struct BlockInfo {
   BlockKey key;
@@ -191,6 +205,9 @@ class BlockManager {
 
   // Drains the events recorded since the last call (empty when events are disabled).
   virtual std::vector<OffloadEvent> TakeEvents() = 0;
+  // The same into `log`, whose old contents are dropped and whose memory the manager keeps
+  // for the next events: a drain that allocates nothing once the buffers have grown.
+  virtual void TakeEvents(OffloadEventLog* log) = 0;
   // Drops every block, whatever its state, and every ghost; slots are handed out from 0 again.
   // The reuse tracker and undrained events are kept.
   virtual void Reset() = 0;

@@ -134,6 +134,7 @@ class SsdTier {
   size_t resident_blocks() const { return index_->resident_blocks(); }
   // The blocks stored since the last call, and removed (BlockManager::TakeEvents).
   std::vector<OffloadEvent> TakeEvents() { return index_->TakeEvents(); }
+  void TakeEvents(OffloadEventLog* log) { index_->TakeEvents(log); }
   // Every readable block's key, least recent first within each policy list. O(n log n) under
   // the index's lock: for a snapshot at start, not for the data path.
   std::vector<BlockKey> ResidentKeys() const;
