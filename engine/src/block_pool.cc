@@ -64,8 +64,9 @@ std::vector<BlockId> AllIds(size_t n) {
 }
 }  // namespace
 
-BlockPool::BlockPool(size_t num_blocks, bool prefix_caching)
+BlockPool::BlockPool(size_t num_blocks, bool prefix_caching, bool record_events)
     : prefix_caching_(prefix_caching),
+      record_events_(record_events),
       ref_(num_blocks, 0),
       keys_(num_blocks),
       free_(num_blocks, AllIds(num_blocks)) {
@@ -91,7 +92,7 @@ Result<std::vector<BlockId>> BlockPool::GetNewBlocks(size_t n) {
   for (BlockId block : blocks) {
     if (keys_[block].has_value()) {
       cached_.erase(*keys_[block]);
-      removed_.push_back(*keys_[block]);
+      if (record_events_) events_.push_back({CacheEvent::Kind::kRemoved, *keys_[block], {}});
       keys_[block].reset();
     }
     ref_[block] = 1;
@@ -99,9 +100,12 @@ Result<std::vector<BlockId>> BlockPool::GetNewBlocks(size_t n) {
   return blocks;
 }
 
-void BlockPool::CacheBlock(BlockId block, const CachedKey& key) {
+void BlockPool::CacheBlock(BlockId block, const CachedKey& key, std::optional<Hash128> parent) {
   if (!prefix_caching_ || block == kNullBlock || keys_[block].has_value()) return;
-  if (cached_.try_emplace(key, block).second) keys_[block] = key;
+  if (cached_.try_emplace(key, block).second) {
+    keys_[block] = key;
+    if (record_events_) events_.push_back({CacheEvent::Kind::kStored, key, parent});
+  }
 }
 
 void BlockPool::Touch(std::span<const BlockId> blocks) {
@@ -124,10 +128,18 @@ bool BlockPool::EvictCachedHash(const CachedKey& key) {
   if (it == cached_.end()) return false;
   keys_[it->second].reset();
   cached_.erase(it);
-  removed_.push_back(key);
+  if (record_events_) events_.push_back({CacheEvent::Kind::kRemoved, key, {}});
   return true;
 }
 
-std::vector<CachedKey> BlockPool::TakeRemoved() { return std::exchange(removed_, {}); }
+std::vector<CacheEvent> BlockPool::TakeEvents() { return std::exchange(events_, {}); }
+
+std::vector<CachedKey> BlockPool::TakeRemoved() {
+  std::vector<CachedKey> removed;
+  for (const CacheEvent& e : TakeEvents()) {
+    if (e.kind == CacheEvent::Kind::kRemoved) removed.push_back(e.key);
+  }
+  return removed;
+}
 
 }  // namespace kvstash::engine

@@ -47,6 +47,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   kv.groups = layout.groups;
   kv.num_blocks = options.num_blocks;
   kv.prefix_caching = options.prefix_caching;
+  kv.record_events = options.record_cache_events;
   SchedulerOptions sched = options.scheduler;
   // Another model's blocks then never share a hash (nor a node key) with this one's.
   sched.cache_salt = Hash128{fingerprint, 0}.ToHex();

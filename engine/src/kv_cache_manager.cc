@@ -34,7 +34,7 @@ void RequestHasher::Update(std::span<const uint32_t> tokens) {
 
 KvCacheManager::KvCacheManager(KvCacheManagerOptions options)
     : options_(std::move(options)),
-      pool_(options_.num_blocks, options_.prefix_caching),
+      pool_(options_.num_blocks, options_.prefix_caching, options_.record_events),
       empty_tables_(options_.groups.size()) {
   uint32_t gcd = 0;
   for (const AttentionSpec& spec : options_.groups) {
@@ -332,7 +332,12 @@ void KvCacheManager::CacheUpTo(RequestState& state, std::span<const BlockHash> h
     const size_t full = std::min(cacheable, table.size());
     for (size_t i = state.num_cached[g]; i < full; ++i) {
       if (table[i] == kNullBlock || !CachesBlock(g, i)) continue;
-      pool_.CacheBlock(table[i], CachedKey{GroupHash(g, hashes, i), static_cast<uint32_t>(g)});
+      // The parent is the chain's hash before the block's first token: the previous block's key
+      // in the group's own block size.
+      std::optional<Hash128> parent;
+      if (i > 0) parent = GroupHash(g, hashes, i - 1);
+      pool_.CacheBlock(table[i], CachedKey{GroupHash(g, hashes, i), static_cast<uint32_t>(g)},
+                       parent);
     }
     state.num_cached[g] = std::max(state.num_cached[g], full);
   }
@@ -361,6 +366,7 @@ void KvCacheManager::Free(RequestId id) {
   requests_.erase(it);
 }
 
+std::vector<CacheEvent> KvCacheManager::TakeEvents() { return pool_.TakeEvents(); }
 std::vector<CachedKey> KvCacheManager::TakeRemovedEvents() { return pool_.TakeRemoved(); }
 
 }  // namespace kvstash::engine

@@ -65,7 +65,7 @@ CachedKey Key(uint64_t h, uint32_t group = 0) { return CachedKey{Hash128{h, ~h},
 // §12.L1 at the pool: 11 blocks (block 0 null), bs 16; what the manager does for each request
 // (look up the cached prefix, touch it, take new blocks, cache the full ones, free in reverse).
 TEST(BlockPoolTest, L1PrefillAllocationAndFreeOrder) {
-  BlockPool pool(11, /*prefix_caching=*/true);
+  BlockPool pool(11, /*prefix_caching=*/true, /*record_events=*/true);
   EXPECT_EQ(pool.num_free(), 10u);
   const std::vector<uint32_t> group0 = {0};
   auto lookup = [&](std::initializer_list<uint64_t> hashes) {
@@ -113,6 +113,30 @@ TEST(BlockPoolTest, L1PrefillAllocationAndFreeOrder) {
   EXPECT_EQ(pool.GetNewBlocks(1).status().code(), StatusCode::kResourceExhausted);
 }
 
+// The events a worker publishes: hashes cached (with their parents) and dropped, in order;
+// nothing is recorded unless asked for, so a pool nobody drains holds no log.
+TEST(BlockPoolTest, RecordsCachedAndDroppedHashesInOrderOnlyWhenAsked) {
+  BlockPool pool(4, true, /*record_events=*/true);
+  const auto blocks = *pool.GetNewBlocks(3);
+  pool.CacheBlock(blocks[0], Key(1), std::nullopt);
+  pool.CacheBlock(blocks[1], Key(2), Key(1).hash);
+  pool.CacheBlock(blocks[2], Key(1), std::nullopt);  // cached already: no event
+  pool.FreeBlocks(Ids({blocks[1], blocks[0], blocks[2]}));
+  (void)*pool.GetNewBlocks(1);  // the free queue starts with blocks[1]
+  EXPECT_THAT(pool.TakeEvents(),
+              ElementsAre(CacheEvent{CacheEvent::Kind::kStored, Key(1), std::nullopt},
+                          CacheEvent{CacheEvent::Kind::kStored, Key(2), Key(1).hash},
+                          CacheEvent{CacheEvent::Kind::kRemoved, Key(2), std::nullopt}));
+  EXPECT_THAT(pool.TakeEvents(), ::testing::IsEmpty());
+
+  BlockPool quiet(4, true);
+  const auto b = *quiet.GetNewBlocks(1);
+  quiet.CacheBlock(b[0], Key(1));
+  quiet.FreeBlocks(Ids({b[0]}));
+  (void)*quiet.GetNewBlocks(3);
+  EXPECT_THAT(quiet.TakeEvents(), ::testing::IsEmpty());
+}
+
 TEST(BlockPoolTest, GroupsMustAllHitAndPrefixCachingOffCachesNothing) {
   BlockPool pool(8, true);
   const auto blocks = *pool.GetNewBlocks(2);
@@ -134,7 +158,7 @@ TEST(BlockPoolTest, GroupsMustAllHitAndPrefixCachingOffCachesNothing) {
 }
 
 TEST(BlockPoolTest, EvictCachedHashForgetsTheKeyButKeepsTheBlock) {
-  BlockPool pool(8, true);
+  BlockPool pool(8, true, /*record_events=*/true);
   const auto blocks = *pool.GetNewBlocks(2);
   pool.CacheBlock(blocks[0], Key(7, 1));
   pool.FreeBlocks(Ids({blocks[0]}));

@@ -33,7 +33,8 @@ KvCacheManager Manager(std::vector<AttentionSpec> groups, size_t num_blocks, boo
   return KvCacheManager(KvCacheManagerOptions{.groups = std::move(groups),
                                               .num_blocks = num_blocks,
                                               .prefix_caching = prefix_caching,
-                                              .eagle = eagle});
+                                              .eagle = eagle,
+                                              .record_events = true});
 }
 
 // `blocks` blocks of `bs` tokens, block i all token i (vLLM's common prefix), then `tail`.

@@ -469,9 +469,6 @@ void Traces(const fs::path& example) {
         "\n");
 }
 
-}  // namespace
-}  // namespace kvstash::fuzz
-
 // KV event batches: a node's (a wide hash as bytes, a group), one with every field a worker
 // fills, and an empty one.
 void KvEvents() {
@@ -495,6 +492,9 @@ void KvEvents() {
   Write("kv_events", "worker", EncodeBatch(KvEventBatch{1.7e9, {worker_stored}, 0}));
   Write("kv_events", "empty", EncodeBatch(KvEventBatch{0, {}, std::nullopt}));
 }
+
+}  // namespace
+}  // namespace kvstash::fuzz
 
 int main(int argc, char** argv) {
   if (argc != 2) {

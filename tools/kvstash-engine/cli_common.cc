@@ -77,7 +77,7 @@ void AddModelFlags(CLI::App* app, ModelFlags& f) {
       ->check(CLI::Range(1u, 600000u));
 }
 
-Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
+Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f, bool record_cache_events) {
   Result<ModelConfig> loaded = ModelConfig::Load(f.model);
   // A --model that names no model is a bad argument (exit 2), whatever the loader calls it.
   if (!loaded.ok()) return InvalidArgumentError("--model: {}", loaded.status().message());
@@ -88,6 +88,7 @@ Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f) {
   o.num_blocks = f.num_blocks;
   o.prefix_caching = !f.no_prefix_cache;
   o.swa_ring = f.swa_ring;
+  o.record_cache_events = record_cache_events;
   o.device = f.device;
   o.scheduler.max_num_batched_tokens = f.max_batched_tokens;
   o.scheduler.max_num_seqs = f.max_num_seqs;

@@ -50,7 +50,9 @@ void AddModelFlags(CLI::App* app, ModelFlags& f);
 // Whether the flags name offload nodes (--nodes, or --etcd with --cluster).
 inline bool HasNodes(const ModelFlags& f) { return !f.nodes.empty() || !f.etcd.empty(); }
 // The engine the flags describe; with --nodes (or --etcd), over those offload nodes.
-Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f);
+// `record_cache_events`: the engine records its prefix cache's events (a worker publishing
+// them drains them).
+Result<std::unique_ptr<Engine>> MakeEngine(const ModelFlags& f, bool record_cache_events = false);
 // "1 2 3" -> {1, 2, 3}; InvalidArgument naming the first word that is not a token id.
 Result<std::vector<uint32_t>> ParseTokens(const std::string& text);
 std::string Join(std::span<const uint32_t> tokens);

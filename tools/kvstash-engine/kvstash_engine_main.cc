@@ -258,6 +258,16 @@ int main(int argc, char** argv) {
                    "before they are cancelled (answered 503)")
       ->capture_default_str()
       ->check(CLI::Range(0, 3600000));
+  serve->add_option("--kv-events", serve_flags.kv_events,
+                    "publish what the prefix cache caches and evicts, in vLLM's KV events schema "
+                    "(medium GPU, with each block's parent, block size, group, kind and window), "
+                    "on this ZMQ endpoint (PUB; tcp://*:5557 binds, tcp://HOST:PORT connects); "
+                    "default off");
+  serve->add_option("--kv-events-replay", serve_flags.kv_events_replay,
+                    "with --kv-events: a ZMQ ROUTER endpoint (bound) replaying buffered batches "
+                    "from a sequence number, as vLLM's publisher does");
+  serve->add_option("--kv-events-topic", serve_flags.kv_events_topic,
+                    "with --kv-events: the topic of every message (default: none, as vLLM's)");
   serve
       ->add_option("--role", serve_flags.role,
                    "both: requests run to completion here; prefill: compute the prompt, push "

@@ -103,9 +103,16 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  auto engine = MakeEngine(model);
+  if (!serve.kv_events_replay.empty() && serve.kv_events.empty()) {
+    return kErrors.Fail(
+        InvalidArgumentError("--kv-events-replay '{}' needs --kv-events", serve.kv_events_replay));
+  }
+  auto engine = MakeEngine(model, /*record_cache_events=*/!serve.kv_events.empty());
   if (!engine.ok()) return kErrors.Fail(engine.status());
   worker::ServerOptions options;
+  options.kv_events.endpoint = serve.kv_events;
+  options.kv_events.replay_endpoint = serve.kv_events_replay;
+  options.kv_events.default_topic = serve.kv_events_topic;
   options.listen = serve.listen;
   options.port = serve.port;
   options.role = *role;
@@ -125,6 +132,11 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
   if (!server.ok()) return kErrors.Fail(server.status());
   std::printf("kvstash-engine serving %s (role %s) on %s:%u\n", (*engine)->config().name.c_str(),
               serve.role.c_str(), serve.listen.c_str(), (*server)->port());
+  if (const events::EventPublisher* events = (*server)->kv_events()) {
+    std::printf("kvstash-engine KV events on %s%s%s\n", events->endpoint().c_str(),
+                events->replay_endpoint().empty() ? "" : ", replay on ",
+                events->replay_endpoint().c_str());
+  }
   std::fflush(stdout);
 
   worker::WorkerServer* const stoppable = server->get();

@@ -24,6 +24,9 @@ struct ServeFlags {
   int read_timeout_ms = 30000;
   int write_timeout_ms = 10000;
   int stop_grace_ms = 1000;
+  std::string kv_events;         // ZMQ endpoint of the prefix cache's KV events; empty: off
+  std::string kv_events_replay;  // their replay ROUTER; empty: none
+  std::string kv_events_topic;   // the topic ("" as vLLM's default)
 };
 
 // Runs until SIGTERM or SIGINT; then gives the requests it has --stop-grace-ms to finish,

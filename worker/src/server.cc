@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache_events.h"
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
 #include "kvstash/http/http_front.h"
@@ -132,6 +133,16 @@ class HttpWorkerServer final : public WorkerServer {
                                                 .count())) {}
 
   Status Bind(const FrontOptions& front);
+  // Starts publishing the engine's cache events (options' kv_events).
+  Status StartEvents() {
+    if (options_.kv_events.endpoint.empty()) return Status::OK();
+    KVSTASH_ASSIGN_OR_RETURN(
+        cache_events_, CacheEventPublisher::Create(options_.kv_events, engine_->layout().groups));
+    return Status::OK();
+  }
+  const events::EventPublisher* kv_events() const override {
+    return cache_events_ ? &cache_events_->publisher() : nullptr;
+  }
   uint16_t port() const override { return port_; }
   Status Serve() override;
   void Stop() override;
@@ -169,6 +180,7 @@ class HttpWorkerServer final : public WorkerServer {
   void PublishTotals(bool engine_done);
 
   Engine* const engine_;
+  std::unique_ptr<CacheEventPublisher> cache_events_;  // null: no KV events
   const ServerOptions options_;
   const WorkerInfo info_;
   const int64_t created_;
@@ -596,6 +608,7 @@ void HttpWorkerServer::EngineLoop() {
     }
     if (engine_->HasUnfinished()) {
       const std::vector<RequestId> done = engine_->Step();
+      if (cache_events_) cache_events_->Publish(engine_->TakeCacheEvents());
       const Clock::time_point now = Clock::now();
       Publish(now);
       if (!done.empty()) {
@@ -755,6 +768,7 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::Create(Engine* engine,
   front.write_timeout = std::chrono::milliseconds(options.write_timeout_ms);
   front.keep_alive = std::chrono::seconds(options.keep_alive_seconds);
   auto server = std::make_unique<HttpWorkerServer>(engine, options, std::move(info));
+  KVSTASH_RETURN_IF_ERROR(server->StartEvents());
   KVSTASH_RETURN_IF_ERROR(server->Bind(front));
   return std::unique_ptr<WorkerServer>(std::move(server));
 }

@@ -53,11 +53,23 @@ struct CachedKey {
   friend bool operator==(const CachedKey&, const CachedKey&) = default;
 };
 
+// What the prefix cache gained or lost, in order: a hash cached (with its parent in the
+// request's chain, none for a request's first block) or dropped.
+struct CacheEvent {
+  enum class Kind : uint8_t { kStored, kRemoved };
+  Kind kind = Kind::kStored;
+  CachedKey key;
+  std::optional<Hash128> parent;  // kStored only
+
+  friend bool operator==(const CacheEvent&, const CacheEvent&) = default;
+};
+
 class BlockPool {
  public:
   // `num_blocks` blocks including the null block 0; `prefix_caching` keeps hashes of full
-  // blocks so later requests can reuse them.
-  BlockPool(size_t num_blocks, bool prefix_caching);
+  // blocks so later requests can reuse them; `record_events` records every hash cached and
+  // dropped for TakeEvents (whoever turns it on drains them: nothing bounds the log).
+  BlockPool(size_t num_blocks, bool prefix_caching, bool record_events = false);
 
   size_t num_blocks() const { return ref_.size(); }
   size_t num_free() const { return free_.size(); }
@@ -70,12 +82,14 @@ class BlockPool {
   std::optional<std::vector<BlockId>> GetCachedBlock(const Hash128& hash,
                                                      std::span<const uint32_t> groups) const;
   // n blocks from the front of the free queue, each with ref count 1; a block that carried a
-  // cached hash loses it (a removed-block event for the connector). ResourceExhausted, with no
-  // change, when fewer are free.
+  // cached hash loses it (a removed event). ResourceExhausted, with no change, when fewer are
+  // free.
   Result<std::vector<BlockId>> GetNewBlocks(size_t n);
-  // Records that `block` (full, computed) holds `key`. A key already cached keeps its first
-  // block (the newer one stays uncached, as vLLM does).
-  void CacheBlock(BlockId block, const CachedKey& key);
+  // Records that `block` (full, computed) holds `key`, whose parent in the request's chain is
+  // `parent` (a stored event when new). A key already cached keeps its first block (the newer
+  // one stays uncached, as vLLM does).
+  void CacheBlock(BlockId block, const CachedKey& key,
+                  std::optional<Hash128> parent = std::nullopt);
   // Blocks reused by a request: out of the free queue when unreferenced, ref count + 1.
   void Touch(std::span<const BlockId> blocks);
   // Ref count - 1 each; blocks that reach 0 join the free queue in the given order (callers
@@ -85,8 +99,9 @@ class BlockPool {
   // block stays where it is (referenced or free) without a hash. False when `key` is not cached.
   // For callers that learn a block's content is stale, and for tests of partial hits.
   bool EvictCachedHash(const CachedKey& key);
-  // Hashes dropped by GetNewBlocks or EvictCachedHash since the last call (for the connector's
-  // removed events).
+  // With record_events: what was cached and dropped since the last call, in order.
+  std::vector<CacheEvent> TakeEvents();
+  // The same, the dropped hashes only (the other events are dropped too).
   std::vector<CachedKey> TakeRemoved();
 
  private:
@@ -94,11 +109,12 @@ class BlockPool {
     size_t operator()(const CachedKey& k) const { return k.hash.lo ^ (k.hash.hi * 31) ^ k.group; }
   };
   bool prefix_caching_;
+  bool record_events_;
   std::vector<uint32_t> ref_;
   std::vector<std::optional<CachedKey>> keys_;
   std::unordered_map<CachedKey, BlockId, KeyHash> cached_;
   FreeBlockQueue free_;
-  std::vector<CachedKey> removed_;
+  std::vector<CacheEvent> events_;
 };
 
 }  // namespace kvstash::engine

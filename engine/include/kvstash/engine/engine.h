@@ -40,6 +40,9 @@ struct EngineOptions {
   // Shares KV through offload nodes (engine::NodeOffload in kvstash::engine_offload); empty:
   // the engine keeps its KV to itself.
   KvOffloadFactory offload;
+  // Record what the prefix cache caches and evicts for TakeCacheEvents (KV events); the caller
+  // then drains them after every step.
+  bool record_cache_events = false;
 };
 
 struct EngineCounters {
@@ -91,6 +94,10 @@ class Engine {
   // Runs every queued request to completion; results in the order of `prompts`.
   Result<std::vector<std::unique_ptr<Request>>> Generate(
       const std::vector<std::vector<uint32_t>>& prompts, size_t max_new_tokens);
+
+  // With record_cache_events: the hashes the prefix cache cached and evicted since the last
+  // call, in order (KvCacheManager::TakeEvents).
+  std::vector<CacheEvent> TakeCacheEvents() { return kv_cache_.TakeEvents(); }
 
   // Waits until every transfer to and from the offload nodes has ended (before exiting: a
   // prefill worker's stores must land).

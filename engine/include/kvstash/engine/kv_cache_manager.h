@@ -50,6 +50,9 @@ struct KvCacheManagerOptions {
   uint32_t hash_block_size = 0;
   // Hits drop their last block per group (the KV a draft model recomputes), as vLLM's eagle.
   bool eagle = false;
+  // Record the prefix cache's events for TakeEvents (BlockPool's record_events): whoever turns
+  // it on drains them.
+  bool record_events = false;
 };
 
 // A prefix-cache hit: per group, the blocks for the first `tokens` tokens (null blocks where the
@@ -138,7 +141,9 @@ class KvCacheManager {
   // first), null blocks skipped. No-op for an unknown id.
   void Free(RequestId id);
 
-  // Hashes evicted from the pool since the last call (for the connector's removed events).
+  // With record_events: the hashes cached and evicted since the last call, in order.
+  std::vector<CacheEvent> TakeEvents();
+  // The same, the evicted hashes only.
   std::vector<CachedKey> TakeRemovedEvents();
 
  private:

@@ -11,6 +11,7 @@
 
 #include "kvstash/common/status.h"
 #include "kvstash/engine/engine.h"
+#include "kvstash/events/publisher.h"
 #include "kvstash/worker/protocol.h"
 
 namespace kvstash::worker {
@@ -41,6 +42,10 @@ struct ServerOptions {
   // (answered 503).
   int stop_grace_ms = 1000;
   size_t num_nodes = 0;  // offload nodes the engine shares KV through (GET /v1/models says)
+  // KV events of the engine's prefix cache (docs/semantics.md §19), published when
+  // `kv_events.endpoint` is set; the engine must record them (EngineOptions'
+  // record_cache_events).
+  events::PublisherOptions kv_events;
 };
 
 // Serves one engine. The engine runs on the thread that calls Serve (the only thread that
@@ -69,6 +74,9 @@ class WorkerServer {
 
   // Asks Serve to stop as it says. Returns at once; idempotent.
   virtual void Stop() = 0;
+
+  // The KV events' publisher (its endpoints as bound), or null when the worker publishes none.
+  virtual const events::EventPublisher* kv_events() const = 0;
 };
 
 }  // namespace kvstash::worker
