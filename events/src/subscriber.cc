@@ -1,0 +1,344 @@
+#include "kvstash/events/subscriber.h"
+
+#include <zmq.h>
+
+#include <atomic>
+#include <optional>
+#include <thread>
+
+#include "kvstash/common/logging.h"
+
+namespace kvstash::events {
+namespace {
+
+constexpr size_t kMaxFrameBytes = kMaxBatchBytes;
+
+// A whole message of at most `max_frames` frames (more: false, the rest read and dropped), or
+// nullopt when none was waiting.
+std::optional<std::vector<std::string>> ReadFrames(void* socket, size_t max_frames, bool* fits) {
+  std::vector<std::string> frames;
+  *fits = true;
+  int more = 1;
+  bool first = true;
+  while (more != 0) {
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (zmq_msg_recv(&msg, socket, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&msg);
+      if (first) return std::nullopt;
+      *fits = false;
+      return frames;
+    }
+    first = false;
+    if (frames.size() < max_frames && zmq_msg_size(&msg) <= kMaxFrameBytes) {
+      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+    } else {
+      *fits = false;
+    }
+    more = zmq_msg_more(&msg);
+    zmq_msg_close(&msg);
+  }
+  return frames;
+}
+
+bool StartsOver(const KvEventBatch& batch) {
+  return !batch.events.empty() && std::holds_alternative<AllBlocksCleared>(batch.events[0]);
+}
+
+}  // namespace
+
+class EventSubscriber::Impl {
+ public:
+  Impl(SubscriberOptions options, OnBatch on_batch, void* context)
+      : options_(std::move(options)), on_batch_(std::move(on_batch)), context_(context) {}
+
+  Status Start() {
+    sub_ = zmq_socket(context_, ZMQ_SUB);
+    if (sub_ == nullptr) return InvalidArgumentError("cannot create a SUB socket");
+    const int linger = 0;
+    zmq_setsockopt(sub_, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(sub_, ZMQ_SUBSCRIBE, options_.topic.data(), options_.topic.size());
+    if (zmq_connect(sub_, options_.endpoint.c_str()) != 0) {
+      return InvalidArgumentError("KV events: cannot connect to {}: {}", options_.endpoint,
+                                  zmq_strerror(zmq_errno()));
+    }
+    if (!options_.replay_endpoint.empty()) KVSTASH_RETURN_IF_ERROR(OpenReplay());
+    thread_ = std::thread([this] { Run(); });
+    return Status::OK();
+  }
+
+  ~Impl() {
+    stopping_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (sub_ != nullptr) zmq_close(sub_);
+    if (replay_ != nullptr) zmq_close(replay_);
+    zmq_ctx_term(context_);
+  }
+
+  // Returns once the thread has applied it (within a poll, 20 ms).
+  void SetConnected(bool connected) {
+    MutexLock lock(&mu_);
+    want_connected_ = connected;
+    while (connected_ != connected && !stopping_)
+      applied_.WaitFor(&mu_, std::chrono::milliseconds(50));
+  }
+  int64_t expected() const { return expected_; }
+  SubscriberStats stats() const {
+    MutexLock lock(&mu_);
+    return stats_;
+  }
+
+ private:
+  Status OpenReplay() {
+    if (replay_ != nullptr) zmq_close(replay_);
+    replay_ = zmq_socket(context_, ZMQ_DEALER);
+    const int linger = 0;
+    zmq_setsockopt(replay_, ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_connect(replay_, options_.replay_endpoint.c_str()) != 0) {
+      return InvalidArgumentError("KV events: cannot connect to the replay at {}: {}",
+                                  options_.replay_endpoint, zmq_strerror(zmq_errno()));
+    }
+    return Status::OK();
+  }
+
+  void Run() {
+    bool connected = true;
+    while (!stopping_) {
+      bool want;
+      {
+        MutexLock lock(&mu_);
+        want = want_connected_;
+      }
+      if (want != connected) {
+        if (want) {
+          zmq_connect(sub_, options_.endpoint.c_str());
+        } else {
+          zmq_disconnect(sub_, options_.endpoint.c_str());
+        }
+        connected = want;
+        MutexLock lock(&mu_);
+        connected_ = connected;
+        applied_.SignalAll();
+      }
+      zmq_pollitem_t item = {sub_, 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 20) <= 0) continue;
+      for (int i = 0; i < 64 && !stopping_; ++i) {
+        bool fits = true;
+        std::optional<std::vector<std::string>> frames = ReadFrames(sub_, 3, &fits);
+        if (!frames) break;
+        if (!fits || frames->size() != 3) {
+          Count(&SubscriberStats::malformed);
+          continue;
+        }
+        if ((*frames)[0] != options_.topic) continue;  // another topic sharing the prefix
+        Handle((*frames)[1], (*frames)[2]);
+      }
+    }
+  }
+
+  void Count(uint64_t SubscriberStats::*counter, uint64_t n = 1) {
+    MutexLock lock(&mu_);
+    stats_.*counter += n;
+  }
+
+  void Handle(const std::string& seq_bytes, const std::string& payload) {
+    Result<int64_t> seq = DecodeSequence(std::as_bytes(std::span(seq_bytes)));
+    if (!seq.ok() || *seq < 0) {
+      Count(&SubscriberStats::malformed);
+      return;
+    }
+    Result<KvEventBatch> batch = DecodeBatch(std::as_bytes(std::span(payload)));
+    const int64_t expected = expected_;
+    if (!batch.ok()) {
+      // Unreadable: lost for good.
+      Count(&SubscriberStats::malformed);
+      if (*seq >= expected) {
+        pending_reset_ = true;
+        SetExpected(*seq + 1);
+      }
+      return;
+    }
+    if (expected >= 0 && *seq < expected) {
+      if (*seq == 0 && StartsOver(*batch)) {
+        Count(&SubscriberStats::restarts);
+        Deliver(0, std::move(*batch));
+      } else {
+        Count(&SubscriberStats::duplicates);
+      }
+      return;
+    }
+    if (expected == -1 && *seq != 0) {
+      FillGap(0, *seq);  // joined late: the history, if the replay still has it
+    } else if (expected >= 0 && *seq > expected) {
+      Count(&SubscriberStats::gaps);
+      FillGap(expected, *seq);
+    }
+    Deliver(*seq, std::move(*batch));
+  }
+
+  // Delivers the batches [from, to) from the replay; whatever it cannot deliver is lost (the
+  // next delivery resets).
+  void FillGap(int64_t from, int64_t to) {
+    if (replay_ == nullptr) {
+      pending_reset_ = true;
+      SetExpected(to);
+      return;
+    }
+    // Stale replies of an earlier replay are dropped first.
+    bool fits = true;
+    while (ReadFrames(replay_, 3, &fits)) {
+    }
+    const std::string start = EncodeSequence(from);
+    const bool with_topic = !options_.topic.empty();
+    zmq_send(replay_, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(replay_, start.data(), start.size(), (with_topic ? ZMQ_SNDMORE : 0) | ZMQ_DONTWAIT);
+    if (with_topic) {
+      zmq_send(replay_, options_.topic.data(), options_.topic.size(), ZMQ_DONTWAIT);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + options_.replay_timeout;
+    bool ended = false;
+    while (!ended && !stopping_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      zmq_pollitem_t item = {replay_, 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, static_cast<long>(left.count())) <= 0) continue;
+      std::optional<std::vector<std::string>> frames;
+      while ((frames = ReadFrames(replay_, 3, &fits))) {
+        if (!fits || frames->size() != 3) {
+          Count(&SubscriberStats::malformed);
+          continue;
+        }
+        Result<int64_t> r = DecodeSequence(std::as_bytes(std::span((*frames)[1])));
+        if (!r.ok()) {
+          Count(&SubscriberStats::malformed);
+          continue;
+        }
+        if (*r == -1) {
+          ended = true;
+          break;
+        }
+        if (*r < expected_ || *r < from || *r >= to) continue;
+        Result<KvEventBatch> batch = DecodeBatch(std::as_bytes(std::span((*frames)[2])));
+        if (!batch.ok()) {
+          Count(&SubscriberStats::malformed);
+          continue;
+        }
+        if (*r > std::max<int64_t>(expected_, from)) pending_reset_ = true;  // a hole in the replay
+        Count(&SubscriberStats::replayed);
+        Deliver(*r, std::move(*batch));
+      }
+    }
+    if (!ended) {
+      KVSTASH_LOG_WARN("KV events: the replay at {} did not answer within {} ms",
+                       options_.replay_endpoint, options_.replay_timeout.count());
+      (void)OpenReplay();  // its late answer must not reach the next replay
+    }
+    if (expected_ < to) {
+      pending_reset_ = true;
+      SetExpected(to);
+    }
+  }
+
+  void Deliver(int64_t seq, KvEventBatch batch) {
+    Delivery d{seq, std::move(batch), pending_reset_};
+    pending_reset_ = false;
+    on_batch_(d);
+    expected_ = seq + 1;
+    MutexLock lock(&mu_);
+    ++stats_.delivered;
+    if (d.reset) ++stats_.resets;
+  }
+
+  void SetExpected(int64_t e) { expected_ = e; }
+
+  const SubscriberOptions options_;
+  const OnBatch on_batch_;
+  void* const context_;
+  void* sub_ = nullptr;     // the thread's (Start and the destructor aside)
+  void* replay_ = nullptr;  // the thread's
+  bool pending_reset_ = false;
+  std::atomic<bool> stopping_{false};
+
+  mutable Mutex mu_;
+  bool want_connected_ GUARDED_BY(mu_) = true;
+  bool connected_ GUARDED_BY(mu_) = true;  // as the thread last applied it
+  CondVar applied_;
+  std::atomic<int64_t> expected_{-1};  // written by the thread only
+  SubscriberStats stats_ GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+Result<std::unique_ptr<EventSubscriber>> EventSubscriber::Create(const SubscriberOptions& options,
+                                                                 OnBatch on_batch) {
+  if (options.endpoint.empty()) return InvalidArgumentError("KV events: no endpoint to follow");
+  void* context = zmq_ctx_new();
+  if (context == nullptr) return UnavailableError("cannot create a ZMQ context");
+  auto impl = std::make_unique<Impl>(options, std::move(on_batch), context);
+  KVSTASH_RETURN_IF_ERROR(impl->Start());
+  return std::unique_ptr<EventSubscriber>(new EventSubscriber(std::move(impl)));
+}
+
+EventSubscriber::EventSubscriber(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EventSubscriber::~EventSubscriber() = default;
+void EventSubscriber::Disconnect() { impl_->SetConnected(false); }
+void EventSubscriber::Reconnect() { impl_->SetConnected(true); }
+int64_t EventSubscriber::expected() const { return impl_->expected(); }
+SubscriberStats EventSubscriber::stats() const { return impl_->stats(); }
+
+void KvIndex::Apply(std::string_view source, const Delivery& delivery) {
+  MutexLock lock(&mu_);
+  auto it = sources_.find(source);
+  if (it == sources_.end()) it = sources_.emplace(std::string(source), std::set<Entry>()).first;
+  std::set<Entry>& held = it->second;
+  if (delivery.reset) held.clear();
+  for (const KvEvent& e : delivery.batch.events) {
+    if (std::holds_alternative<AllBlocksCleared>(e)) {
+      held.clear();
+    } else if (const auto* s = std::get_if<BlockStored>(&e)) {
+      for (const ExternalHash& h : s->block_hashes) {
+        held.emplace(s->medium.value_or(""), s->group_idx.value_or(0), h);
+      }
+    } else if (const auto* r = std::get_if<BlockRemoved>(&e)) {
+      for (const ExternalHash& h : r->block_hashes) {
+        held.erase(Entry(r->medium.value_or(""), r->group_idx.value_or(0), h));
+      }
+    }
+    if (held.size() > max_blocks_) {
+      held.clear();
+      ++overflows_;
+    }
+  }
+}
+
+bool KvIndex::Holds(std::string_view source, std::string_view medium, int64_t group,
+                    const ExternalHash& hash) const {
+  MutexLock lock(&mu_);
+  auto it = sources_.find(source);
+  if (it == sources_.end()) return false;
+  if (!medium.empty()) return it->second.count(Entry(std::string(medium), group, hash)) > 0;
+  for (std::string_view m : {kMediumGpu, kMediumCpu, kMediumSsd, std::string_view()}) {
+    if (it->second.count(Entry(std::string(m), group, hash)) > 0) return true;
+  }
+  return false;
+}
+
+size_t KvIndex::blocks(std::string_view source) const {
+  MutexLock lock(&mu_);
+  auto it = sources_.find(source);
+  return it == sources_.end() ? 0 : it->second.size();
+}
+
+std::vector<KvIndex::Entry> KvIndex::Snapshot(std::string_view source) const {
+  MutexLock lock(&mu_);
+  auto it = sources_.find(source);
+  if (it == sources_.end()) return {};
+  return std::vector<Entry>(it->second.begin(), it->second.end());
+}
+
+uint64_t KvIndex::overflows() const {
+  MutexLock lock(&mu_);
+  return overflows_;
+}
+
+}  // namespace kvstash::events
