@@ -79,8 +79,9 @@ class EventSubscriber::Impl {
   void SetConnected(bool connected) {
     MutexLock lock(&mu_);
     want_connected_ = connected;
-    while (connected_ != connected && !stopping_)
+    while (connected_ != connected && !stopping_) {
       applied_.WaitFor(&mu_, std::chrono::milliseconds(50));
+    }
   }
   int64_t expected() const { return expected_; }
   SubscriberStats stats() const {
