@@ -47,21 +47,18 @@ CacheEventPublisher::CacheEventPublisher(std::unique_ptr<events::EventPublisher>
                                          std::string topic)
     : publisher_(std::move(publisher)), groups_(std::move(groups)), topic_(std::move(topic)) {}
 
-void CacheEventPublisher::Publish(const std::vector<engine::CacheEvent>& step) {
-  if (step.empty() && started_) return;
+events::KvEventBatch CacheEventBatch(const std::vector<engine::CacheEvent>& step,
+                                     std::span<const engine::AttentionSpec> groups, bool start) {
   events::KvEventBatch batch{Now(), {}, std::nullopt};
-  if (!started_) {
-    batch.events.emplace_back(events::AllBlocksCleared{});
-    started_ = true;
-  }
+  if (start) batch.events.emplace_back(events::AllBlocksCleared{});
   std::optional<Hash128> chain_end;  // the last stored hash, while the last event is a store
   for (const engine::CacheEvent& e : step) {
     const uint32_t group = e.key.group;
     const events::ExternalHash hash = events::ExternalHashOf(e.key.hash);
     if (e.kind == engine::CacheEvent::Kind::kRemoved) {
+      chain_end.reset();
       auto* last =
           batch.events.empty() ? nullptr : std::get_if<events::BlockRemoved>(&batch.events.back());
-      chain_end.reset();
       if (last != nullptr && last->group_idx == group) {
         last->block_hashes.push_back(hash);
       } else {
@@ -82,7 +79,7 @@ void CacheEventPublisher::Publish(const std::vector<engine::CacheEvent>& step) {
     events::BlockStored stored;
     stored.block_hashes = {hash};
     if (e.parent) stored.parent_block_hash = events::ExternalHashOf(*e.parent);
-    const engine::AttentionSpec* spec = group < groups_.size() ? &groups_[group] : nullptr;
+    const engine::AttentionSpec* spec = group < groups.size() ? &groups[group] : nullptr;
     stored.block_size = spec != nullptr ? spec->block_size : 0;
     stored.medium = std::string(events::kMediumGpu);
     stored.group_idx = group;
@@ -92,6 +89,13 @@ void CacheEventPublisher::Publish(const std::vector<engine::CacheEvent>& step) {
     }
     batch.events.push_back(std::move(stored));
   }
+  return batch;
+}
+
+void CacheEventPublisher::Publish(const std::vector<engine::CacheEvent>& step) {
+  if (step.empty() && started_) return;
+  events::KvEventBatch batch = CacheEventBatch(step, groups_, !started_);
+  started_ = true;
   // A batch dropped (the queue full) leaves a gap: the next one starts over.
   if (!publisher_->Publish(topic_, std::move(batch))) started_ = false;
 }

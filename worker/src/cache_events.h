@@ -17,6 +17,11 @@ namespace kvstash::worker {
 std::string_view SpecKindName(engine::AttentionSpec::Kind kind);
 std::optional<int64_t> SpecWindow(const engine::AttentionSpec& spec);
 
+// One engine step's cache events as a batch (the rules below); `start`: it begins with
+// AllBlocksCleared.
+events::KvEventBatch CacheEventBatch(const std::vector<engine::CacheEvent>& step,
+                                     std::span<const engine::AttentionSpec> groups, bool start);
+
 // Turns the engine's cache events into batches and publishes them on `topic`: the first batch
 // starts with AllBlocksCleared; a run of hashes of one group that chain (each the parent of the
 // next) is one BlockStored with the first's parent, the group's block size in tokens, its kind
