@@ -50,7 +50,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(ModelConfig config, EngineOptions
   kv.record_events = options.record_cache_events;
   SchedulerOptions sched = options.scheduler;
   // Another model's blocks then never share a hash (nor a node key) with this one's.
-  sched.cache_salt = Hash128{fingerprint, 0}.ToHex();
+  sched.cache_salt = Engine::CacheSaltOf(fingerprint);
   KVSTASH_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device,
                            kernels::MakeDevice(options.device));
   KVSTASH_ASSIGN_OR_RETURN(

@@ -35,8 +35,7 @@ struct Worker {
     engine = std::move(*e);
   }
   CacheLayout Layout() const {
-    return {engine->layout().groups, engine->kv_cache().hash_block_size(),
-            Hash128{engine->fingerprint(), 0}.ToHex()};
+    return {engine->layout().groups, engine->kv_cache().hash_block_size(), engine->cache_salt()};
   }
   // What the worker's events say, into the index (as a router's subscriber would hand them).
   void Drain(events::KvIndex& index) {

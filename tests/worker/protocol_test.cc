@@ -2,6 +2,7 @@
 // and what the server writes (completions, chunks, the model list, totals) reads back as it was
 // written, through the client's own parsers.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -204,6 +205,48 @@ TEST(ProtocolTest, ModelListCarriesTheFingerprintExactly) {
   EXPECT_EQ(back->attn_pack, 4u);
   EXPECT_EQ(back->role, Role::kDecode);
   EXPECT_EQ(back->nodes, 2u);
+  EXPECT_TRUE(back->groups.empty());  // a worker that states no layout
+}
+
+TEST(ProtocolTest, ModelListCarriesTheCacheLayoutAndEventEndpoints) {
+  using Kind = engine::AttentionSpec::Kind;
+  WorkerInfo info;
+  info.model = "m";
+  info.groups = {{Kind::kFull, 16},
+                 {Kind::kSlidingWindow, 16, 128},
+                 {Kind::kState, 16},
+                 {Kind::kChunkedLocal, 32, 0, 64}};
+  info.hash_block_size = 16;
+  info.cache_salt = "00000000000000001234567890abcdef";
+  info.kv_events = "tcp://0.0.0.0:5557";
+  info.kv_events_replay = "tcp://0.0.0.0:5558";
+  const Result<WorkerInfo> back = ParseModels(Dump(ModelsJson(info, 1)));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->groups, info.groups);
+  EXPECT_EQ(back->hash_block_size, 16u);
+  EXPECT_EQ(back->cache_salt, info.cache_salt);
+  EXPECT_EQ(back->kv_events, info.kv_events);
+  EXPECT_EQ(back->kv_events_replay, info.kv_events_replay);
+  EXPECT_EQ(back->kv_events_topic, "");
+  // A layout that cannot be right is refused, naming what is wrong.
+  for (
+      const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+          {R"("groups": [{"kind": "warp", "block_size": 16}], "hash_block_size": 16, "cache_salt": "")",
+           "unknown kind"},
+          {R"("groups": [{"kind": "full_attention", "block_size": 0}], "hash_block_size": 16, "cache_salt": "")",
+           "block size"},
+          {R"("groups": [{"kind": "full_attention", "block_size": 24}], "hash_block_size": 16, "cache_salt": "")",
+           "does not divide"},
+          {R"("groups": [{"kind": "sliding_window", "block_size": 16}], "hash_block_size": 16, "cache_salt": "")",
+           "window"},
+          {R"("groups": 7, "hash_block_size": 16, "cache_salt": "")", "not an array"}}) {
+    const std::string body = R"({"data": [{"id": "m", "kvstash": {"fingerprint": "0x01", )"
+                             R"("block_size": 16, "attn_pack": 1, "nodes": 0, "role": "both", )" +
+                             bad + "}}]}";
+    const Result<WorkerInfo> r = ParseModels(body);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr(why)) << bad;
+  }
 }
 
 TEST(ProtocolTest, TotalsReadBackAndEveryOneIsAMetric) {

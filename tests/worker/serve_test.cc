@@ -24,6 +24,9 @@
 #include "daemon_process.h"
 #include "etcd_process.h"
 #include "kvstash/connector/node_client.h"
+#include "kvstash/events/subscriber.h"
+#include "kvstash/router/scoring.h"
+#include "protocol_json.h"
 #include "subprocess.h"
 
 namespace kvstash::worker {
@@ -280,6 +283,54 @@ TEST(ServeTest, AnswersLikeGenerateAndNamesBadRequestsWhileServing) {
 }
 
 // What the README shows, run as it is written: curl's default form body and all.
+// A worker with --kv-events states its layout and event endpoints in /v1/models; a subscriber
+// that joins after a completion reads its events by replay, and the hit a router computes from
+// them for the same prompt is the hit the worker then really gives it.
+TEST(ServeTest, KvEventsPredictTheWorkersOwnHit) {
+  Worker worker({"--model", "builtin:tiny-hybrid", "--kv-events", "tcp://127.0.0.1:*",
+                 "--kv-events-replay", "tcp://127.0.0.1:*"});
+  ASSERT_NE(worker.port(), 0);
+  Http http(worker.port());
+  const Reply models = http.Get("/v1/models");
+  ASSERT_EQ(models.status, 200);
+  Result<worker::WorkerInfo> info = worker::ParseModels(models.body);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  ASSERT_FALSE(info->groups.empty()) << models.body;
+  ASSERT_FALSE(info->kv_events.empty()) << models.body;
+  ASSERT_FALSE(info->kv_events_replay.empty()) << models.body;
+
+  const std::vector<uint32_t> prompt = Prompt(150, 3);
+  Reply first = http.Complete({{"prompt", prompt}, {"max_tokens", 2}});
+  ASSERT_EQ(first.status, 200) << first.body;
+
+  events::KvIndex index;
+  events::SubscriberOptions options;
+  options.endpoint = info->kv_events;
+  options.replay_endpoint = info->kv_events_replay;
+  options.topic = info->kv_events_topic;
+  auto sub = events::EventSubscriber::Create(
+      options, [&index](const events::Delivery& d) { index.Apply("w", d); });
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  // It joins late: the next engine step's batch shows it what it missed, which it replays.
+  const router::CacheLayout layout{info->groups, info->hash_block_size, info->cache_salt};
+  const std::vector<BlockHash> hashes = router::PromptHashes(layout, prompt);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  size_t predicted = 0;
+  for (uint64_t seed = 100; predicted == 0 && std::chrono::steady_clock::now() < deadline; ++seed) {
+    // Another prompt makes a step, so a batch goes out.
+    ASSERT_EQ(http.Complete({{"prompt", Prompt(20, seed)}, {"max_tokens", 1}}).status, 200);
+    predicted = router::HybridHitTokens(index, "w", "GPU", layout, hashes, prompt.size());
+  }
+  EXPECT_GT(predicted, 100u);
+  EXPECT_EQ((*sub)->stats().resets, 0u);
+
+  Reply again = http.Complete({{"prompt", prompt}, {"max_tokens", 2}});
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.parsed["usage"]["kvstash"].value("local_hit_tokens", 0u), predicted)
+      << again.body;
+  EXPECT_EQ(worker.process().Kill(SIGTERM), 0);
+}
+
 TEST(ServeTest, CurlGetsAnOpenAiCompletionWithGeneratesTokens) {
   Worker worker({"--model", "builtin:tiny-hybrid"});
   ASSERT_NE(worker.port(), 0);

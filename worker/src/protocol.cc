@@ -326,20 +326,98 @@ Result<Completion> ParseCompletion(std::string_view body) {
   return c;
 }
 
+namespace {
+
+// A group's kind as vLLM names it in its KV events (KVCacheSpecKind).
+const char* GroupKindName(engine::AttentionSpec::Kind kind) {
+  using Kind = engine::AttentionSpec::Kind;
+  switch (kind) {
+    case Kind::kFull:
+      return "full_attention";
+    case Kind::kSlidingWindow:
+      return "sliding_window";
+    case Kind::kChunkedLocal:
+      return "chunked_local_attention";
+    case Kind::kState:
+      return "mamba";
+  }
+  return "unknown";
+}
+
+json GroupsJson(const std::vector<engine::AttentionSpec>& groups) {
+  json out = json::array();
+  for (const engine::AttentionSpec& g : groups) {
+    json j = {{"kind", GroupKindName(g.kind)}, {"block_size", g.block_size}};
+    if (g.kind == engine::AttentionSpec::Kind::kSlidingWindow) j["window"] = g.window;
+    if (g.kind == engine::AttentionSpec::Kind::kChunkedLocal) j["chunk"] = g.chunk;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+Result<std::vector<engine::AttentionSpec>> ParseGroups(const json& groups) {
+  if (!groups.is_array() || groups.size() > kMaxCacheGroups) {
+    return InternalError("the model's groups are not an array of at most {}", kMaxCacheGroups);
+  }
+  std::vector<engine::AttentionSpec> out;
+  for (const json& g : groups) {
+    if (!g.is_object()) return InternalError("a group of the model is not an object");
+    KVSTASH_ASSIGN_OR_RETURN(const std::string kind, StringField(g, "kind", "a group"));
+    KVSTASH_ASSIGN_OR_RETURN(const uint64_t block_size, UintField(g, "block_size", "a group"));
+    if (block_size == 0 || block_size > (uint64_t{1} << 20)) {
+      return InternalError("a group's block size {} is outside 1..2^20", block_size);
+    }
+    engine::AttentionSpec spec;
+    spec.block_size = static_cast<uint32_t>(block_size);
+    using Kind = engine::AttentionSpec::Kind;
+    if (kind == "full_attention") {
+      spec.kind = Kind::kFull;
+    } else if (kind == "sliding_window") {
+      spec.kind = Kind::kSlidingWindow;
+      KVSTASH_ASSIGN_OR_RETURN(const uint64_t window, UintField(g, "window", "a group"));
+      if (window == 0 || window > UINT32_MAX) return InternalError("a window of {}", window);
+      spec.window = static_cast<uint32_t>(window);
+    } else if (kind == "chunked_local_attention") {
+      spec.kind = Kind::kChunkedLocal;
+      KVSTASH_ASSIGN_OR_RETURN(const uint64_t chunk, UintField(g, "chunk", "a group"));
+      if (chunk == 0 || chunk > UINT32_MAX) return InternalError("a chunk of {}", chunk);
+      spec.chunk = static_cast<uint32_t>(chunk);
+    } else if (kind == "mamba") {
+      spec.kind = Kind::kState;
+    } else {
+      return InternalError("a group of unknown kind '{:.64}'", kind);
+    }
+    out.push_back(spec);
+  }
+  return out;
+}
+
+}  // namespace
+
 json ModelsJson(const WorkerInfo& info, int64_t created) {
   char fingerprint[32];
   std::snprintf(fingerprint, sizeof fingerprint, "0x%016" PRIx64, info.fingerprint);
+  json details = {{"fingerprint", fingerprint},
+                  {"block_size", info.block_size},
+                  {"attn_pack", info.attn_pack},
+                  {"role", RoleName(info.role)},
+                  {"nodes", info.nodes}};
+  if (!info.groups.empty()) {
+    details["groups"] = GroupsJson(info.groups);
+    details["hash_block_size"] = info.hash_block_size;
+    details["cache_salt"] = info.cache_salt;
+  }
+  if (!info.kv_events.empty()) {
+    details["kv_events"] = {{"endpoint", info.kv_events},
+                            {"replay", info.kv_events_replay},
+                            {"topic", info.kv_events_topic}};
+  }
   return {{"object", "list"},
           {"data", json::array({{{"id", info.model},
                                  {"object", "model"},
                                  {"created", created},
                                  {"owned_by", "kvstash"},
-                                 {"kvstash",
-                                  {{"fingerprint", fingerprint},
-                                   {"block_size", info.block_size},
-                                   {"attn_pack", info.attn_pack},
-                                   {"role", RoleName(info.role)},
-                                   {"nodes", info.nodes}}}}})}};
+                                 {"kvstash", std::move(details)}}})}};
 }
 
 Result<WorkerInfo> ParseModels(std::string_view body) {
@@ -369,6 +447,24 @@ Result<WorkerInfo> ParseModels(std::string_view body) {
   info.block_size = static_cast<uint32_t>(block_size);
   info.attn_pack = static_cast<uint32_t>(attn_pack);
   info.role = *parsed_role;
+  if (const json* groups = Field(*kv, "groups")) {
+    KVSTASH_ASSIGN_OR_RETURN(info.groups, ParseGroups(*groups));
+    KVSTASH_ASSIGN_OR_RETURN(const uint64_t hash_block,
+                             UintField(*kv, "hash_block_size", "the model"));
+    for (const engine::AttentionSpec& g : info.groups) {
+      if (hash_block == 0 || g.block_size % hash_block != 0) {
+        return InternalError("the model's hash block size {} does not divide its groups'",
+                             hash_block);
+      }
+    }
+    info.hash_block_size = static_cast<uint32_t>(hash_block);
+    KVSTASH_ASSIGN_OR_RETURN(info.cache_salt, StringField(*kv, "cache_salt", "the model"));
+  }
+  if (const json* events = Field(*kv, "kv_events")) {
+    KVSTASH_ASSIGN_OR_RETURN(info.kv_events, StringField(*events, "endpoint", "kv_events"));
+    KVSTASH_ASSIGN_OR_RETURN(info.kv_events_replay, StringField(*events, "replay", "kv_events"));
+    KVSTASH_ASSIGN_OR_RETURN(info.kv_events_topic, StringField(*events, "topic", "kv_events"));
+  }
   return info;
 }
 

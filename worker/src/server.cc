@@ -138,6 +138,9 @@ class HttpWorkerServer final : public WorkerServer {
     if (options_.kv_events.endpoint.empty()) return Status::OK();
     KVSTASH_ASSIGN_OR_RETURN(
         cache_events_, CacheEventPublisher::Create(options_.kv_events, engine_->layout().groups));
+    info_.kv_events = cache_events_->publisher().endpoint();
+    info_.kv_events_replay = cache_events_->publisher().replay_endpoint();
+    info_.kv_events_topic = options_.kv_events.default_topic;
     return Status::OK();
   }
   const events::EventPublisher* kv_events() const override {
@@ -182,7 +185,7 @@ class HttpWorkerServer final : public WorkerServer {
   Engine* const engine_;
   std::unique_ptr<CacheEventPublisher> cache_events_;  // null: no KV events
   const ServerOptions options_;
-  const WorkerInfo info_;
+  WorkerInfo info_;  // set by Create and StartEvents, before any request is served
   const int64_t created_;
   const std::string id_prefix_;
   std::atomic<uint64_t> next_id_{0};
@@ -756,6 +759,9 @@ Result<std::unique_ptr<WorkerServer>> WorkerServer::Create(Engine* engine,
   info.attn_pack = engine->layout().attn_pack;
   info.role = options.role;
   info.nodes = options.num_nodes;
+  info.groups = engine->layout().groups;
+  info.hash_block_size = engine->kv_cache().hash_block_size();
+  info.cache_salt = engine->cache_salt();
   FrontOptions front;
   front.name = "kvstash worker";
   front.listen = options.listen;

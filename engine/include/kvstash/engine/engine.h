@@ -106,6 +106,9 @@ class Engine {
   const KvOffload* offload() const { return offload_.get(); }
   // Model, weights and layout: what an offloaded block must have been computed with.
   uint64_t fingerprint() const { return fingerprint_; }
+  // The salt of a prompt's first block hash (docs/semantics.md §18): the fingerprint's.
+  static std::string CacheSaltOf(uint64_t fingerprint) { return Hash128{fingerprint, 0}.ToHex(); }
+  std::string cache_salt() const { return CacheSaltOf(fingerprint_); }
 
   const ModelConfig& config() const { return runner_.config(); }
   const KvLayout& layout() const { return runner_.layout(); }

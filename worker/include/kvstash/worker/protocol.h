@@ -14,6 +14,7 @@
 
 #include "kvstash/common/client_counters.h"
 #include "kvstash/common/status.h"
+#include "kvstash/engine/cache_hit.h"
 
 namespace kvstash::worker {
 
@@ -68,7 +69,22 @@ struct WorkerInfo {
   uint32_t attn_pack = 1;
   Role role = Role::kBoth;
   size_t nodes = 0;  // offload nodes it shares KV through
+  // What a router needs to compute a prompt's hit here as the engine does
+  // (kvstash::router::CacheLayout): the KV-cache groups (kind, block size, window or chunk),
+  // the block size prompts are hashed at, and the salt of their first block. Empty groups: a
+  // worker that does not say (the fields are optional on the wire).
+  std::vector<engine::AttentionSpec> groups;
+  uint32_t hash_block_size = 0;
+  std::string cache_salt;
+  // Its KV events (docs/semantics.md §19), when it publishes them: the endpoints as bound, and
+  // the topic.
+  std::string kv_events;
+  std::string kv_events_replay;
+  std::string kv_events_topic;
 };
+
+// The most groups a model list may state (a hostile or broken worker's list is refused).
+inline constexpr size_t kMaxCacheGroups = 64;
 
 // GET /kvstash/stats (and GET /metrics, as Prometheus counters): the worker's running totals
 // since it started.
