@@ -11,7 +11,10 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "temp_dir.h"
 
 namespace kvstash::node {
 namespace {
@@ -209,6 +212,99 @@ TEST_F(KvEventPumpTest, EventsTheStoreDroppedRestartEveryTopic) {
   EXPECT_EQ(b.seq, 0);
   EXPECT_THAT(b.events,
               ::testing::ElementsAre(KvEvent(AllBlocksCleared{}), KvEvent(Stored({9u}, "CPU"))));
+}
+
+// A topic's batches from sequence 0, through the replay socket (the topic frame names it).
+std::vector<std::vector<KvEvent>> ReplayTopic(const std::string& endpoint,
+                                              const std::string& topic) {
+  void* ctx = zmq_ctx_new();
+  void* s = zmq_socket(ctx, ZMQ_DEALER);
+  const int linger = 0, timeout = 10000;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+  zmq_setsockopt(s, ZMQ_RCVTIMEO, &timeout, sizeof(timeout));
+  EXPECT_EQ(zmq_connect(s, endpoint.c_str()), 0);
+  const std::string start = events::EncodeSequence(0);
+  zmq_send(s, "", 0, ZMQ_SNDMORE);
+  zmq_send(s, start.data(), start.size(), ZMQ_SNDMORE);
+  zmq_send(s, topic.data(), topic.size(), 0);
+  std::vector<std::vector<KvEvent>> out;
+  while (true) {
+    std::vector<std::string> frames;
+    for (int more = 1; more != 0;) {
+      zmq_msg_t m;
+      zmq_msg_init(&m);
+      if (zmq_msg_recv(&m, s, 0) < 0) {
+        zmq_msg_close(&m);
+        ADD_FAILURE() << "no replay reply";
+        more = 0;
+        frames.clear();
+        break;
+      }
+      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&m)), zmq_msg_size(&m));
+      more = zmq_msg_more(&m);
+      zmq_msg_close(&m);
+    }
+    if (frames.size() != 3) break;
+    if (*events::DecodeSequence(std::as_bytes(std::span(frames[1]))) == -1) break;
+    auto batch = events::DecodeBatch(std::as_bytes(std::span(frames[2])));
+    EXPECT_TRUE(batch.ok());
+    out.push_back(batch.ok() ? batch->events : std::vector<KvEvent>{});
+  }
+  zmq_close(s);
+  zmq_ctx_term(ctx);
+  return out;
+}
+
+// A node restarted on its SSD tier starts each namespace's topic with what the tier kept.
+TEST(KvEventPumpSsdTest, EachTopicStartsWithTheBlocksTheSsdTierKeptAcrossARestart) {
+  ::kvstash::testing::TempDir dir;
+  auto options = [&dir] {
+    store::TieredStoreOptions o;
+    o.block_bytes = kBlock;
+    o.cpu_capacity_blocks = 16;
+    o.prefault = false;
+    o.enable_events = true;
+    store::SsdTierOptions ssd;
+    ssd.dir = dir.path();
+    ssd.capacity_bytes = 64 * kBlock;
+    ssd.direct_io = false;
+    o.ssd = ssd;
+    return o;
+  };
+  {
+    auto first = store::TieredStore::Create(options());
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    const std::vector<BlockKey> keys = {Key(1, 5), Key(1, 6), Key(2, 7, 1)};
+    store::StorePlan plan;
+    ASSERT_TRUE((*first)->PrepareStore(keys, &plan).ok());
+    (*first)->CompleteStore(keys, true);  // write-through: on SSD once the cascade is done
+    (*first)->WaitIdle();
+    ASSERT_EQ((*first)->ssd()->resident_blocks(), 3u);
+  }
+  auto store = store::TieredStore::Create(options());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  KvEventOptions events;
+  events.publisher.endpoint = "tcp://127.0.0.1:*";
+  events.publisher.replay_endpoint = "tcp://127.0.0.1:*";
+  events.interval = std::chrono::hours(1);
+  auto pump = KvEventPump::Create(events, store->get(), [](NamespaceId ns) {
+    return ns == 1 ? std::optional<std::string>("a") : std::optional<std::string>("b");
+  });
+  ASSERT_TRUE(pump.ok());
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while ((*pump)->publisher().next_sequence("b") == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  (*pump)->PublishNow();  // and waits for what was published to be sent
+  const auto a = ReplayTopic((*pump)->publisher().replay_endpoint(), "a");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_THAT(a[0], ::testing::UnorderedElementsAre(KvEvent(AllBlocksCleared{}),
+                                                    KvEvent(Stored({5u, 6u}, "SSD"))));
+  EXPECT_EQ(a[0][0], KvEvent(AllBlocksCleared{}));
+  const auto b = ReplayTopic((*pump)->publisher().replay_endpoint(), "b");
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_THAT(b[0],
+              ::testing::ElementsAre(KvEvent(AllBlocksCleared{}), KvEvent(Stored({7u}, "SSD", 1))));
 }
 
 }  // namespace
