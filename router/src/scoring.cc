@@ -27,6 +27,13 @@ std::vector<BlockHash> PromptHashes(const CacheLayout& layout, std::span<const u
 size_t HybridHitTokens(const events::KvIndex& index, std::string_view source,
                        std::string_view medium, const CacheLayout& layout,
                        std::span<const BlockHash> hashes, size_t num_tokens) {
+  const std::string one(source);
+  return HybridHitTokens(index, std::span(&one, 1), medium, layout, hashes, num_tokens);
+}
+
+size_t HybridHitTokens(const events::KvIndex& index, std::span<const std::string> sources,
+                       std::string_view medium, const CacheLayout& layout,
+                       std::span<const BlockHash> hashes, size_t num_tokens) {
   if (layout.groups.empty() || layout.hash_block_size == 0 || num_tokens == 0) return 0;
   std::vector<engine::CacheGroup> groups;
   groups.reserve(layout.groups.size());
@@ -37,10 +44,15 @@ size_t HybridHitTokens(const events::KvIndex& index, std::string_view source,
     engine::CachedBlocks cached;
     cached.count = hashes.size() / k;
     // A block id is all the search needs to tell a hit: 1 for "held".
-    cached.at = [&index, source, medium, hashes, k, g](size_t i) -> std::optional<engine::BlockId> {
-      const bool held = index.Holds(source, medium, static_cast<int64_t>(g),
-                                    events::ExternalHashOf(GroupHash(hashes, k, i)));
-      return held ? std::optional<engine::BlockId>(1) : std::nullopt;
+    cached.at = [&index, sources, medium, hashes, k,
+                 g](size_t i) -> std::optional<engine::BlockId> {
+      const events::ExternalHash hash = events::ExternalHashOf(GroupHash(hashes, k, i));
+      for (const std::string& source : sources) {
+        if (index.Holds(source, medium, static_cast<int64_t>(g), hash)) {
+          return std::optional<engine::BlockId>(1);
+        }
+      }
+      return std::nullopt;
     };
     groups.push_back({spec, std::move(cached)});
   }

@@ -122,5 +122,33 @@ TEST(ScoringTest, SlidingWindowAndFullGroupsScoreAsTheEngineHits) {
   EXPECT_EQ(HybridHitTokens(index, "nobody", "", layout, hashes, first.size()), 0u);
 }
 
+// The nodes of a cluster each hold part of a prompt's blocks: a worker pulling from the cluster
+// gets their union, which no node alone would score.
+TEST(ScoringTest, NodesAreScoredTogetherAsTheClusterAWorkerPullsFrom) {
+  const CacheLayout layout{{{engine::AttentionSpec::Kind::kFull, 16}}, 16, "salt"};
+  const std::vector<uint32_t> prompt = Tokens(16 * 8 + 1, 5);
+  const std::vector<BlockHash> hashes = PromptHashes(layout, prompt);
+  ASSERT_EQ(hashes.size(), 8u);
+  events::KvIndex index;
+  events::BlockStored even, odd;
+  even.medium = odd.medium = "CPU";
+  even.group_idx = odd.group_idx = 0;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    (i % 2 == 0 ? even : odd).block_hashes.push_back(events::ExternalHashOf(hashes[i]));
+  }
+  index.Apply("node-1", events::Delivery{0, {1.0, {even}, std::nullopt}, false});
+  index.Apply("node-2", events::Delivery{0, {1.0, {odd}, std::nullopt}, false});
+  const std::vector<std::string> both = {"node-1", "node-2"};
+  EXPECT_EQ(HybridHitTokens(index, both, "CPU", layout, hashes, prompt.size()), 128u);
+  EXPECT_EQ(HybridHitTokens(index, "node-1", "CPU", layout, hashes, prompt.size()), 16u);
+  EXPECT_EQ(HybridHitTokens(index, "node-2", "CPU", layout, hashes, prompt.size()), 0u);
+  // Another medium, or another salt (another model's hashes), holds nothing.
+  EXPECT_EQ(HybridHitTokens(index, both, "SSD", layout, hashes, prompt.size()), 0u);
+  CacheLayout other = layout;
+  other.cache_salt = "pepper";
+  EXPECT_EQ(HybridHitTokens(index, both, "CPU", other, PromptHashes(other, prompt), prompt.size()),
+            0u);
+}
+
 }  // namespace
 }  // namespace kvstash::router

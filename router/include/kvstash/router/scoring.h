@@ -36,6 +36,12 @@ size_t HybridHitTokens(const events::KvIndex& index, std::string_view source,
                        std::string_view medium, const CacheLayout& layout,
                        std::span<const BlockHash> hashes, size_t num_tokens);
 
+// The same over several sources at once (a block counts when any of them holds it): the hit a
+// worker gets from the offload nodes, each of which holds part of what the cluster holds.
+size_t HybridHitTokens(const events::KvIndex& index, std::span<const std::string> sources,
+                       std::string_view medium, const CacheLayout& layout,
+                       std::span<const BlockHash> hashes, size_t num_tokens);
+
 // What a group-blind scorer counts (what routers that ignore groups do): the prefix of the
 // full-attention group's blocks the source holds, in tokens. For comparison only.
 size_t GroupBlindHitTokens(const events::KvIndex& index, std::string_view source,
