@@ -26,6 +26,7 @@
 #include "kvstash/connector/node_client.h"
 #include "kvstash/events/subscriber.h"
 #include "kvstash/router/scoring.h"
+#include "membership_wait.h"
 #include "protocol_json.h"
 #include "subprocess.h"
 
@@ -664,6 +665,16 @@ TEST(ServeTest, AWorkerFollowsAClusterInEtcd) {
   std::vector<std::unique_ptr<Daemon>> daemons;
   daemons.push_back(node());
   daemons.push_back(node());
+  // A node registers in etcd only after it listens (its start line): the worker must start once
+  // both are there, or it counts the ones registered so far (this raced on a busy machine).
+  {
+    membership::WatcherOptions options;
+    options.etcd.endpoints = {etcd.endpoint()};
+    options.cluster = "w";
+    auto watcher = membership::MembershipWatcher::Create(options, nullptr);
+    ASSERT_TRUE(watcher.ok()) << watcher.status().ToString();
+    ASSERT_TRUE(::kvstash::testing::WaitForMembers(**watcher, 2, std::chrono::seconds(20)));
+  }
   Worker worker({"--model", "builtin:tiny-hybrid", "--role", "prefill", "--etcd", etcd.endpoint(),
                  "--cluster", "w", "--replicas", "2", "--lookup-budget-ms", "60000"});
   ASSERT_NE(worker.port(), 0);
