@@ -2,6 +2,7 @@
 
 #include <msgpack.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string_view>
@@ -602,6 +603,10 @@ std::string DebugString(const KvEvent& event) {
                        OptText(r->medium), OptText(r->group_idx));
   }
   return "AllBlocksCleared()";
+}
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 std::string EncodeSequence(int64_t sequence) {

@@ -2,6 +2,7 @@
 
 #include <zmq.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -12,6 +13,7 @@
 
 #include "kvstash/common/logging.h"
 #include "kvstash/common/mutex.h"
+#include "zmq_frames.h"
 
 namespace kvstash::events {
 namespace {
@@ -59,30 +61,6 @@ Result<std::string> LastEndpoint(void* socket) {
 
 bool SendFrame(void* socket, std::string_view frame, bool more) {
   return zmq_send(socket, frame.data(), frame.size(), ZMQ_DONTWAIT | (more ? ZMQ_SNDMORE : 0)) >= 0;
-}
-
-// Reads the rest of a multipart message (at most `max_frames` kept, each at most 256 bytes;
-// the rest read and dropped). False when a frame was too long or there were too many.
-bool ReadMessage(void* socket, std::vector<std::string>* frames, size_t max_frames) {
-  frames->clear();
-  bool fits = true;
-  int more = 1;
-  while (more != 0) {
-    zmq_msg_t msg;
-    zmq_msg_init(&msg);
-    if (zmq_msg_recv(&msg, socket, ZMQ_DONTWAIT) < 0) {
-      zmq_msg_close(&msg);
-      return false;
-    }
-    if (frames->size() < max_frames && zmq_msg_size(&msg) <= 256) {
-      frames->emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
-    } else {
-      fits = false;
-    }
-    more = zmq_msg_more(&msg);
-    zmq_msg_close(&msg);
-  }
-  return fits;
 }
 
 }  // namespace
@@ -221,7 +199,8 @@ class EventPublisher::Impl {
         return;
       }
       // ROUTER prefixes the sender's identity: [identity, empty, start, (topic)].
-      const bool fits = ReadMessage(replay_.s, &frames, 4);
+      bool fits = true;
+      frames = ReadFrames(replay_.s, 4, 256, &fits).value_or(std::vector<std::string>{});
       Result<int64_t> start = InvalidArgumentError("malformed");
       if (fits && (frames.size() == 3 || frames.size() == 4) && frames[1].empty()) {
         start = DecodeSequence(std::as_bytes(std::span(frames[2])));
@@ -326,6 +305,11 @@ Result<std::unique_ptr<EventPublisher>> EventPublisher::Create(const PublisherOp
     }
     const int linger = 0;
     zmq_setsockopt(r.s, ZMQ_LINGER, &linger, sizeof(linger));
+    // One whole replay (the buffer and its end marker, in 2-frame messages) must fit in the
+    // socket's queue: past its high-water mark (1,000 by default) ROUTER drops what it cannot
+    // queue, end marker included, and the requester waits for its timeout and starts over.
+    const int replay_hwm = static_cast<int>(std::min<size_t>(options.buffer_batches + 16, 1 << 24));
+    zmq_setsockopt(r.s, ZMQ_SNDHWM, &replay_hwm, sizeof(replay_hwm));
     Status s;
     if (zmq_bind(r.s, options.replay_endpoint.c_str()) != 0) {
       s = FromZmq(fmt::format("binding the KV events replay to {}", options.replay_endpoint));

@@ -7,39 +7,10 @@
 #include <thread>
 
 #include "kvstash/common/logging.h"
+#include "zmq_frames.h"
 
 namespace kvstash::events {
 namespace {
-
-constexpr size_t kMaxFrameBytes = kMaxBatchBytes;
-
-// A whole message of at most `max_frames` frames (more: false, the rest read and dropped), or
-// nullopt when none was waiting.
-std::optional<std::vector<std::string>> ReadFrames(void* socket, size_t max_frames, bool* fits) {
-  std::vector<std::string> frames;
-  *fits = true;
-  int more = 1;
-  bool first = true;
-  while (more != 0) {
-    zmq_msg_t msg;
-    zmq_msg_init(&msg);
-    if (zmq_msg_recv(&msg, socket, ZMQ_DONTWAIT) < 0) {
-      zmq_msg_close(&msg);
-      if (first) return std::nullopt;
-      *fits = false;
-      return frames;
-    }
-    first = false;
-    if (frames.size() < max_frames && zmq_msg_size(&msg) <= kMaxFrameBytes) {
-      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
-    } else {
-      *fits = false;
-    }
-    more = zmq_msg_more(&msg);
-    zmq_msg_close(&msg);
-  }
-  return frames;
-}
 
 bool StartsOver(const KvEventBatch& batch) {
   return !batch.events.empty() && std::holds_alternative<AllBlocksCleared>(batch.events[0]);
@@ -125,7 +96,7 @@ class EventSubscriber::Impl {
       if (zmq_poll(&item, 1, 20) <= 0) continue;
       for (int i = 0; i < 64 && !stopping_; ++i) {
         bool fits = true;
-        std::optional<std::vector<std::string>> frames = ReadFrames(sub_, 3, &fits);
+        std::optional<std::vector<std::string>> frames = ReadFrames(sub_, 3, kMaxBatchBytes, &fits);
         if (!frames) break;
         if (!fits || frames->size() != 3) {
           Count(&SubscriberStats::malformed);
@@ -187,7 +158,7 @@ class EventSubscriber::Impl {
     }
     // Stale replies of an earlier replay are dropped first.
     bool fits = true;
-    while (ReadFrames(replay_, 3, &fits)) {
+    while (ReadFrames(replay_, 3, kMaxBatchBytes, &fits)) {
     }
     const std::string start = EncodeSequence(from);
     const bool with_topic = !options_.topic.empty();
@@ -205,7 +176,7 @@ class EventSubscriber::Impl {
       zmq_pollitem_t item = {replay_, 0, ZMQ_POLLIN, 0};
       if (zmq_poll(&item, 1, static_cast<long>(left.count())) <= 0) continue;
       std::optional<std::vector<std::string>> frames;
-      while ((frames = ReadFrames(replay_, 3, &fits))) {
+      while ((frames = ReadFrames(replay_, 3, kMaxBatchBytes, &fits))) {
         if (!fits || frames->size() != 3) {
           Count(&SubscriberStats::malformed);
           continue;

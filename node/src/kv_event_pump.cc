@@ -13,10 +13,6 @@ namespace {
 // The most block hashes one batch carries; a round with more sends several.
 constexpr size_t kMaxHashesPerBatch = 8192;
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 // A round's events, folded: each key's last event in each tier wins (a key stored and evicted
@@ -245,7 +241,9 @@ void KvEventPump::Publish(NamespaceId ns, const std::string& topic, const KvEven
   auto send = [&] {
     pump_mu_.AssertHeld();  // the caller's
     if (batch.empty()) return;
-    if (!publisher_->PublishEncoded(topic, events::EncodeRuns(Now(), batch))) dropped_.insert(ns);
+    if (!publisher_->PublishEncoded(topic, events::EncodeRuns(events::NowSeconds(), batch))) {
+      dropped_.insert(ns);
+    }
     batch.clear();
     in_batch = 0;
   };

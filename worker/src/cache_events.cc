@@ -4,29 +4,6 @@
 #include <utility>
 
 namespace kvstash::worker {
-namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
-
-std::string_view SpecKindName(engine::AttentionSpec::Kind kind) {
-  using Kind = engine::AttentionSpec::Kind;
-  switch (kind) {
-    case Kind::kFull:
-      return "full_attention";
-    case Kind::kSlidingWindow:
-      return "sliding_window";
-    case Kind::kChunkedLocal:
-      return "chunked_local_attention";
-    case Kind::kState:
-      return "mamba";
-  }
-  return "unknown";
-}
-
 std::optional<int64_t> SpecWindow(const engine::AttentionSpec& spec) {
   using Kind = engine::AttentionSpec::Kind;
   if (spec.kind == Kind::kSlidingWindow) return spec.window;
@@ -49,7 +26,7 @@ CacheEventPublisher::CacheEventPublisher(std::unique_ptr<events::EventPublisher>
 
 events::KvEventBatch CacheEventBatch(const std::vector<engine::CacheEvent>& step,
                                      std::span<const engine::AttentionSpec> groups, bool start) {
-  events::KvEventBatch batch{Now(), {}, std::nullopt};
+  events::KvEventBatch batch{events::NowSeconds(), {}, std::nullopt};
   if (start) batch.events.emplace_back(events::AllBlocksCleared{});
   std::optional<Hash128> chain_end;  // the last stored hash, while the last event is a store
   for (const engine::CacheEvent& e : step) {

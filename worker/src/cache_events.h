@@ -9,12 +9,12 @@
 #include "kvstash/engine/block_pool.h"
 #include "kvstash/engine/cache_hit.h"
 #include "kvstash/events/publisher.h"
+#include "kvstash/worker/protocol.h"
 
 namespace kvstash::worker {
 
-// vLLM's name of a group's kind (KVCacheSpecKind) and the window it states: tokens of a
-// sliding window or of a chunk, none otherwise.
-std::string_view SpecKindName(engine::AttentionSpec::Kind kind);
+// The window a group's events state: tokens of a sliding window or of a chunk, none otherwise
+// (its kind's name is SpecKindName, protocol.h).
 std::optional<int64_t> SpecWindow(const engine::AttentionSpec& spec);
 
 // One engine step's cache events as a batch (the rules below); `start`: it begins with

@@ -328,26 +328,10 @@ Result<Completion> ParseCompletion(std::string_view body) {
 
 namespace {
 
-// A group's kind as vLLM names it in its KV events (KVCacheSpecKind).
-const char* GroupKindName(engine::AttentionSpec::Kind kind) {
-  using Kind = engine::AttentionSpec::Kind;
-  switch (kind) {
-    case Kind::kFull:
-      return "full_attention";
-    case Kind::kSlidingWindow:
-      return "sliding_window";
-    case Kind::kChunkedLocal:
-      return "chunked_local_attention";
-    case Kind::kState:
-      return "mamba";
-  }
-  return "unknown";
-}
-
 json GroupsJson(const std::vector<engine::AttentionSpec>& groups) {
   json out = json::array();
   for (const engine::AttentionSpec& g : groups) {
-    json j = {{"kind", GroupKindName(g.kind)}, {"block_size", g.block_size}};
+    json j = {{"kind", SpecKindName(g.kind)}, {"block_size", g.block_size}};
     if (g.kind == engine::AttentionSpec::Kind::kSlidingWindow) j["window"] = g.window;
     if (g.kind == engine::AttentionSpec::Kind::kChunkedLocal) j["chunk"] = g.chunk;
     out.push_back(std::move(j));
@@ -393,6 +377,21 @@ Result<std::vector<engine::AttentionSpec>> ParseGroups(const json& groups) {
 }
 
 }  // namespace
+
+std::string_view SpecKindName(engine::AttentionSpec::Kind kind) {
+  using Kind = engine::AttentionSpec::Kind;
+  switch (kind) {
+    case Kind::kFull:
+      return "full_attention";
+    case Kind::kSlidingWindow:
+      return "sliding_window";
+    case Kind::kChunkedLocal:
+      return "chunked_local_attention";
+    case Kind::kState:
+      return "mamba";
+  }
+  return "unknown";
+}
 
 json ModelsJson(const WorkerInfo& info, int64_t created) {
   char fingerprint[32];

@@ -65,6 +65,9 @@ inline void PrintTo(const BlockStored& e, std::ostream* os) { *os << DebugString
 inline void PrintTo(const BlockRemoved& e, std::ostream* os) { *os << DebugString(KvEvent(e)); }
 inline void PrintTo(const AllBlocksCleared& e, std::ostream* os) { *os << DebugString(KvEvent(e)); }
 
+// Seconds since the Unix epoch, as a batch's ts.
+double NowSeconds();
+
 // vLLM's KVEventBatch.
 struct KvEventBatch {
   double ts = 0;  // seconds since the Unix epoch

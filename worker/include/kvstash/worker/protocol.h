@@ -83,6 +83,9 @@ struct WorkerInfo {
   std::string kv_events_topic;
 };
 
+// A group's kind as vLLM names it (KVCacheSpecKind): in KV events and in the model list.
+std::string_view SpecKindName(engine::AttentionSpec::Kind kind);
+
 // The most groups a model list may state (a hostile or broken worker's list is refused).
 inline constexpr size_t kMaxCacheGroups = 64;
 
