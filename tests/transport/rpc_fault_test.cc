@@ -360,6 +360,69 @@ TEST_P(RpcFaultTest, ClientKilledMidTransferLeavesServerServing) {
   EXPECT_EQ((*server)->stats().disconnects, 3u);
 }
 
+// UCX 1.13's TCP transport completed a zero-copy send twice when its socket failed under it and
+// asserted on the second completion, aborting the survivor of a peer killed mid-transfer: about
+// 1 server kill in 14 beside a CPU hog (the worker now sends copied; worker.cc). Many kills in a
+// row, each direction: the client that was putting, and the server that was answering gets.
+TEST_P(RpcFaultTest, PeersKilledMidTransferOverAndOverNeverTakeTheSurvivorDown) {
+  if (GetParam() == "shm_rndv") {
+    GTEST_SKIP() << "killed-peer recovery of rendezvous over shm is not reliable in UCX 1.13";
+  }
+  constexpr int kRounds = 20;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE("server kill " + std::to_string(round));
+    PeerServer server(GetParam());
+    ASSERT_NE(server.port(), 0);
+    auto client = MakeClient(server.port());
+    ASSERT_NE(client, nullptr);
+    auto region = client->AllocateMemory(size_t{8} << 20);
+    ASSERT_TRUE(region.ok());
+    BulkLoad load;
+    load.client = client.get();
+    load.region = &*region;
+    load.size = region->size();
+    for (int i = 0; i < 4; ++i) load.Issue();
+    const auto started = Clock::now();
+    while (load.ok.load() < 2 && load.outstanding.load() > 0 && Clock::now() - started < 10s) {
+      std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_GE(load.ok.load(), 2) << load.other_status;
+    server.process().Kill(SIGKILL);
+    const auto killed_at = Clock::now();
+    while (load.outstanding.load() > 0 && Clock::now() - killed_at < 10s) {
+      std::this_thread::sleep_for(1ms);
+    }
+    ASSERT_EQ(load.outstanding.load(), 0) << "calls left hanging after the server died";
+    EXPECT_EQ(load.other.load(), 0) << load.other_status;
+  }
+
+  ServerOptions options;
+  options.transport = TransportFor(GetParam());
+  auto server = RpcServer::Create(options);
+  ASSERT_TRUE(server.ok());
+  auto memory = (*server)->AllocateMemory(size_t{8} << 20);
+  ASSERT_TRUE(memory.ok());
+  (*server)->Handle(kEcho, [](ServerCall call) { call.Reply(call.request()); });
+  (*server)->Handle(kGet, [&](ServerCall call) { call.Reply({}, memory->bytes(), &*memory); });
+  ASSERT_TRUE((*server)->Start().ok());
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE("client kill " + std::to_string(round));
+    auto client = ::kvstash::testing::StartChild({KVSTASH_PEER_HELPER, "client", GetParam(),
+                                                  std::to_string((*server)->port()),
+                                                  std::to_string(8 << 20), "get"});
+    ASSERT_NE(client, nullptr);
+    ASSERT_EQ(ReadLineStartingWith(*client, "progress"), "progress");
+    client->Kill(SIGKILL);
+    for (int i = 0; i < 1000 && (*server)->connection_count() != 0; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ((*server)->connection_count(), 0u);
+  }
+  auto client = MakeClient((*server)->port());
+  ASSERT_NE(client, nullptr);
+  EXPECT_TRUE(client->CallSync(kEcho, AsBytes("alive"), Within(5s), nullptr).ok());
+}
+
 // ---- bad input -------------------------------------------------------------------------------
 
 class RpcFuzzTest : public ::testing::TestWithParam<std::string> {

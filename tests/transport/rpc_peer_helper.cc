@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "kvstash/transport/rpc.h"
@@ -86,7 +87,9 @@ int Server(const std::string& tls, uint16_t port) {
   return 0;
 }
 
-int Client(const std::string& tls, uint16_t port, size_t size) {
+// Keeps 4 calls of `size` bytes in flight: puts (method 2) or, with `get`, gets (method 3)
+// received into registered memory. Prints "progress" once the first completes.
+int Client(const std::string& tls, uint16_t port, size_t size, bool get) {
   ClientOptions options;
   options.transport = kvstash::testing::TransportFor(tls);
   options.port = port;
@@ -103,9 +106,14 @@ int Client(const std::string& tls, uint16_t port, size_t size) {
   std::function<void()> issue = [&] {
     CallOptions call;
     call.deadline = Clock::now() + std::chrono::seconds(30);
-    call.send_payload = region->bytes();
-    call.send_region = &*region;
-    c->Call(2, {}, call, [&](const Response& r) {
+    if (get) {
+      call.recv_payload = region->bytes();
+      call.recv_region = &*region;
+    } else {
+      call.send_payload = region->bytes();
+      call.send_region = &*region;
+    }
+    c->Call(get ? 3 : 2, {}, call, [&](const Response& r) {
       if (r.status.ok() && !reported.exchange(true)) std::cout << "progress" << std::endl;
       issue();
     });
@@ -121,9 +129,10 @@ int main(int argc, char** argv) {
   if (mode == "server" && argc >= 3) {
     return Server(argv[2], argc > 3 ? static_cast<uint16_t>(std::stoi(argv[3])) : 0);
   }
-  if (mode == "client" && argc == 5) {
-    return Client(argv[2], static_cast<uint16_t>(std::stoi(argv[3])), std::stoull(argv[4]));
+  if (mode == "client" && (argc == 5 || (argc == 6 && std::string_view(argv[5]) == "get"))) {
+    return Client(argv[2], static_cast<uint16_t>(std::stoi(argv[3])), std::stoull(argv[4]),
+                  argc == 6);
   }
-  std::cerr << "usage: rpc_peer_helper server TLS [PORT] | client TLS PORT SIZE\n";
+  std::cerr << "usage: rpc_peer_helper server TLS [PORT] | client TLS PORT SIZE [get]\n";
   return 2;
 }

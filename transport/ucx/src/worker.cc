@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -70,6 +72,26 @@ std::atomic<uint64_t> next_region_id{1};
 
 namespace {
 
+// Whether a worker whose UCX_TLS is `tls` ("" for UCX's default, every transport) may carry
+// traffic over TCP. UCX's default picks TCP between hosts only where there is no RDMA device,
+// so the default counts as TCP on a host without one (no /sys/class/infiniband entries).
+bool MayUseTcp(std::string_view tls) {
+  const bool every = tls.empty() || tls == "all";
+  const bool excluding = !tls.empty() && tls.front() == '^';
+  std::string_view names = excluding ? tls.substr(1) : tls;
+  bool names_tcp = false;
+  while (!names.empty()) {
+    const size_t comma = names.find(',');
+    if (names.substr(0, comma) == "tcp") names_tcp = true;
+    names = comma == std::string_view::npos ? std::string_view() : names.substr(comma + 1);
+  }
+  if (names_tcp) return !excluding;
+  if (!every && !excluding) return false;
+  std::error_code error;
+  std::filesystem::directory_iterator rdma("/sys/class/infiniband", error);
+  return error || rdma == std::filesystem::directory_iterator();
+}
+
 // The context of a new worker: UCX's configuration read, with `options` applied over it.
 // `tcp_only`: the transports are TCP alone.
 Result<UcpContext> CreateContext(const TransportOptions& options, const std::string& name,
@@ -104,6 +126,27 @@ Result<UcpContext> CreateContext(const TransportOptions& options, const std::str
   if (status.ok() && !options.shm_dir.empty()) {
     status = FromUcs(ucp_config_modify(config, "DIR", options.shm_dir.c_str()),
                      fmt::format("UCX_POSIX_DIR={}", options.shm_dir));
+  }
+  // UCX 1.13's TCP transport completes a zero-copy send twice when the socket fails under it
+  // (uct_tcp_ep_sendv: once in the endpoint's purge, once after it); the second completion
+  // asserts (uct_iface.h, `comp->count > 0`) and aborts the process, so a peer killed while a
+  // zero-copy fragment was on its socket took the survivor down with it: a node killed mid-put
+  // aborted the engine, a client killed mid-get the node (RpcFaultTest, about 1 run in 14
+  // beside a CPU hog). Copied sends have no completion to repeat. With 64 KiB send segments
+  // instead of 8 KiB they move 256 KiB to 2 MiB payloads within the run-to-run noise of zero copy
+  // (`kvstash bench transport --tls tcp`); an explicit UCX_ZCOPY_THRESH or UCX_TCP_TX_SEG_SIZE in
+  // the environment is kept.
+  const char* env_tls = std::getenv("UCX_TLS");
+  if (status.ok() && MayUseTcp(!options.tls.empty() ? options.tls
+                               : env_tls != nullptr ? env_tls
+                                                    : "")) {
+    if (std::getenv("UCX_ZCOPY_THRESH") == nullptr) {
+      status = FromUcs(ucp_config_modify(config, "ZCOPY_THRESH", "inf"), "UCX_ZCOPY_THRESH=inf");
+    }
+    // Kept for the TCP transport (its send segment; no other transport has one).
+    if (status.ok() && std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) {
+      status = FromUcs(ucp_config_modify(config, "TX_SEG_SIZE", "64k"), "UCX_TCP_TX_SEG_SIZE=64k");
+    }
   }
   ucp_context_h context = nullptr;
   if (status.ok()) {
