@@ -59,6 +59,20 @@ size_t HybridHitTokens(const events::KvIndex& index, std::span<const std::string
   return engine::FindLongestHybridCacheHit(groups, num_tokens - 1).tokens;
 }
 
+size_t MaxHitTokens(const CacheLayout& layout, size_t num_hashes, size_t num_tokens) {
+  if (layout.groups.empty() || layout.hash_block_size == 0 || num_tokens == 0) return 0;
+  std::vector<engine::CacheGroup> groups;
+  groups.reserve(layout.groups.size());
+  for (const engine::AttentionSpec& spec : layout.groups) {
+    if (spec.block_size == 0 || spec.block_size % layout.hash_block_size != 0) return 0;
+    engine::CachedBlocks cached;
+    cached.count = num_hashes / (spec.block_size / layout.hash_block_size);
+    cached.at = [](size_t) -> std::optional<engine::BlockId> { return engine::BlockId(1); };
+    groups.push_back({spec, std::move(cached)});
+  }
+  return engine::FindLongestHybridCacheHit(groups, num_tokens - 1).tokens;
+}
+
 size_t GroupBlindHitTokens(const events::KvIndex& index, std::string_view source,
                            std::string_view medium, const CacheLayout& layout,
                            std::span<const BlockHash> hashes, size_t num_tokens) {

@@ -23,7 +23,7 @@
 
 #include "fuzz_check.h"
 #include "kvstash/worker/protocol.h"
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::worker {
 namespace {

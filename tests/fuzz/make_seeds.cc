@@ -23,7 +23,7 @@
 #include "kvstash/proto/wire.pb.h"
 #include "kvstash/transport/frame.h"
 #include "kvstash/worker/protocol.h"
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::fuzz {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::worker {
 namespace {

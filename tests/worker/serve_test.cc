@@ -27,7 +27,7 @@
 #include "kvstash/events/subscriber.h"
 #include "kvstash/router/scoring.h"
 #include "membership_wait.h"
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 #include "subprocess.h"
 
 namespace kvstash::worker {

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::worker {
 namespace {
@@ -44,6 +44,62 @@ class HttpWorkerClient final : public WorkerClient {
     return completion;
   }
 
+  Status Stream(const CompletionRequest& request,
+                const std::function<bool(std::string_view event)>& on_event,
+                bool* started) override {
+    if (started != nullptr) *started = false;
+    CompletionRequest streamed = request;
+    streamed.stream = true;
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = CompletionRequestJson(streamed);
+    req.set_header("Content-Type", "application/json");
+    httplib::Response res;
+    std::string pending;     // bytes of an event not complete yet
+    std::string error_body;  // the body of an error reply
+    bool done = false, stopped = false;
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      if (res.status != 200) {
+        if (error_body.size() < 4096) error_body.append(data, std::min<size_t>(n, 4096));
+        return true;
+      }
+      pending.append(data, n);
+      for (size_t end; (end = pending.find("\n\n")) != std::string::npos;) {
+        const std::string_view event(pending.data(), end);
+        if (event.rfind("data: ", 0) == 0) {
+          const std::string_view payload = event.substr(6);
+          if (started != nullptr) *started = true;
+          if (payload == "[DONE]") done = true;
+          if (!on_event(payload)) {
+            stopped = true;
+            return false;
+          }
+        }
+        pending.erase(0, end + 2);
+      }
+      return true;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    httplib::Error error = httplib::Error::Success;
+    const bool sent = http_.send(req, res, error);
+    if (stopped) return CancelledError("worker {}: the stream's reader stopped", address_);
+    if (!sent && res.status != 200) {
+      if (std::chrono::steady_clock::now() - start >= timeout_) {
+        return DeadlineExceededError("worker {}: no answer to the streamed completion within {} ms",
+                                     address_, timeout_.count());
+      }
+      return UnavailableError("worker {}: POST /v1/completions failed: {}", address_,
+                              httplib::to_string(error));
+    }
+    if (res.status != 200) return ErrorOf(res.status, error_body);
+    if (!done) {
+      return UnavailableError("worker {}: the stream ended before its last event{}", address_,
+                              sent ? "" : ": " + httplib::to_string(error));
+    }
+    return Status::OK();
+  }
+
   Result<WorkerTotals> Totals() override {
     KVSTASH_ASSIGN_OR_RETURN(std::string body, Call("GET", "/kvstash/stats", ""));
     Result<WorkerTotals> totals = ParseTotals(body);
@@ -70,8 +126,13 @@ class HttpWorkerClient final : public WorkerClient {
                               httplib::to_string(result.error()));
     }
     if (result->status == 200) return std::move(result->body);
-    const std::string message = ErrorMessage(result->body);
-    switch (result->status) {
+    return ErrorOf(result->status, result->body);
+  }
+
+  // The error of a reply with `status` other than 200 and `body`.
+  Status ErrorOf(int status, std::string_view body) const {
+    const std::string message = ErrorMessage(body);
+    switch (status) {
       case 400:
       case 413:
         return InvalidArgumentError("worker {}: {}", address_, message);
@@ -80,7 +141,7 @@ class HttpWorkerClient final : public WorkerClient {
       case 503:
         return UnavailableError("worker {}: {}", address_, message);
       default:
-        return InternalError("worker {}: HTTP {}: {}", address_, result->status, message);
+        return InternalError("worker {}: HTTP {}: {}", address_, status, message);
     }
   }
 

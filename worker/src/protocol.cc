@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "kvstash/http/prometheus_text.h"
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::worker {
 namespace {

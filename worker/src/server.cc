@@ -20,7 +20,7 @@
 #include "kvstash/common/mutex.h"
 #include "kvstash/http/http_front.h"
 #include "kvstash/http/prometheus_text.h"
-#include "protocol_json.h"
+#include "kvstash/worker/protocol_json.h"
 
 namespace kvstash::worker {
 namespace {

@@ -42,6 +42,11 @@ size_t HybridHitTokens(const events::KvIndex& index, std::span<const std::string
                        std::string_view medium, const CacheLayout& layout,
                        std::span<const BlockHash> hashes, size_t num_tokens);
 
+// The hit a `num_tokens`-token prompt (`num_hashes` hashes) would get if every block of it were
+// held: the most any source can give it, and what a prefill that pushes its blocks leaves for
+// the decode worker to pull.
+size_t MaxHitTokens(const CacheLayout& layout, size_t num_hashes, size_t num_tokens);
+
 // What a group-blind scorer counts (what routers that ignore groups do): the prefix of the
 // full-attention group's blocks the source holds, in tokens. For comparison only.
 size_t GroupBlindHitTokens(const events::KvIndex& index, std::string_view source,

@@ -4,6 +4,7 @@
 // --prefill-worker/--decode-worker` drives workers with).
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -31,6 +32,15 @@ class WorkerClient {
   virtual Result<WorkerInfo> Info() = 0;
   // POST /v1/completions without streaming; `request.stream` is ignored.
   virtual Result<Completion> Complete(const CompletionRequest& request) = 0;
+  // POST /v1/completions with streaming: `on_event` gets each Server-Sent Events payload (the
+  // text after "data: ", "[DONE]" last) as it arrives, and returns false to stop reading (the
+  // connection is then dropped: the worker cancels the request). `*started` (when not null) says
+  // whether any event came, so that a caller knows whether the request can still go elsewhere.
+  // The errors of Complete; Cancelled when on_event stopped it; Unavailable for a stream cut
+  // before "[DONE]".
+  virtual Status Stream(const CompletionRequest& request,
+                        const std::function<bool(std::string_view event)>& on_event,
+                        bool* started) = 0;
   // GET /kvstash/stats.
   virtual Result<WorkerTotals> Totals() = 0;
 
