@@ -14,6 +14,7 @@ void AddBenchCommand(CLI::App& app, int* exit_code) {
   AddBenchNodeCommand(*bench, exit_code);
   AddBenchReplayCommand(*bench, exit_code);
   AddBenchPeerCommand(*bench, exit_code);
+  AddBenchRouteCommand(*bench, exit_code);
 }
 
 }  // namespace kvstash::bench

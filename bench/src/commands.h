@@ -11,5 +11,6 @@ void AddBenchTransportCommand(CLI::App& bench, int* exit_code);
 void AddBenchNodeCommand(CLI::App& bench, int* exit_code);
 void AddBenchReplayCommand(CLI::App& bench, int* exit_code);
 void AddBenchPeerCommand(CLI::App& bench, int* exit_code);
+void AddBenchRouteCommand(CLI::App& bench, int* exit_code);
 
 }  // namespace kvstash::bench
