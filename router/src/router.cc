@@ -60,6 +60,22 @@ bool SameLayout(const worker::WorkerInfo& a, const worker::WorkerInfo& b) {
   return true;
 }
 
+// Each worker's hit and score, per role, in option order.
+json ScoresJson(const Choice& c) {
+  json scores = json::object();
+  auto add = [&scores](std::string_view role, const std::vector<size_t>& hits,
+                       const std::vector<double>& values) {
+    json list = json::array();
+    for (size_t i = 0; i < hits.size(); ++i) {
+      list.push_back({{"hit_tokens", hits[i]}, {"score", values[i]}});
+    }
+    scores[std::string(role)] = std::move(list);
+  };
+  add("prefill", c.prefill_hits, c.prefill_scores);
+  add("decode", c.decode_hits, c.decode_scores);
+  return scores;
+}
+
 // usage.kvstash of a routed completion: computed_tokens and ttft_ms of the whole request (both
 // workers'), and the router's choice under "router".
 void AddRoutedUsage(json* usage, const RoutedCompletion& routed, Policy policy) {
@@ -72,24 +88,13 @@ void AddRoutedUsage(json* usage, const RoutedCompletion& routed, Policy policy) 
                {"local_hit_tokens", routed.prefill_usage.local_hit_tokens},
                {"latency_ms", routed.prefill_usage.latency_ms}};
   }
-  json scores = json::object();
-  auto add_scores = [&scores](std::string_view role, const std::vector<size_t>& hits,
-                              const std::vector<double>& values) {
-    json list = json::array();
-    for (size_t i = 0; i < hits.size(); ++i) {
-      list.push_back({{"hit_tokens", hits[i]}, {"score", values[i]}});
-    }
-    scores[std::string(role)] = std::move(list);
-  };
-  add_scores("prefill", c.prefill_hits, c.prefill_scores);
-  add_scores("decode", c.decode_hits, c.decode_scores);
   json out = {{"policy", policy == Policy::kKv ? "kv" : "round-robin"},
               {"prefill", std::move(prefill)},
               {"decode_worker", routed.decode_worker},
               {"skipped_prefill", c.skip_reason.empty() ? json() : json(c.skip_reason)},
               {"node_tokens", c.node_tokens},
               {"node_memory_tokens", c.node_memory_tokens},
-              {"scores", std::move(scores)},
+              {"scores", ScoresJson(c)},
               {"retries", routed.retries}};
   json& kv = (*usage)["kvstash"];
   kv["router"] = std::move(out);
@@ -631,6 +636,23 @@ std::string RoutedCompletionBody(const RoutedCompletion& routed, Policy policy, 
   json body = worker::CompletionJson(routed.completion, created);
   AddRoutedUsage(&body["usage"], routed, policy);
   return worker::Dump(body);
+}
+
+std::string ChoiceJson(const Router& router, const Choice& choice) {
+  const std::vector<WorkerView> prefill = router.prefill_workers();
+  const std::vector<WorkerView> decode = router.decode_workers();
+  auto name = [](const std::vector<WorkerView>& workers, int i) {
+    return i < 0 || static_cast<size_t>(i) >= workers.size() ? json() : json(workers[i].address);
+  };
+  return worker::Dump(
+      {{"policy", PolicyName(router.options().policy)},
+       {"prompt_tokens", choice.prompt_tokens},
+       {"prefill_worker", name(prefill, choice.prefill)},
+       {"decode_worker", name(decode, choice.decode)},
+       {"skipped_prefill", choice.skip_reason.empty() ? json() : json(choice.skip_reason)},
+       {"node_tokens", choice.node_tokens},
+       {"node_memory_tokens", choice.node_memory_tokens},
+       {"scores", ScoresJson(choice)}});
 }
 
 Result<std::unique_ptr<Router>> Router::Create(RouterOptions options) {

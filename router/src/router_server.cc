@@ -93,6 +93,16 @@ class HttpRouterServer final : public RouterServer {
     http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       HandleCompletion(req, res);
     });
+    // Where a completion would go, without running it (an operator's question, a test's wait).
+    http.Post("/kvstash/route", [this](const httplib::Request& req, httplib::Response& res) {
+      std::string param;
+      Result<worker::CompletionRequest> parsed = worker::ParseCompletionRequest(req.body, &param);
+      if (!parsed.ok()) {
+        return SendError(res, 400, param.empty() ? "invalid_json" : "invalid_" + param,
+                         parsed.status().message(), param);
+      }
+      res.set_content(ChoiceJson(*router_, router_->Choose(parsed->prompt)), "application/json");
+    });
     http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
       worker::WorkerInfo info = router_->model();
       info.kv_events.clear();

@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
       "when the nodes hold the whole prompt already, decode on the decode worker that would "
       "compute the least. A worker that fails sits out for --down-ms and the call goes once to "
       "the next best worker. Serves POST /v1/completions (streamed too), GET /v1/models, "
-      "/health, /metrics and /kvstash/router (its state as JSON); every completion's "
+      "/health, /metrics, /kvstash/router (its state as JSON) and POST /kvstash/route (where a "
+      "completion would go, without running it); every completion's "
       "usage.kvstash.router says where it went and why.",
       "kvstash-router"};
   std::vector<std::string> prefill, decode, node_events, node_replay;

@@ -165,4 +165,7 @@ class Router {
 // router's arrival) and holding the router's choice under "router" (docs/semantics.md §20).
 std::string RoutedCompletionBody(const RoutedCompletion& routed, Policy policy, int64_t created);
 
+// POST /kvstash/route's answer: where `router` would place a prompt (Choose) and why.
+std::string ChoiceJson(const Router& router, const Choice& choice);
+
 }  // namespace kvstash::router

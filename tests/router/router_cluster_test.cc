@@ -1,0 +1,329 @@
+// kvstash-router in front of a real cluster: two kvstashd nodes, two prefill and two decode
+// `kvstash-engine serve` workers, all publishing KV events, over loopback. Completions through
+// the router give the tokens of a run without any cache; a later turn of a conversation goes to
+// the prefill worker that holds the earlier one, with the hit the router predicted; a prompt the
+// nodes hold skips the prefill; streaming, /metrics and /health answer; a worker killed mid-run
+// costs no request; workers of another model or role are refused at start.
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "subprocess.h"
+
+namespace kvstash::router {
+namespace {
+
+using ::kvstash::testing::ChildProcess;
+using ::kvstash::testing::RunProcess;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// A child whose start lines were read: the rest of the line that starts with each prefix asked
+// for ("" for one that did not come).
+struct Started {
+  std::unique_ptr<ChildProcess> child;
+  std::vector<std::string> rest;
+};
+
+Started Start(const std::vector<std::string>& argv, const std::vector<std::string>& prefixes) {
+  Started s;
+  s.child = ::kvstash::testing::StartChild(argv);
+  s.rest.assign(prefixes.size(), "");
+  if (s.child == nullptr) return s;
+  size_t found = 0;
+  for (int i = 0; i < 60 && found < prefixes.size(); ++i) {
+    std::optional<std::string> line = s.child->ReadLine(30000);
+    if (!line) break;
+    for (size_t p = 0; p < prefixes.size(); ++p) {
+      if (s.rest[p].empty() && line->rfind(prefixes[p], 0) == 0) {
+        s.rest[p] = line->substr(prefixes[p].size());
+        ++found;
+      }
+    }
+  }
+  return s;
+}
+
+std::string LastWord(const std::string& text) { return text.substr(text.rfind(' ') + 1); }
+
+// The tokens `kvstash-engine generate` prints for the prompt, with no nodes and no cache.
+std::vector<uint32_t> Reference(const std::vector<uint32_t>& prompt, size_t max_new) {
+  std::string text;
+  for (uint32_t t : prompt) text += (text.empty() ? "" : " ") + std::to_string(t);
+  const auto r =
+      RunProcess({KVSTASH_ENGINE_PATH, "generate", "--model", "builtin:tiny-hybrid", "--prompt",
+                  text, "--max-new-tokens", std::to_string(max_new), "--no-prefix-cache"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  std::vector<uint32_t> tokens;
+  std::istringstream in(r.out);
+  for (uint32_t t; in >> t;) tokens.push_back(t);
+  return tokens;
+}
+
+std::vector<uint32_t> Prompt(size_t n, uint64_t seed) {
+  std::vector<uint32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>((i * 37 + seed * 11 + i * i) % 256);
+  return t;
+}
+
+struct Reply {
+  int status = 0;
+  std::string body;
+  json parsed;
+};
+
+Reply Call(uint16_t port, const std::string& method, const std::string& path,
+           const std::string& body = "") {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(std::chrono::seconds(120));
+  httplib::Result result =
+      method == "GET" ? client.Get(path) : client.Post(path, body, "application/json");
+  Reply reply;
+  if (!result) return reply;
+  reply.status = result->status;
+  reply.body = result->body;
+  reply.parsed = json::parse(reply.body, nullptr, /*allow_exceptions=*/false);
+  return reply;
+}
+
+json Request(const std::vector<uint32_t>& prompt, size_t max_tokens, bool stream = false) {
+  return {{"prompt", prompt}, {"max_tokens", max_tokens}, {"stream", stream}};
+}
+
+std::vector<uint32_t> Tokens(const json& completion) {
+  if (!completion.is_object() || !completion.contains("choices")) return {};
+  return completion["choices"][0]["token_ids"].get<std::vector<uint32_t>>();
+}
+
+// Two nodes, two prefill and two decode workers, each publishing its KV events; the router in
+// front (started by the test, so that it can be given other flags).
+class RouterClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string node_list;
+    for (int i = 0; i < 2; ++i) {
+      Started node = Start({KVSTASHD_PATH, "--port", "0", "--metrics-address", "off", "--log-level",
+                            "warn", "--block-bytes", "4152", "--cpu-bytes", "32MiB", "--kv-events",
+                            "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*"},
+                           {"kvstashd listening on ", "kvstashd KV events on "});
+      ASSERT_FALSE(node.rest[0].empty() || node.rest[1].empty()) << "kvstashd did not start";
+      node_list += (node_list.empty() ? "" : ",") + node.rest[0];
+      const std::string& events = node.rest[1];
+      node_events_.push_back(events.substr(0, events.find(',')));
+      node_replays_.push_back(LastWord(events));
+      nodes_.push_back(std::move(node));
+    }
+    for (const char* role : {"prefill", "prefill", "decode", "decode"}) {
+      Started w =
+          Start({KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-hybrid", "--role", role,
+                 "--nodes", node_list, "--port", "0", "--lookup-budget-ms", "60000", "--kv-events",
+                 "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*"},
+                {"kvstash-engine serving ", "kvstash-engine KV events on "});
+      ASSERT_FALSE(w.rest[0].empty() || w.rest[1].empty()) << "a worker did not start";
+      (std::string(role) == "prefill" ? prefill_ : decode_).push_back(LastWord(w.rest[0]));
+      workers_.push_back(std::move(w));
+    }
+  }
+
+  // The router over the cluster, with `extra` flags; its port, 0 when it did not start.
+  uint16_t StartRouter(std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {KVSTASH_ROUTER_PATH, "--port", "0"};
+    for (const std::string& p : prefill_) argv.insert(argv.end(), {"--prefill-worker", p});
+    for (const std::string& d : decode_) argv.insert(argv.end(), {"--decode-worker", d});
+    for (size_t i = 0; i < node_events_.size(); ++i) {
+      argv.insert(argv.end(),
+                  {"--node-events", node_events_[i], "--node-events-replay", node_replays_[i]});
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    router_ = Start(argv, {"kvstash-router serving on "});
+    if (router_.rest[0].empty()) return 0;
+    const std::string& address = router_.rest[0];
+    return static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  }
+
+  // Waits (at most 20 s) until the router would place `prompt` as `ready` says.
+  static bool WaitForChoice(uint16_t port, const std::vector<uint32_t>& prompt,
+                            const std::function<bool(const json&)>& ready) {
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    while (Clock::now() < deadline) {
+      const Reply r = Call(port, "POST", "/kvstash/route", Request(prompt, 1).dump());
+      if (r.status == 200 && ready(r.parsed)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  std::vector<Started> nodes_, workers_;
+  std::vector<std::string> node_events_, node_replays_, prefill_, decode_;
+  Started router_;
+};
+
+TEST_F(RouterClusterTest, RoutesByWhatIsHeldAndAnswersAsWithoutACache) {
+  const uint16_t port = StartRouter();
+  ASSERT_NE(port, 0);
+
+  // A conversation: each turn the whole history, plus 100 new tokens.
+  std::vector<uint32_t> history;
+  std::string first_prefill;
+  for (int turn = 0; turn < 3; ++turn) {
+    SCOPED_TRACE("turn " + std::to_string(turn));
+    const std::vector<uint32_t> user = Prompt(100, 7 + turn);
+    history.insert(history.end(), user.begin(), user.end());
+    if (turn > 0) {
+      // What the earlier turn cached, as the workers' events say it: the router scores the
+      // prefill worker that ran it by the hit it holds.
+      const size_t index = first_prefill == prefill_[0] ? 0 : 1;
+      ASSERT_TRUE(WaitForChoice(port, history, [&](const json& c) {
+        return c["prefill_worker"] == first_prefill &&
+               c["scores"]["prefill"][index]["hit_tokens"].get<size_t>() > 0;
+      })) << "the router never saw the earlier turn's blocks";
+    }
+    const Reply r = Call(port, "POST", "/v1/completions", Request(history, 12).dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(Tokens(r.parsed), Reference(history, 12));
+    const json& kv = r.parsed["usage"]["kvstash"];
+    const json& routed = kv["router"];
+    ASSERT_TRUE(routed["prefill"].is_object()) << r.body;  // the prompt is new: prefilled
+    const std::string prefill = routed["prefill"]["worker"];
+    if (turn == 0) {
+      first_prefill = prefill;
+    } else {
+      EXPECT_EQ(prefill, first_prefill) << r.body;
+      // The router's score of that worker is the hit the worker then got from its own cache.
+      const size_t index = prefill == prefill_[0] ? 0 : 1;
+      const size_t predicted = routed["scores"]["prefill"][index]["hit_tokens"];
+      EXPECT_GT(predicted, 0u) << r.body;
+      EXPECT_EQ(predicted, routed["prefill"]["local_hit_tokens"].get<size_t>()) << r.body;
+    }
+    // Prefill's and decode's computed tokens, with decode pulling the prompt from the nodes.
+    EXPECT_EQ(kv["computed_tokens"].get<size_t>(),
+              routed["prefill"]["computed_tokens"].get<size_t>() +
+                  (history.size() - kv["node_tokens"].get<size_t>() -
+                   kv["local_hit_tokens"].get<size_t>()))
+        << r.body;
+    EXPECT_GT(kv["node_tokens"].get<size_t>(), 0u) << r.body;
+    const std::vector<uint32_t> out = Tokens(r.parsed);
+    history.insert(history.end(), out.begin(), out.end());
+  }
+
+  // The same prompt again: the nodes hold every block of it, so no prefill at all; the router
+  // said so before it ran, and the decode worker took it from the nodes or its own cache.
+  const std::vector<uint32_t> again(history.begin(), history.end() - 12);
+  ASSERT_TRUE(WaitForChoice(
+      port, again, [](const json& c) { return c["skipped_prefill"] == "nodes-hold-prompt"; }));
+  const Reply r = Call(port, "POST", "/v1/completions", Request(again, 4).dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Tokens(r.parsed), Reference(again, 4));
+  const json& kv = r.parsed["usage"]["kvstash"];
+  EXPECT_TRUE(kv["router"]["prefill"].is_null()) << r.body;
+  EXPECT_EQ(kv["router"]["skipped_prefill"], "nodes-hold-prompt") << r.body;
+  EXPECT_LE(kv["computed_tokens"].get<size_t>(), 16u) << r.body;
+
+  // Streamed: one event per token, the last carrying the router's usage, then [DONE].
+  {
+    httplib::Client client("127.0.0.1", port);
+    client.set_read_timeout(std::chrono::seconds(120));
+    auto res =
+        client.Post("/v1/completions", Request(Prompt(70, 99), 5, true).dump(), "application/json");
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    std::vector<std::string> events;
+    std::istringstream in(res->body);
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("data: ", 0) == 0) events.push_back(line.substr(6));
+    }
+    ASSERT_EQ(events.size(), 6u) << res->body;
+    EXPECT_EQ(events.back(), "[DONE]");
+    std::vector<uint32_t> streamed;
+    for (size_t i = 0; i + 1 < events.size(); ++i) {
+      const json chunk = json::parse(events[i]);
+      streamed.push_back(chunk["choices"][0]["token_ids"][0]);
+    }
+    EXPECT_EQ(streamed, Reference(Prompt(70, 99), 5));
+    const json last = json::parse(events[events.size() - 2]);
+    EXPECT_EQ(last["usage"]["kvstash"]["router"]["policy"], "kv") << events[events.size() - 2];
+  }
+
+  // Bad requests are the caller's: a 400 naming the field, from the router or a worker.
+  EXPECT_EQ(Call(port, "POST", "/v1/completions", R"({"prompt": "text"})").status, 400);
+  EXPECT_EQ(Call(port, "POST", "/v1/completions", R"({"prompt": [1, 2, 999]})").status, 400);
+  EXPECT_EQ(Call(port, "POST", "/v1/completions", R"({"prompt": [1], "model": "other"})").status,
+            404);
+
+  const Reply metrics = Call(port, "GET", "/metrics");
+  EXPECT_NE(metrics.body.find("kvstash_router_requests_total 5"), std::string::npos)
+      << metrics.body;
+  EXPECT_NE(metrics.body.find("kvstash_router_skipped_prefills_total 1"), std::string::npos)
+      << metrics.body;
+  EXPECT_NE(metrics.body.find("kvstash_router_worker_chosen_total{worker=\"" + first_prefill +
+                              "\",role=\"prefill\"}"),
+            std::string::npos)
+      << metrics.body;
+  EXPECT_EQ(Call(port, "GET", "/health").status, 200);
+  const Reply models = Call(port, "GET", "/v1/models");
+  EXPECT_EQ(models.parsed["data"][0]["id"], "tiny-hybrid") << models.body;
+  EXPECT_EQ(router_.child->Kill(SIGTERM), 0);
+}
+
+TEST_F(RouterClusterTest, AWorkerKilledCostsNoRequest) {
+  const uint16_t port = StartRouter({"--down-ms", "60000"});
+  ASSERT_NE(port, 0);
+  // The first decode worker and the first prefill worker die.
+  EXPECT_NE(workers_[2].child->Kill(SIGKILL), 0);
+  EXPECT_NE(workers_[0].child->Kill(SIGKILL), 0);
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    const std::vector<uint32_t> prompt = Prompt(40 + 10 * i, 50 + i);
+    const Reply r = Call(port, "POST", "/v1/completions", Request(prompt, 4).dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(Tokens(r.parsed), Reference(prompt, 4));
+    EXPECT_EQ(r.parsed["usage"]["kvstash"]["router"]["decode_worker"], decode_[1]) << r.body;
+  }
+  const Reply state = Call(port, "GET", "/kvstash/router");
+  EXPECT_EQ(state.parsed["decode_workers"][0]["up"], false) << state.body;
+  EXPECT_GE(state.parsed["decode_workers"][0]["failures"].get<int>(), 1) << state.body;
+  EXPECT_EQ(state.parsed["prefill_workers"][0]["up"], false) << state.body;
+  EXPECT_EQ(state.parsed["totals"]["failed_requests"], 0) << state.body;
+  EXPECT_EQ(Call(port, "GET", "/health").status, 200);
+
+  // The other decode worker dies too: requests fail with 503, and /health says so.
+  EXPECT_NE(workers_[3].child->Kill(SIGKILL), 0);
+  const Reply r = Call(port, "POST", "/v1/completions", Request(Prompt(30, 5), 2).dump());
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_EQ(Call(port, "GET", "/health").status, 503);
+}
+
+TEST_F(RouterClusterTest, WorkersOfAnotherModelOrRoleAreRefusedAtStart) {
+  Started other =
+      Start({KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-full", "--port", "0"},
+            {"kvstash-engine serving "});
+  ASSERT_FALSE(other.rest[0].empty());
+  const auto wrong_model =
+      RunProcess({KVSTASH_ROUTER_PATH, "--prefill-worker", prefill_[0], "--decode-worker",
+                  decode_[0], "--decode-worker", LastWord(other.rest[0])});
+  EXPECT_EQ(wrong_model.exit_code, 2);
+  EXPECT_NE(wrong_model.err.find("would never match"), std::string::npos) << wrong_model.err;
+  const auto wrong_role = RunProcess(
+      {KVSTASH_ROUTER_PATH, "--prefill-worker", decode_[0], "--decode-worker", decode_[1]});
+  EXPECT_EQ(wrong_role.exit_code, 2);
+  EXPECT_NE(wrong_role.err.find("not prefill"), std::string::npos) << wrong_role.err;
+  const auto down = RunProcess({KVSTASH_ROUTER_PATH, "--decode-worker", "127.0.0.1:1"});
+  EXPECT_EQ(down.exit_code, 1);
+  EXPECT_NE(down.err.find("127.0.0.1:1"), std::string::npos) << down.err;
+  const auto usage =
+      RunProcess({KVSTASH_ROUTER_PATH, "--policy", "random", "--decode-worker", decode_[0]});
+  EXPECT_EQ(usage.exit_code, 2) << usage.err;
+}
+
+}  // namespace
+}  // namespace kvstash::router
