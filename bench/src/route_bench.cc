@@ -51,6 +51,7 @@ struct RouteFlags {
   std::string node_bytes = "64MiB";
   size_t num_blocks = 4096;
   size_t concurrency = 2;
+  size_t local_prefill_tokens = 256;
   std::vector<std::string> policies = {"kv", "round-robin"};
   bool no_reference = false;
   std::string kvstashd, engine, router;
@@ -239,7 +240,13 @@ Result<Cluster> StartCluster(const RouteFlags& f, const std::string& policy, uin
     c.processes.push_back(std::move(w));
     return address;
   };
-  std::vector<std::string> router_argv = {f.router, "--port", "0", "--policy", policy};
+  std::vector<std::string> router_argv = {f.router,
+                                          "--port",
+                                          "0",
+                                          "--policy",
+                                          policy,
+                                          "--local-prefill-tokens",
+                                          std::to_string(f.local_prefill_tokens)};
   for (size_t i = 0; i < f.prefill; ++i) {
     KVSTASH_ASSIGN_OR_RETURN(std::string address, worker("prefill"));
     router_argv.insert(router_argv.end(), {"--prefill-worker", address});
@@ -393,6 +400,7 @@ int RunBenchRoute(const RouteFlags& flags) {
                 {"tokens_per_id", f.tokens_per_id},
                 {"max_tokens", f.max_tokens},
                 {"concurrency", f.concurrency},
+                {"local_prefill_tokens", f.local_prefill_tokens},
                 {"nocache_ttft_p50_ms", f.no_reference ? json() : json(reference_p50)},
                 {"nocache_ttft_p99_ms", f.no_reference ? json() : json(reference_p99)},
                 {"kv_saved_vs_round_robin", saved ? json(*saved) : json()}};
@@ -511,6 +519,10 @@ void AddBenchRouteCommand(CLI::App& bench, int* exit_code) {
                   "Requests in flight at once (each client takes the next request of the trace "
                   "when its last is answered)")
       ->check(CLI::Range(size_t{1}, size_t{256}))
+      ->capture_default_str();
+  cmd->add_option("--local-prefill-tokens", flags->local_prefill_tokens,
+                  "kvstash-router --local-prefill-tokens (kv: prompts with at most this many "
+                  "tokens left to compute go to the decode worker alone)")
       ->capture_default_str();
   cmd->add_option("--policy", flags->policies, "The policies to run, in order: kv, round-robin")
       ->check(CLI::IsMember({"kv", "round-robin"}))

@@ -74,6 +74,11 @@ class EventSubscriber::Impl {
   }
 
   void Run() {
+    // History first, when asked: a subscriber learns it joined late only from the next live
+    // batch, and a quiet publisher may send none for long.
+    if (options_.replay_at_start && replay_ != nullptr) {
+      FillGap(0, std::numeric_limits<int64_t>::max());
+    }
     bool connected = true;
     while (!stopping_) {
       bool want;
@@ -206,7 +211,9 @@ class EventSubscriber::Impl {
                        options_.replay_endpoint, options_.replay_timeout.count());
       (void)OpenReplay();  // its late answer must not reach the next replay
     }
-    if (expected_ < to) {
+    // (An open-ended replay, the history at start, loses nothing: what it did not get comes
+    // live, or shows as a gap.)
+    if (expected_ < to && to != std::numeric_limits<int64_t>::max()) {
       pending_reset_ = true;
       SetExpected(to);
     }

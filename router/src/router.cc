@@ -156,6 +156,7 @@ class RouterImpl final : public Router {
       sub.endpoint = node.endpoint;
       sub.replay_endpoint = node.replay;
       sub.topic = options_.node_topic;
+      sub.replay_at_start = true;
       KVSTASH_ASSIGN_OR_RETURN(auto subscriber, Subscribe(sub, source));
       node_subscribers_.push_back(std::move(subscriber));
     }
@@ -313,6 +314,7 @@ class RouterImpl final : public Router {
       sub.replay_endpoint =
           info.kv_events_replay.empty() ? "" : Reachable(info.kv_events_replay, address);
       sub.topic = info.kv_events_topic;
+      sub.replay_at_start = true;
       KVSTASH_ASSIGN_OR_RETURN(slot->subscriber, Subscribe(sub, slot->source));
     }
     slot->idle.push_back(std::move(client));
@@ -378,6 +380,9 @@ class RouterImpl final : public Router {
       c.skip_reason = "nodes-hold-prompt";
     } else if (c.decode >= 0 && c.decode_hits[c.decode] >= max_hit) {
       c.skip_reason = "decode-holds-prompt";
+    } else if (c.decode >= 0 && prompt.size() - std::max(c.decode_hits[c.decode], c.node_tokens) <=
+                                    options_.local_prefill_tokens) {
+      c.skip_reason = "short-prefill";
     } else {
       c.prefill = Best(prefill_, c.prefill_scores, &next_prefill_, now, -1);
       if (c.prefill < 0) c.skip_reason = "prefill-workers-down";

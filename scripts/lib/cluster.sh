@@ -1,14 +1,17 @@
-# Starting and stopping a local kvstash cluster (kvstashd nodes, kvstash-engine serve workers) on
-# loopback, for scripts/demo.sh and scripts/cluster.sh. Source it after setup.sh; it defines
+# Starting and stopping a local kvstash cluster (kvstashd nodes, kvstash-engine serve workers, a
+# kvstash-router) on loopback, for scripts/demo.sh and scripts/cluster.sh. Source it after setup.sh; it defines
 # functions and changes nothing by itself. Every process it starts is stopped by
 # kvstash_cluster_stop (workers first, so their last pushes land, then the nodes), which the
 # callers run on exit.
 
+KVSTASH_CLUSTER_PIDS_ROUTER=()
 KVSTASH_CLUSTER_PIDS_WORKERS=()
 KVSTASH_CLUSTER_PIDS_NODES=()
 KVSTASH_CLUSTER_PIDS_ETCD=()
 KVSTASH_CLUSTER_LOGS=""
 KVSTASH_ADDRESS=""
+KVSTASH_EVENTS=""
+KVSTASH_EVENTS_REPLAY=""
 
 # kvstash_cluster_init: a fresh directory for the processes' logs (KVSTASH_CLUSTER_LOGS).
 kvstash_cluster_init() {
@@ -36,8 +39,32 @@ _kvstash_wait_line() {
   return 1
 }
 
+# _kvstash_wait_events LOG PID: when the process was started with --kv-events, waits for its
+# "... KV events on EP[, replay on EP2]" line and sets KVSTASH_EVENTS and KVSTASH_EVENTS_REPLAY
+# (empty without one); both empty for a process without events.
+_kvstash_wait_events() {
+  local log="$1" pid="$2" line
+  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
+  local address="$KVSTASH_ADDRESS"
+  _kvstash_wait_line "$log" "$pid" ' KV events on ' || return 1
+  line="$(grep -m1 -E ' KV events on ' "$log")"
+  line="${line#* KV events on }"
+  KVSTASH_EVENTS="${line%%,*}"
+  [[ "$line" == *", replay on "* ]] && KVSTASH_EVENTS_REPLAY="${line##* }"
+  KVSTASH_ADDRESS="$address"
+}
+
+# _kvstash_has_events ARGS...: whether the flags hold --kv-events.
+_kvstash_has_events() {
+  local a
+  for a in "$@"; do [ "$a" = "--kv-events" ] && return 0; done
+  return 1
+}
+
 # kvstash_start_node NAME [kvstashd flags...]: starts a kvstashd on a free loopback port and sets
-# KVSTASH_ADDRESS to its HOST:PORT. (Not in a $(...) subshell: the caller must keep its pid.)
+# KVSTASH_ADDRESS to its HOST:PORT (and, with --kv-events, KVSTASH_EVENTS and
+# KVSTASH_EVENTS_REPLAY to its event endpoints). (Not in a $(...) subshell: the caller must keep
+# its pid.)
 kvstash_start_node() {
   local name="$1"
   shift
@@ -46,11 +73,13 @@ kvstash_start_node() {
     >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
   local pid=$!
   KVSTASH_CLUSTER_PIDS_NODES+=("$pid")
-  _kvstash_wait_line "$out" "$pid" '^kvstashd listening on '
+  _kvstash_wait_line "$out" "$pid" '^kvstashd listening on ' || return 1
+  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
+  if _kvstash_has_events "$@"; then _kvstash_wait_events "$out" "$pid"; fi
 }
 
 # kvstash_start_worker NAME [kvstash-engine serve flags...]: starts a worker on a free loopback
-# port and sets KVSTASH_ADDRESS to its HOST:PORT.
+# port and sets KVSTASH_ADDRESS to its HOST:PORT (and KVSTASH_EVENTS, as kvstash_start_node).
 kvstash_start_worker() {
   local name="$1"
   shift
@@ -59,7 +88,22 @@ kvstash_start_worker() {
     >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
   local pid=$!
   KVSTASH_CLUSTER_PIDS_WORKERS+=("$pid")
-  _kvstash_wait_line "$out" "$pid" '^kvstash-engine serving '
+  _kvstash_wait_line "$out" "$pid" '^kvstash-engine serving ' || return 1
+  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
+  if _kvstash_has_events "$@"; then _kvstash_wait_events "$out" "$pid"; fi
+}
+
+# kvstash_start_router NAME [kvstash-router flags...]: starts a kvstash-router on a free loopback
+# port and sets KVSTASH_ADDRESS to its HOST:PORT. Stopped first by kvstash_cluster_stop.
+kvstash_start_router() {
+  local name="$1"
+  shift
+  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
+  "$KVSTASH_BUILD_DIR/tools/kvstash-router/kvstash-router" --listen 127.0.0.1 --port 0 "$@" \
+    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
+  local pid=$!
+  KVSTASH_CLUSTER_PIDS_ROUTER+=("$pid")
+  _kvstash_wait_line "$out" "$pid" '^kvstash-router serving on '
 }
 
 # _kvstash_free_port: a loopback TCP port nothing listens on now.
@@ -98,11 +142,11 @@ kvstash_start_etcd() {
   return 1
 }
 
-# kvstash_cluster_stop: SIGTERM to the workers, then to the nodes (which leave etcd), then to
-# etcd; waits for each (10 s, then SIGKILL).
+# kvstash_cluster_stop: SIGTERM to the router, then to the workers, then to the nodes (which
+# leave etcd), then to etcd; waits for each (10 s, then SIGKILL).
 kvstash_cluster_stop() {
   local group pid i
-  for group in WORKERS NODES ETCD; do
+  for group in ROUTER WORKERS NODES ETCD; do
     local -n pids="KVSTASH_CLUSTER_PIDS_$group"
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${pids[@]}"; do

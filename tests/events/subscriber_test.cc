@@ -120,6 +120,32 @@ TEST(EventSubscriberTest, ACutOfFiveSecondsIsReplayedAndTheIndexEqualsOneBuiltFr
   EXPECT_EQ(stats.malformed, 0u);
 }
 
+// A subscriber that joins a quiet publisher learns its history at once when asked to, without
+// waiting for a live batch to show it joined late (one that is not asked waits).
+TEST(EventSubscriberTest, ReplayAtStartLearnsAQuietPublishersHistory) {
+  Rig rig;
+  rig.Publish(12);
+  KvIndex asked, waiting;
+  SubscriberOptions o;
+  o.endpoint = rig.publisher->endpoint();
+  o.replay_endpoint = rig.publisher->replay_endpoint();
+  o.topic = "t";
+  auto waits =
+      EventSubscriber::Create(o, [&waiting](const Delivery& d) { waiting.Apply("src", d); });
+  o.replay_at_start = true;
+  auto sub = EventSubscriber::Create(o, [&asked](const Delivery& d) { asked.Apply("src", d); });
+  ASSERT_TRUE(sub.ok() && waits.ok());
+  ASSERT_TRUE(Within([&] { return (*sub)->expected() == rig.published; }));
+  EXPECT_EQ(asked.Snapshot("src"), rig.reference.Snapshot("src"));
+  EXPECT_EQ((*sub)->stats().resets, 0u);
+  EXPECT_EQ((*waits)->expected(), -1);  // nothing came live
+  EXPECT_EQ(waiting.blocks("src"), 0u);
+  // What comes next is delivered after the history, once.
+  rig.Publish(3);
+  ASSERT_TRUE(Within([&] { return (*sub)->expected() == rig.published; }));
+  EXPECT_EQ(asked.Snapshot("src"), rig.reference.Snapshot("src"));
+}
+
 TEST(EventSubscriberTest, AGapTheReplayNoLongerHoldsStartsTheSourceOver) {
   Rig rig(/*buffer=*/5);
   KvIndex live;

@@ -169,7 +169,8 @@ class RouterClusterTest : public ::testing::Test {
 };
 
 TEST_F(RouterClusterTest, RoutesByWhatIsHeldAndAnswersAsWithoutACache) {
-  const uint16_t port = StartRouter();
+  // Every prompt with something to compute is prefilled (the turns here add 100 tokens).
+  const uint16_t port = StartRouter({"--local-prefill-tokens", "0"});
   ASSERT_NE(port, 0);
 
   // A conversation: each turn the whole history, plus 100 new tokens.
@@ -229,6 +230,29 @@ TEST_F(RouterClusterTest, RoutesByWhatIsHeldAndAnswersAsWithoutACache) {
   EXPECT_EQ(kv["router"]["skipped_prefill"], "nodes-hold-prompt") << r.body;
   EXPECT_LE(kv["computed_tokens"].get<size_t>(), 16u) << r.body;
 
+  // The conversation goes on with a short turn: with the default --local-prefill-tokens (256)
+  // the decode worker that holds the history computes the 20 new tokens itself.
+  {
+    Started router =
+        Start({KVSTASH_ROUTER_PATH, "--port", "0", "--prefill-worker", prefill_[0],
+               "--prefill-worker", prefill_[1], "--decode-worker", decode_[0], "--decode-worker",
+               decode_[1], "--node-events", node_events_[0], "--node-events", node_events_[1]},
+              {"kvstash-router serving on "});
+    ASSERT_FALSE(router.rest[0].empty());
+    const uint16_t short_port =
+        static_cast<uint16_t>(std::stoi(router.rest[0].substr(router.rest[0].rfind(':') + 1)));
+    std::vector<uint32_t> next = history;
+    const std::vector<uint32_t> user = Prompt(20, 31);
+    next.insert(next.end(), user.begin(), user.end());
+    ASSERT_TRUE(WaitForChoice(
+        short_port, next, [](const json& c) { return c["skipped_prefill"] == "short-prefill"; }));
+    const Reply s = Call(short_port, "POST", "/v1/completions", Request(next, 4).dump());
+    ASSERT_EQ(s.status, 200) << s.body;
+    EXPECT_EQ(Tokens(s.parsed), Reference(next, 4));
+    EXPECT_TRUE(s.parsed["usage"]["kvstash"]["router"]["prefill"].is_null()) << s.body;
+    EXPECT_LE(s.parsed["usage"]["kvstash"]["computed_tokens"].get<size_t>(), 20u + 16u) << s.body;
+  }
+
   // Streamed: one event per token, the last carrying the router's usage, then [DONE].
   {
     httplib::Client client("127.0.0.1", port);
@@ -276,7 +300,7 @@ TEST_F(RouterClusterTest, RoutesByWhatIsHeldAndAnswersAsWithoutACache) {
 }
 
 TEST_F(RouterClusterTest, AWorkerKilledCostsNoRequest) {
-  const uint16_t port = StartRouter({"--down-ms", "60000"});
+  const uint16_t port = StartRouter({"--down-ms", "60000", "--local-prefill-tokens", "0"});
   ASSERT_NE(port, 0);
   // The first decode worker and the first prefill worker die.
   EXPECT_NE(workers_[2].child->Kill(SIGKILL), 0);

@@ -179,12 +179,21 @@ int main(int argc, char** argv) {
                    "HOST:PORT of a `serve --role prefill` worker that computes each turn's "
                    "prompt and pushes it to the nodes before the decode worker continues it")
       ->needs("--decode-worker");
+  chat->add_option("--router", remote.router,
+                   "HOST:PORT of a kvstash-router: run the conversation through it, printing per "
+                   "turn where it sent the turn (prefill and decode worker, or why it skipped the "
+                   "prefill) and the prompt tokens the cluster computed, took from the nodes and "
+                   "from the decode worker's own cache; the model flags must be the workers'")
+      ->excludes("--decode-worker")
+      ->excludes("--prefill-worker");
   chat->add_flag("!--no-compare", remote.compare,
-                 "with --decode-worker: do not also compute each turn here without any cache "
+                 "with --decode-worker or --router: do not also compute each turn here without "
+                 "any cache "
                  "(by default each turn is, for the time to first token without a cache and to "
                  "check that the workers generated the same tokens)");
   chat->add_option("--worker-timeout-ms", remote.timeout_ms,
-                   "with --decode-worker: give up on a worker that has not answered a turn "
+                   "with --decode-worker or --router: give up on a worker that has not answered a "
+                   "turn "
                    "after this long")
       ->capture_default_str()
       ->check(CLI::Range(1u, 86400000u));
@@ -282,7 +291,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> exit = ::kvstash::cli::ParseCommandLine(app, argc, argv)) return *exit;
   if (gen->parsed()) return RunGenerate(gen_flags, prompt, max_new, stats, role, ttft);
   if (serve->parsed()) return RunServe(serve_model_flags, serve_flags);
-  if (chat->parsed() && !remote.decode_worker.empty()) {
+  if (chat->parsed() && (!remote.decode_worker.empty() || !remote.router.empty())) {
     return RunRemoteChat(chat_flags, remote, turns, user_tokens, chat_new, chat_seed);
   }
   if (chat->parsed()) return RunChat(chat_flags, turns, user_tokens, chat_new, chat_seed);

@@ -18,6 +18,7 @@
 
 #include "kvstash/common/logging.h"
 #include "kvstash/worker/client.h"
+#include "kvstash/worker/protocol_json.h"
 #include "kvstash/worker/server.h"
 
 namespace kvstash::engine::cli {
@@ -155,8 +156,102 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
   return kExitOk;
 }
 
+namespace {
+
+// chat --router: each turn one completion through kvstash-router, which picks the workers.
+int RunRoutedChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t turns,
+                  size_t user_tokens, size_t max_new, uint64_t seed) {
+  auto router_or =
+      worker::WorkerClient::Create(flags.router, std::chrono::milliseconds(flags.timeout_ms));
+  if (!router_or.ok()) return kErrors.Fail(router_or.status());
+  std::unique_ptr<worker::WorkerClient> router = std::move(*router_or);
+  auto info = router->Info();
+  if (!info.ok()) return kErrors.Fail(info.status());
+  ModelFlags local_flags = model;
+  local_flags.nodes.clear();
+  local_flags.etcd.clear();
+  local_flags.cluster.clear();
+  local_flags.no_prefix_cache = true;
+  auto local_or = MakeEngine(local_flags);
+  if (!local_or.ok()) return kErrors.Fail(local_or.status());
+  std::unique_ptr<Engine> local = std::move(*local_or);
+  if (flags.compare && local->fingerprint() != info->fingerprint) {
+    return kErrors.Fail(InvalidArgumentError(
+        "the router's workers run {} (fingerprint {}), not this --model {} ({}); give chat the "
+        "workers' model flags",
+        info->model, HexFingerprint(info->fingerprint), model.model,
+        HexFingerprint(local->fingerprint())));
+  }
+  std::printf("model=%s router=%s\n", info->model.c_str(), router->address().c_str());
+  std::vector<uint32_t> history;
+  double sum_ttft = 0, sum_nocache = 0;
+  size_t sum_prompt = 0, sum_computed = 0, sum_node = 0, sum_local = 0, mismatches = 0;
+  for (size_t turn = 1; turn <= turns; ++turn) {
+    std::vector<uint32_t> user = RandomTokens(user_tokens, local->config().vocab_size, seed + turn);
+    history.insert(history.end(), user.begin(), user.end());
+    worker::CompletionRequest request;
+    request.prompt = history;
+    request.max_tokens = max_new;
+    auto done = router->Complete(request);
+    if (!done.ok()) return kErrors.Fail(done.status());
+    const worker::CompletionUsage& u = done->usage;
+    // Where the router sent the turn, from usage.kvstash.router.
+    std::string prefill = "-", decode = "-", skipped = "-";
+    const nlohmann::json routed = nlohmann::json::parse(done->router, nullptr, false);
+    if (routed.is_object()) {
+      if (routed.contains("prefill") && routed["prefill"].is_object()) {
+        prefill = routed["prefill"].value("worker", "-");
+      }
+      decode = routed.value("decode_worker", "-");
+      if (routed.contains("skipped_prefill") && routed["skipped_prefill"].is_string()) {
+        skipped = routed["skipped_prefill"].get<std::string>();
+      }
+    }
+    std::printf(
+        "turn=%zu prompt_tokens=%zu prefill_worker=%s decode_worker=%s skipped_prefill=%s "
+        "computed_tokens=%zu decode_node_tokens=%zu decode_local_hit_tokens=%zu ttft_ms=%.2f",
+        turn, history.size(), prefill.c_str(), decode.c_str(), skipped.c_str(), u.computed_tokens,
+        u.node_tokens, u.local_hit_tokens, u.ttft_ms);
+    if (flags.compare) {
+      auto base = RunWithoutCache(*local, history, max_new);
+      if (!base.ok()) return kErrors.Fail(base.status());
+      const bool match = base->output == done->tokens;
+      mismatches += match ? 0 : 1;
+      std::printf(" nocache_ttft_ms=%.2f speedup=%.1fx tokens=%s", base->ttft_ms,
+                  u.ttft_ms > 0 ? base->ttft_ms / u.ttft_ms : 0.0,
+                  match ? "same-as-nocache" : "DIFFERENT");
+      sum_nocache += base->ttft_ms;
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+    sum_ttft += u.ttft_ms;
+    sum_prompt += history.size();
+    sum_computed += u.computed_tokens;
+    sum_node += u.node_tokens;
+    sum_local += u.local_hit_tokens;
+    history.insert(history.end(), done->tokens.begin(), done->tokens.end());
+  }
+  std::printf(
+      "total turns=%zu prompt_tokens=%zu computed_tokens=%zu decode_node_tokens=%zu "
+      "decode_local_hit_tokens=%zu ttft_ms=%.2f",
+      turns, sum_prompt, sum_computed, sum_node, sum_local, sum_ttft);
+  if (flags.compare) {
+    std::printf(" nocache_ttft_ms=%.2f speedup=%.1fx mismatches=%zu", sum_nocache,
+                sum_ttft > 0 ? sum_nocache / sum_ttft : 0.0, mismatches);
+  }
+  std::printf("\n");
+  if (mismatches > 0) {
+    return kErrors.Fail(
+        InternalError("{} turn(s) generated other tokens than without the cache", mismatches));
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
 int RunRemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t turns,
                   size_t user_tokens, size_t max_new, uint64_t seed) {
+  if (!flags.router.empty()) return RunRoutedChat(model, flags, turns, user_tokens, max_new, seed);
   const auto timeout = std::chrono::milliseconds(flags.timeout_ms);
   std::unique_ptr<worker::WorkerClient> prefill;
   if (!flags.prefill_worker.empty()) {

@@ -36,6 +36,7 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve);
 struct RemoteChatFlags {
   std::string prefill_worker;  // HOST:PORT, or empty: the decode worker computes the prompt
   std::string decode_worker;   // HOST:PORT
+  std::string router;          // HOST:PORT of a kvstash-router, instead of the two workers
   bool compare = true;         // also compute each turn here without any cache
   uint32_t timeout_ms = 600000;
 };

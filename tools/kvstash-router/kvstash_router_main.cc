@@ -51,8 +51,9 @@ int main(int argc, char** argv) {
       "and of the offload nodes (`kvstashd --kv-events`), and places each completion by the "
       "hybrid hit it would really get (full-attention prefix, sliding windows, state snapshots): "
       "prefill on the worker whose own cache holds most of the prompt less its load, no prefill "
-      "when the nodes hold the whole prompt already, decode on the decode worker that would "
-      "compute the least. A worker that fails sits out for --down-ms and the call goes once to "
+      "when the nodes hold the whole prompt already or little is left to compute, decode on the "
+      "decode worker that would compute the least. A worker that fails sits out for --down-ms and "
+      "the call goes once to "
       "the next best worker. Serves POST /v1/completions (streamed too), GET /v1/models, "
       "/health, /metrics, /kvstash/router (its state as JSON) and POST /kvstash/route (where a "
       "completion would go, without running it); every completion's "
@@ -101,6 +102,12 @@ int main(int argc, char** argv) {
                  "(0 to 1)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--local-prefill-tokens", options.local_prefill_tokens,
+                 "A prompt of which at most this many tokens are in neither the chosen decode "
+                 "worker's cache nor the nodes goes to the decode worker alone (it computes them "
+                 "itself: a prefill worker would compute them too, and the decode worker the "
+                 "prompt's last partial block again); 0: every such prompt is prefilled")
+      ->capture_default_str();
   app.add_option("--worker-timeout-ms", timeout_ms,
                  "How long one call to a worker may take (a completion runs to its last token)")
       ->capture_default_str()

@@ -323,6 +323,9 @@ Result<Completion> ParseCompletion(std::string_view body) {
   KVSTASH_ASSIGN_OR_RETURN(u.computed_tokens, UintField(*kv, "computed_tokens", "usage.kvstash"));
   KVSTASH_ASSIGN_OR_RETURN(u.ttft_ms, NumberField(*kv, "ttft_ms", "usage.kvstash"));
   KVSTASH_ASSIGN_OR_RETURN(u.latency_ms, NumberField(*kv, "latency_ms", "usage.kvstash"));
+  if (const json* router = Field(*kv, "router"); router != nullptr && router->is_object()) {
+    c.router = Dump(*router);
+  }
   return c;
 }
 

@@ -26,6 +26,10 @@ struct SubscriberOptions {
   std::string topic;            // followed exactly (ZMQ filters by prefix; the rest is dropped)
   // How long a replay may take to answer before the gap counts as lost.
   std::chrono::milliseconds replay_timeout{2000};
+  // Asks the replay for everything it holds as soon as it starts, rather than when the first
+  // live batch shows that it joined late (a quiet publisher may send none for long): what a
+  // router that starts beside running workers wants.
+  bool replay_at_start = false;
 };
 
 // One batch handed on. `reset`: batches before it were lost for good (the replay no longer had

@@ -54,6 +54,12 @@ struct RouterOptions {
   // comes back slower still).
   double node_weight = 0.9;
   double ssd_weight = 0.5;
+  // A prompt whose part the chosen decode worker would not find (in its own cache or on the
+  // nodes) is at most this many tokens goes to the decode worker alone, which computes it
+  // itself: a prefill worker would compute it too, plus the partial block the decode worker
+  // computes again, and the request would wait for two workers (conditional disaggregation).
+  // 0: every prompt with something to compute is prefilled. kKv only.
+  size_t local_prefill_tokens = 256;
   // How long a call to a worker may take (a completion runs to its last token).
   std::chrono::milliseconds worker_timeout{120000};
   // How long a worker that failed a call sits out before it is tried again.
@@ -87,8 +93,8 @@ struct Choice {
   std::vector<double> prefill_scores;
   std::vector<size_t> decode_hits;
   std::vector<double> decode_scores;
-  // Why there is no prefill ("nodes-hold-prompt", "decode-holds-prompt", "no-prefill-workers",
-  // "prefill-workers-down"), or empty.
+  // Why there is no prefill ("nodes-hold-prompt", "decode-holds-prompt", "short-prefill",
+  // "no-prefill-workers", "prefill-workers-down", "prefill-failed"), or empty.
   std::string skip_reason;
 };
 

@@ -58,6 +58,9 @@ struct Completion {
   std::vector<uint32_t> tokens;  // choices[0].token_ids; choices[0].text is them joined by ' '
   std::string finish_reason;     // "length": the engine samples greedily up to max_tokens
   CompletionUsage usage;
+  // usage.kvstash.router as JSON text when kvstash-router answered (where the completion went
+  // and why: docs/semantics.md §20), else empty. Read, never written, by the worker's API.
+  std::string router;
 };
 
 // GET /v1/models: the one model a worker serves (the list's only entry) and, under "kvstash",
