@@ -343,8 +343,10 @@ class RouterImpl final : public Router {
       hashes = PromptHashes(layout_, prompt);
       max_hit = MaxHitTokens(layout_, hashes.size(), prompt.size());
       c.node_tokens = HybridHitTokens(index_, node_sources_, "", layout_, hashes, prompt.size());
-      c.node_memory_tokens = HybridHitTokens(index_, node_sources_, events::kMediumCpu, layout_,
-                                             hashes, prompt.size());
+      // At most the hit over every tier (events may land between the two searches).
+      c.node_memory_tokens =
+          std::min(c.node_tokens, HybridHitTokens(index_, node_sources_, events::kMediumCpu,
+                                                  layout_, hashes, prompt.size()));
       node_score =
           options_.node_weight *
           (static_cast<double>(c.node_memory_tokens) +

@@ -37,22 +37,32 @@ size_t HybridHitTokens(const events::KvIndex& index, std::span<const std::string
   if (layout.groups.empty() || layout.hash_block_size == 0 || num_tokens == 0) return 0;
   std::vector<engine::CacheGroup> groups;
   groups.reserve(layout.groups.size());
+  // Each block is looked up once and its answer kept: the search asks about a block more than
+  // once (whether it is held, then its id), and the index changes under it as events arrive,
+  // so that a block held at the first question and gone at the second would break the search.
+  std::vector<std::vector<int8_t>> seen(layout.groups.size());  // -1: not asked; 0, 1
   for (size_t g = 0; g < layout.groups.size(); ++g) {
     const engine::AttentionSpec& spec = layout.groups[g];
     if (spec.block_size == 0 || spec.block_size % layout.hash_block_size != 0) return 0;
     const size_t k = spec.block_size / layout.hash_block_size;
     engine::CachedBlocks cached;
     cached.count = hashes.size() / k;
+    seen[g].assign(cached.count, -1);
     // A block id is all the search needs to tell a hit: 1 for "held".
-    cached.at = [&index, sources, medium, hashes, k,
+    cached.at = [&index, &seen, sources, medium, hashes, k,
                  g](size_t i) -> std::optional<engine::BlockId> {
-      const events::ExternalHash hash = events::ExternalHashOf(GroupHash(hashes, k, i));
-      for (const std::string& source : sources) {
-        if (index.Holds(source, medium, static_cast<int64_t>(g), hash)) {
-          return std::optional<engine::BlockId>(1);
+      int8_t& held = seen[g][i];
+      if (held < 0) {
+        held = 0;
+        const events::ExternalHash hash = events::ExternalHashOf(GroupHash(hashes, k, i));
+        for (const std::string& source : sources) {
+          if (index.Holds(source, medium, static_cast<int64_t>(g), hash)) {
+            held = 1;
+            break;
+          }
         }
       }
-      return std::nullopt;
+      return held != 0 ? std::optional<engine::BlockId>(1) : std::nullopt;
     };
     groups.push_back({spec, std::move(cached)});
   }
