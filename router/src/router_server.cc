@@ -90,6 +90,20 @@ class HttpRouterServer final : public RouterServer {
     KVSTASH_ASSIGN_OR_RETURN(front_, http::HttpFront::Create(std::move(o)));
     httplib::Server& http = front_->router();
     http.set_payload_max_length(options_.max_body_bytes);
+    // A handler that throws (a bug: nothing here should) answers a 500 that says so, logged
+    // once per occurrence, rather than httplib's empty one.
+    http.set_exception_handler(
+        [](const httplib::Request& req, httplib::Response& res, std::exception_ptr error) {
+          std::string what = "unknown exception";
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          KVSTASH_LOG_ERROR("kvstash router: {} {} failed: {}", req.method, req.path, what);
+          SendError(res, 500, "internal_error", fmt::format("the router failed: {}", what));
+        });
     http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       HandleCompletion(req, res);
     });
