@@ -26,8 +26,8 @@
 #include "kvstash/connector/node_client.h"
 #include "kvstash/events/subscriber.h"
 #include "kvstash/router/scoring.h"
-#include "membership_wait.h"
 #include "kvstash/worker/protocol_json.h"
+#include "membership_wait.h"
 #include "subprocess.h"
 
 namespace kvstash::worker {

@@ -7,8 +7,8 @@
 
 namespace kvstash::bench {
 
-// Registers `bench` and its subcommands (ssd, transport, node, replay, peer, route) with `app`; the chosen
-// one's exit code goes to *exit_code.
+// Registers `bench` and its subcommands (ssd, transport, node, replay, peer, route) with `app`; the
+// chosen one's exit code goes to *exit_code.
 void AddBenchCommand(CLI::App& app, int* exit_code);
 
 }  // namespace kvstash::bench
