@@ -131,6 +131,7 @@ struct Outcome {
   std::string error;
   std::vector<uint32_t> tokens;
   worker::CompletionUsage usage;
+  size_t prefill_computed = 0;  // of usage.computed_tokens, the prefill worker's
 };
 
 // Sends every prompt to `address` from `concurrency` threads in trace order: each thread takes
@@ -155,7 +156,12 @@ std::vector<Outcome> Replay(const std::string& address,
         request.max_tokens = f.max_tokens;
         Result<worker::Completion> c = (*client)->Complete(request);
         if (c.ok()) {
-          outcomes[i] = {true, "", std::move(c->tokens), c->usage};
+          size_t prefill_computed = 0;
+          const json routed = json::parse(c->router, nullptr, /*allow_exceptions=*/false);
+          if (routed.is_object() && routed.contains("prefill") && routed["prefill"].is_object()) {
+            prefill_computed = routed["prefill"].value("computed_tokens", size_t{0});
+          }
+          outcomes[i] = {true, "", std::move(c->tokens), c->usage, prefill_computed};
         } else {
           outcomes[i].error = c.status().ToString();
         }
@@ -183,6 +189,7 @@ struct PolicyRun {
   std::string policy;
   size_t requests = 0, failed = 0, mismatches = 0;
   uint64_t prompt_tokens = 0, computed_tokens = 0, node_tokens = 0, local_hit_tokens = 0;
+  uint64_t prefill_computed_tokens = 0;
   uint64_t prefills = 0, skipped_prefills = 0, retries = 0;
   double ttft_p50 = 0, ttft_p99 = 0;
   std::string first_error;
@@ -352,6 +359,7 @@ int RunBenchRoute(const RouteFlags& flags) {
       ++run.requests;
       run.prompt_tokens += o.usage.prompt_tokens;
       run.computed_tokens += o.usage.computed_tokens;
+      run.prefill_computed_tokens += o.prefill_computed;
       run.node_tokens += o.usage.node_tokens;
       run.local_hit_tokens += o.usage.local_hit_tokens;
       ttft.push_back(o.usage.ttft_ms);
@@ -412,6 +420,7 @@ int RunBenchRoute(const RouteFlags& flags) {
                       {"first_error", r.first_error},
                       {"prompt_tokens", r.prompt_tokens},
                       {"computed_tokens", r.computed_tokens},
+                      {"prefill_computed_tokens", r.prefill_computed_tokens},
                       {"node_tokens", r.node_tokens},
                       {"local_hit_tokens", r.local_hit_tokens},
                       {"prefills", r.prefills},
