@@ -198,7 +198,8 @@ TEST(ScoringTest, ScoringWhileEventsChangeTheIndexGivesAHitItCouldHaveSeen) {
       thread.join();
     }
   } joiner{stop, churn};
-  for (int i = 0; i < 3000; ++i) {
+  // 300 searches: without the fix the first few threw (1 ms); under ASan each takes about 8 ms.
+  for (int i = 0; i < 300; ++i) {
     size_t hit = 0;
     ASSERT_NO_THROW(hit = HybridHitTokens(index, "w", "GPU", layout, hashes, prompt.size()));
     ASSERT_EQ(hit % 16, 0u) << hit;
