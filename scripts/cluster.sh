@@ -20,14 +20,15 @@
 # For example:
 #
 #   scripts/cluster.sh -n 3 -p 1 -d 1 -- sh -c 'build/tools/kvstash-engine/kvstash-engine chat \
+#       --model builtin:tiny-hybrid \
 #       --prefill-worker $KVSTASH_PREFILL_WORKERS --decode-worker $KVSTASH_DECODE_WORKERS'
-#   scripts/cluster.sh -p 2 -d 2 --router -- sh -c \
-#       'build/tools/kvstash-engine/kvstash-engine chat --router $KVSTASH_ROUTER'
+#   scripts/cluster.sh -p 2 -d 2 --router -- sh -c 'build/tools/kvstash-engine/kvstash-engine \
+#       chat --model builtin:tiny-hybrid --router $KVSTASH_ROUTER'
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/setup.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/lib/cluster.sh"
 
-usage() { sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 num_nodes=2 num_prefill=1 num_decode=1 model="builtin:tiny-hybrid"
 block_bytes=4152 cpu_bytes=256MiB worker_args="" node_args="" use_etcd=0 replicas=1
