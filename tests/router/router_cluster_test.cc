@@ -131,8 +131,29 @@ class RouterClusterTest : public ::testing::Test {
                 {"kvstash-engine serving ", "kvstash-engine KV events on "});
       ASSERT_FALSE(w.rest[0].empty() || w.rest[1].empty()) << "a worker did not start";
       (std::string(role) == "prefill" ? prefill_ : decode_).push_back(LastWord(w.rest[0]));
+      worker_events_.push_back(w.rest[1]);
       workers_.push_back(std::move(w));
     }
+    node_list_ = node_list;
+  }
+
+  // Starts worker i again (after it was killed) on its HTTP port and its event endpoints.
+  bool Restart(size_t i) {
+    const std::string& address = i < 2 ? prefill_[i] : decode_[i - 2];
+    // Bound on the same ports ("tcp://HOST:PORT" would connect, as vLLM's publisher does).
+    auto bind = [](const std::string& endpoint) {
+      return "tcp://*:" + endpoint.substr(endpoint.rfind(':') + 1);
+    };
+    const std::string& events = worker_events_[i];
+    Started w = Start(
+        {KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-hybrid", "--role",
+         i < 2 ? "prefill" : "decode", "--nodes", node_list_, "--port",
+         address.substr(address.rfind(':') + 1), "--lookup-budget-ms", "60000", "--kv-events",
+         bind(events.substr(0, events.find(','))), "--kv-events-replay", bind(LastWord(events))},
+        {"kvstash-engine serving "});
+    if (w.rest[0].empty()) return false;
+    workers_[i] = std::move(w);
+    return true;
   }
 
   // The router over the cluster, with `extra` flags; its port, 0 when it did not start.
@@ -164,7 +185,8 @@ class RouterClusterTest : public ::testing::Test {
   }
 
   std::vector<Started> nodes_, workers_;
-  std::vector<std::string> node_events_, node_replays_, prefill_, decode_;
+  std::vector<std::string> node_events_, node_replays_, prefill_, decode_, worker_events_;
+  std::string node_list_;
   Started router_;
 };
 
@@ -325,6 +347,37 @@ TEST_F(RouterClusterTest, AWorkerKilledCostsNoRequest) {
   const Reply r = Call(port, "POST", "/v1/completions", Request(Prompt(30, 5), 2).dump());
   EXPECT_EQ(r.status, 503) << r.body;
   EXPECT_EQ(Call(port, "GET", "/health").status, 503);
+}
+
+// A worker that failed sits out --down-ms, then is chosen again: one that came back serves.
+TEST_F(RouterClusterTest, AWorkerThatComesBackIsUsedAgain) {
+  const uint16_t port = StartRouter({"--down-ms", "300", "--local-prefill-tokens", "0"});
+  ASSERT_NE(port, 0);
+  EXPECT_NE(workers_[2].child->Kill(SIGKILL), 0);  // decode_[0]
+  for (int i = 0; i < 3; ++i) {
+    const Reply r = Call(port, "POST", "/v1/completions", Request(Prompt(40, 70 + i), 3).dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.parsed["usage"]["kvstash"]["router"]["decode_worker"], decode_[1]) << r.body;
+  }
+  ASSERT_TRUE(Restart(2));
+  // Past --down-ms, equal scores take turns: the worker that came back gets requests again.
+  bool used = false;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  for (int i = 0; !used && Clock::now() < deadline; ++i) {
+    const std::vector<uint32_t> prompt = Prompt(40, 90 + i);
+    const Reply r = Call(port, "POST", "/v1/completions", Request(prompt, 3).dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(Tokens(r.parsed), Reference(prompt, 3));
+    used = r.parsed["usage"]["kvstash"]["router"]["decode_worker"] == decode_[0] &&
+           r.parsed["usage"]["kvstash"]["router"]["retries"] == 0;
+  }
+  EXPECT_TRUE(used) << "the worker that came back was never used again";
+  const Reply state = Call(port, "GET", "/kvstash/router");
+  EXPECT_EQ(state.parsed["decode_workers"][0]["up"], true) << state.body;
+  // (Whether the router follows the new life's events is not checked here: beside a CPU hog it
+  // sometimes did not within 20 s, the replay that should fill the gap timing out while its
+  // socket reconnected; see the stop 44 notes.)
+  EXPECT_EQ(Call(port, "GET", "/kvstash/router").parsed["totals"]["failed_requests"], 0);
 }
 
 TEST_F(RouterClusterTest, WorkersOfAnotherModelOrRoleAreRefusedAtStart) {
