@@ -61,6 +61,24 @@ _kvstash_has_events() {
   return 1
 }
 
+# _kvstash_start GROUP NAME PATTERN PROGRAM [ARGS...]: starts PROGRAM with ARGS in the
+# background (output in NAME.out, errors in NAME.err), keeps its pid in
+# KVSTASH_CLUSTER_PIDS_GROUP, waits for its line matching PATTERN (KVSTASH_ADDRESS: its last
+# word) and, when ARGS hold --kv-events, for its events line (KVSTASH_EVENTS,
+# KVSTASH_EVENTS_REPLAY; both empty otherwise).
+_kvstash_start() {
+  local group="$1" name="$2" pattern="$3"
+  shift 3
+  local -n pids="KVSTASH_CLUSTER_PIDS_$group"
+  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
+  "$@" >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
+  local pid=$!
+  pids+=("$pid")
+  _kvstash_wait_line "$out" "$pid" "$pattern" || return 1
+  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
+  if _kvstash_has_events "$@"; then _kvstash_wait_events "$out" "$pid"; fi
+}
+
 # kvstash_start_node NAME [kvstashd flags...]: starts a kvstashd on a free loopback port and sets
 # KVSTASH_ADDRESS to its HOST:PORT (and, with --kv-events, KVSTASH_EVENTS and
 # KVSTASH_EVENTS_REPLAY to its event endpoints). (Not in a $(...) subshell: the caller must keep
@@ -68,14 +86,8 @@ _kvstash_has_events() {
 kvstash_start_node() {
   local name="$1"
   shift
-  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
-  "$KVSTASH_BUILD_DIR/node/kvstashd" --listen 127.0.0.1 --port 0 --metrics-address off "$@" \
-    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
-  local pid=$!
-  KVSTASH_CLUSTER_PIDS_NODES+=("$pid")
-  _kvstash_wait_line "$out" "$pid" '^kvstashd listening on ' || return 1
-  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
-  if _kvstash_has_events "$@"; then _kvstash_wait_events "$out" "$pid"; fi
+  _kvstash_start NODES "$name" '^kvstashd listening on ' "$KVSTASH_BUILD_DIR/node/kvstashd" \
+    --listen 127.0.0.1 --port 0 --metrics-address off "$@"
 }
 
 # kvstash_start_worker NAME [kvstash-engine serve flags...]: starts a worker on a free loopback
@@ -83,14 +95,8 @@ kvstash_start_node() {
 kvstash_start_worker() {
   local name="$1"
   shift
-  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
-  "$KVSTASH_BUILD_DIR/tools/kvstash-engine/kvstash-engine" serve --listen 127.0.0.1 --port 0 "$@" \
-    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
-  local pid=$!
-  KVSTASH_CLUSTER_PIDS_WORKERS+=("$pid")
-  _kvstash_wait_line "$out" "$pid" '^kvstash-engine serving ' || return 1
-  KVSTASH_EVENTS="" KVSTASH_EVENTS_REPLAY=""
-  if _kvstash_has_events "$@"; then _kvstash_wait_events "$out" "$pid"; fi
+  _kvstash_start WORKERS "$name" '^kvstash-engine serving ' \
+    "$KVSTASH_BUILD_DIR/tools/kvstash-engine/kvstash-engine" serve --listen 127.0.0.1 --port 0 "$@"
 }
 
 # kvstash_start_router NAME [kvstash-router flags...]: starts a kvstash-router on a free loopback
@@ -98,12 +104,8 @@ kvstash_start_worker() {
 kvstash_start_router() {
   local name="$1"
   shift
-  local out="$KVSTASH_CLUSTER_LOGS/$name.out"
-  "$KVSTASH_BUILD_DIR/tools/kvstash-router/kvstash-router" --listen 127.0.0.1 --port 0 "$@" \
-    >"$out" 2>"$KVSTASH_CLUSTER_LOGS/$name.err" &
-  local pid=$!
-  KVSTASH_CLUSTER_PIDS_ROUTER+=("$pid")
-  _kvstash_wait_line "$out" "$pid" '^kvstash-router serving on '
+  _kvstash_start ROUTER "$name" '^kvstash-router serving on ' \
+    "$KVSTASH_BUILD_DIR/tools/kvstash-router/kvstash-router" --listen 127.0.0.1 --port 0 "$@"
 }
 
 # _kvstash_free_port: a loopback TCP port nothing listens on now.

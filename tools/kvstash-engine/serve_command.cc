@@ -158,6 +158,17 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
 
 namespace {
 
+// The engine a remote chat compares each turn with: the same model here, without prefix
+// caching or nodes.
+Result<std::unique_ptr<Engine>> MakeComparisonEngine(const ModelFlags& model) {
+  ModelFlags local = model;
+  local.nodes.clear();
+  local.etcd.clear();
+  local.cluster.clear();
+  local.no_prefix_cache = true;
+  return MakeEngine(local);
+}
+
 // chat --router: each turn one completion through kvstash-router, which picks the workers.
 int RunRoutedChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t turns,
                   size_t user_tokens, size_t max_new, uint64_t seed) {
@@ -167,12 +178,7 @@ int RunRoutedChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t 
   std::unique_ptr<worker::WorkerClient> router = std::move(*router_or);
   auto info = router->Info();
   if (!info.ok()) return kErrors.Fail(info.status());
-  ModelFlags local_flags = model;
-  local_flags.nodes.clear();
-  local_flags.etcd.clear();
-  local_flags.cluster.clear();
-  local_flags.no_prefix_cache = true;
-  auto local_or = MakeEngine(local_flags);
+  auto local_or = MakeComparisonEngine(model);
   if (!local_or.ok()) return kErrors.Fail(local_or.status());
   std::unique_ptr<Engine> local = std::move(*local_or);
   if (flags.compare && local->fingerprint() != info->fingerprint) {
@@ -282,13 +288,7 @@ int RunRemoteChat(const ModelFlags& model, const RemoteChatFlags& flags, size_t 
     }
   }
 
-  // The comparison: the same model here, without prefix caching or nodes.
-  ModelFlags local_flags = model;
-  local_flags.nodes.clear();
-  local_flags.etcd.clear();
-  local_flags.cluster.clear();
-  local_flags.no_prefix_cache = true;
-  auto local_or = MakeEngine(local_flags);
+  auto local_or = MakeComparisonEngine(model);
   if (!local_or.ok()) return kErrors.Fail(local_or.status());
   std::unique_ptr<Engine> local = std::move(*local_or);
   if (flags.compare && HexFingerprint(local->fingerprint()) != fingerprint) {
