@@ -160,11 +160,17 @@ int main(int argc, char** argv) {
       "A multi-turn conversation: each turn's prompt is the history plus new user tokens; "
       "prints per turn how many prompt tokens came from the prefix cache.");
   AddModelFlags(chat, chat_flags);
-  chat->add_option("--turns", turns, "turns")->capture_default_str()->check(CLI::Range(1, 1000));
+  // The last of a repeated flag wins: scripts/demo.sh passes its own, then the user's.
+  chat->add_option("--turns", turns, "turns")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000))
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   chat->add_option("--user-tokens", user_tokens, "new user tokens per turn")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
   chat->add_option("--max-new-tokens", chat_new, "tokens generated per turn")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
   chat->add_option("--conversation-seed", chat_seed, "seed of the user tokens")
