@@ -179,6 +179,65 @@ TEST(EventSubscriberTest, AGapTheReplayNoLongerHoldsStartsTheSourceOver) {
   }
 }
 
+// A publisher killed and started again on its ports numbers from 0 again, and its first
+// batches (its AllBlocksCleared among them) are published before the subscriber's connection
+// comes back. Whether the new life has sent fewer batches than the old one had (its numbers
+// look like duplicates) or more (they look like a gap), the subscriber starts the source over
+// from the new life's history: it ends holding exactly what the new life published.
+class SubscriberRestartTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(SubscriberRestartTest, APublisherStartedAgainOnItsPortsIsFollowedFromItsNewLife) {
+  const int new_batches = GetParam();
+  auto rig = std::make_unique<Rig>();
+  KvIndex live;
+  std::unique_ptr<EventSubscriber> sub = rig->Follow(&live);
+  int tick = 0;
+  rig->Publish(30);
+  ASSERT_TRUE(Within([&] {
+    if (sub->expected() < 30 && ++tick % 25 == 0) rig->Publish(1);
+    return sub->expected() == rig->published;
+  }));
+  const std::string endpoint = rig->publisher->endpoint();
+  const std::string replay = rig->publisher->replay_endpoint();
+  const uint64_t restarts = sub->stats().restarts;
+
+  rig.reset();  // killed: the old life's blocks are gone with it
+  // On the same ports (a wildcard host: an address with a host would be connected to).
+  auto port_of = [](const std::string& e) { return e.substr(e.rfind(':')); };
+  PublisherOptions o;
+  o.endpoint = "tcp://*" + port_of(endpoint);
+  o.replay_endpoint = "tcp://*" + port_of(replay);
+  o.default_topic = "t";
+  auto again = EventPublisher::Create(o);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  KvIndex reference;
+  int64_t published = 0;
+  auto publish = [&](uint64_t first_block) {
+    KvEventBatch b = Nth(first_block + static_cast<uint64_t>(published));
+    if (published == 0) b.events.insert(b.events.begin(), AllBlocksCleared{});
+    reference.Apply("src", Delivery{published, b, false});
+    ASSERT_TRUE((*again)->Publish("t", std::move(b)));
+    ++published;
+    (*again)->Flush();
+  };
+  // Other blocks than the old life's (1000 on), published at once: before the reconnect.
+  for (int i = 0; i < new_batches; ++i) publish(1000);
+  ASSERT_TRUE(Within([&] {
+    // One more every 50 ms until the subscriber follows: the live batch that shows it.
+    if (++tick % 25 == 0) publish(1000);
+    return sub->expected() == published && live.Snapshot("src") == reference.Snapshot("src");
+  })) << "expected "
+      << sub->expected() << " of " << published << ", holds " << live.blocks("src")
+      << " blocks, the new life " << reference.blocks("src") << "; restarts "
+      << sub->stats().restarts << " duplicates " << sub->stats().duplicates << " delivered "
+      << sub->stats().delivered;
+  EXPECT_GE(sub->stats().restarts, restarts + 1);
+  EXPECT_FALSE(live.Holds("src", "SSD", 0, ExternalHash(uint64_t{3})));  // the old life's
+}
+
+INSTANTIATE_TEST_SUITE_P(FewerOrMoreBatchesThanBefore, SubscriberRestartTest,
+                         ::testing::Values(5, 45));
+
 TEST(EventSubscriberTest, GarbageOnTheWireIsCountedAndWhatFollowsIsDelivered) {
   void* ctx = zmq_ctx_new();
   void* pub = zmq_socket(ctx, ZMQ_PUB);

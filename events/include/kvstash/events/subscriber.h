@@ -49,7 +49,7 @@ struct SubscriberStats {
   uint64_t replayed = 0;    // batches a replay filled in
   uint64_t resets = 0;      // deliveries with reset
   uint64_t malformed = 0;   // messages that were not [topic, sequence, batch]
-  uint64_t restarts = 0;    // the publisher started over (its numbers back to 0)
+  uint64_t restarts = 0;    // the publisher started over: a new life (docs/semantics.md §19)
 };
 
 // Runs its own thread; `on_batch` is called on it, in sequence order, never concurrently.
