@@ -409,6 +409,11 @@ size_t KvIndex::blocks(std::string_view source) const {
   return it == sources_.end() ? 0 : it->second.size();
 }
 
+void KvIndex::Forget(std::string_view source) {
+  MutexLock lock(&mu_);
+  if (auto it = sources_.find(source); it != sources_.end()) sources_.erase(it);
+}
+
 std::vector<KvIndex::Entry> KvIndex::Snapshot(std::string_view source) const {
   MutexLock lock(&mu_);
   auto it = sources_.find(source);

@@ -34,14 +34,18 @@ Status ValidateClusterName(std::string_view cluster) {
   return Status::OK();
 }
 
-std::string MembersPrefix(std::string_view cluster) {
-  return fmt::format("/kvstash/{}/nodes/", cluster);
+std::string MembersPrefix(std::string_view cluster, MemberKind kind) {
+  return fmt::format("/kvstash/{}/{}/", cluster, kind == MemberKind::kNode ? "nodes" : "workers");
 }
 
 std::string NodeRecord::ToJson() const {
-  return Json{{"address", address},     {"block_bytes", block_bytes}, {"cpu_bytes", cpu_bytes},
-              {"ssd_bytes", ssd_bytes}, {"policy", policy},           {"zone", zone}}
-      .dump();
+  Json json{{"address", address},     {"block_bytes", block_bytes}, {"cpu_bytes", cpu_bytes},
+            {"ssd_bytes", ssd_bytes}, {"policy", policy},           {"zone", zone}};
+  // Written only when set: a record without them reads as before they existed.
+  if (!kv_events.empty()) json["kv_events"] = kv_events;
+  if (!kv_events_replay.empty()) json["kv_events_replay"] = kv_events_replay;
+  if (!role.empty()) json["role"] = role;
+  return json.dump();
 }
 
 Result<NodeRecord> NodeRecord::FromJson(std::string_view json) {
@@ -57,6 +61,9 @@ Result<NodeRecord> NodeRecord::FromJson(std::string_view json) {
     record.ssd_bytes = parsed.value("ssd_bytes", uint64_t{0});
     record.policy = parsed.value("policy", std::string());
     record.zone = parsed.value("zone", std::string());
+    record.kv_events = parsed.value("kv_events", std::string());
+    record.kv_events_replay = parsed.value("kv_events_replay", std::string());
+    record.role = parsed.value("role", std::string());
   } catch (const Json::exception& e) {
     return InvalidArgumentError("node record {}: {}", json.substr(0, 200), e.what());
   }
@@ -84,7 +91,7 @@ Result<std::unique_ptr<Registration>> Registration::Create(RegistrationOptions o
 
 Registration::Registration(RegistrationOptions options, std::unique_ptr<EtcdClient> etcd)
     : options_(std::move(options)),
-      key_(MembersPrefix(options_.cluster) + options_.record.address),
+      key_(MembersPrefix(options_.cluster, options_.kind) + options_.record.address),
       etcd_(std::move(etcd)) {}
 
 Registration::~Registration() { Stop(); }
@@ -250,7 +257,7 @@ Result<std::unique_ptr<MembershipWatcher>> MembershipWatcher::Create(WatcherOpti
 MembershipWatcher::MembershipWatcher(WatcherOptions options, std::unique_ptr<EtcdClient> etcd,
                                      OnChange on_change)
     : options_(std::move(options)),
-      prefix_(MembersPrefix(options_.cluster)),
+      prefix_(MembersPrefix(options_.cluster, options_.kind)),
       etcd_(std::move(etcd)),
       on_change_(std::move(on_change)) {}
 
@@ -292,10 +299,12 @@ void MembershipWatcher::Apply(std::map<std::string, NodeRecord> next) {
     for (const auto& [key, record] : members_) {
       auto it = next.find(key);
       if (it == next.end()) {
-        KVSTASH_LOG_INFO("cluster {}: node {} left", options_.cluster, record.address);
+        KVSTASH_LOG_INFO("cluster {}: {} {} left", options_.cluster,
+                         options_.kind == MemberKind::kNode ? "node" : "worker", record.address);
         ++changed;
       } else if (!(it->second == record)) {
-        KVSTASH_LOG_INFO("cluster {}: node {} changed", options_.cluster, record.address);
+        KVSTASH_LOG_INFO("cluster {}: {} {} changed", options_.cluster,
+                         options_.kind == MemberKind::kNode ? "node" : "worker", record.address);
         ++changed;
       }
     }
@@ -304,7 +313,8 @@ void MembershipWatcher::Apply(std::map<std::string, NodeRecord> next) {
     for (const auto& [key, record] : next) {
       if (members_.count(key) == 0) {
         if (!first) {
-          KVSTASH_LOG_INFO("cluster {}: node {} joined", options_.cluster, record.address);
+          KVSTASH_LOG_INFO("cluster {}: {} {} joined", options_.cluster,
+                           options_.kind == MemberKind::kNode ? "node" : "worker", record.address);
         }
         ++changed;
       }

@@ -259,6 +259,11 @@ int main(int argc, char** argv) {
   if (registration_options->has_value()) {
     // The port is known only now (--port 0).
     auto final_options = node::RegistrationOf(flags, *options, server->port());
+    // Its events as bound, for a router that finds the node in etcd (kvstash-router --etcd).
+    if (const events::EventPublisher* events = server->kv_events(); events && final_options.ok()) {
+      (**final_options).record.kv_events = events->endpoint();
+      (**final_options).record.kv_events_replay = events->replay_endpoint();
+    }
     Result<std::unique_ptr<membership::Registration>> created =
         final_options.ok()
             ? membership::Registration::Create(std::move(**final_options))

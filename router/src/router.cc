@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -21,18 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-// An event endpoint a worker bound on every interface ("tcp://*:5557", "tcp://0.0.0.0:5557"),
-// made one the router can connect to: the worker's own host.
-std::string Reachable(const std::string& endpoint, std::string_view worker_address) {
-  const std::string host(worker_address.substr(0, worker_address.rfind(':')));
-  for (std::string_view any : {"tcp://*:", "tcp://0.0.0.0:"}) {
-    if (endpoint.rfind(any, 0) == 0) {
-      return "tcp://" + host + ":" + endpoint.substr(any.size());
-    }
-  }
-  return endpoint;
-}
 
 // Whether a failed call says the worker is at fault (it sits out, the call goes elsewhere)
 // rather than the request (returned to the caller as is).
@@ -109,6 +99,7 @@ struct Slot {
   std::string address;
   worker::Role role = worker::Role::kBoth;
   std::string source;  // its name in the index: "worker ADDRESS"
+  bool member = true;  // false once it left (RemoveWorker): never chosen
   std::unique_ptr<events::EventSubscriber> subscriber;
   size_t running = 0;
   Clock::time_point down_until{};
@@ -124,9 +115,14 @@ class RouterImpl final : public Router {
 
   ~RouterImpl() override {
     // The subscriptions' threads call into the index: stopped first.
-    for (auto& s : prefill_) s.subscriber.reset();
-    for (auto& s : decode_) s.subscriber.reset();
-    node_subscribers_.clear();
+    std::vector<std::unique_ptr<events::EventSubscriber>> subscribers;
+    {
+      MutexLock lock(&mu_);
+      for (auto& s : prefill_) subscribers.push_back(std::move(s.subscriber));
+      for (auto& s : decode_) subscribers.push_back(std::move(s.subscriber));
+      for (auto& [endpoint, node] : nodes_) subscribers.push_back(std::move(node.subscriber));
+    }
+    subscribers.clear();
   }
 
   Status Init() {
@@ -138,29 +134,146 @@ class RouterImpl final : public Router {
       return InvalidArgumentError(
           "load_tokens must be >= 0, and node_weight and ssd_weight from 0 to 1");
     }
-    for (const auto& [list, slots] : {std::pair{&options_.decode_workers, &decode_},
-                                      std::pair{&options_.prefill_workers, &prefill_}}) {
-      slots->resize(list->size());
-      for (size_t i = 0; i < list->size(); ++i) {
-        KVSTASH_RETURN_IF_ERROR(AddWorker((*list)[i], &(*slots)[i], slots == &prefill_));
+    // The first decode worker's model is the one every other must serve.
+    for (const std::string& address : options_.decode_workers) {
+      KVSTASH_RETURN_IF_ERROR(AddWorker(address, /*prefill=*/false));
+    }
+    for (const std::string& address : options_.prefill_workers) {
+      KVSTASH_RETURN_IF_ERROR(AddWorker(address, /*prefill=*/true));
+    }
+    for (const NodeEvents& node : options_.nodes) KVSTASH_RETURN_IF_ERROR(AddNode(node));
+    return Status::OK();
+  }
+
+  Status AddWorker(const std::string& address, bool prefill) override {
+    {
+      MutexLock lock(&mu_);
+      if (const Slot* s = Find(prefill ? prefill_ : decode_, address); s && s->member) {
+        return Status::OK();
       }
     }
-    layout_.groups = model_.groups;
-    layout_.hash_block_size = model_.hash_block_size;
-    layout_.cache_salt = model_.cache_salt;
-    for (size_t i = 0; i < options_.nodes.size(); ++i) {
-      const NodeEvents& node = options_.nodes[i];
-      const std::string source = "node " + node.endpoint;
-      node_sources_.push_back(source);
+    KVSTASH_ASSIGN_OR_RETURN(auto client,
+                             worker::WorkerClient::Create(address, options_.worker_timeout));
+    KVSTASH_ASSIGN_OR_RETURN(worker::WorkerInfo info, client->Info());
+    if (prefill && info.role != worker::Role::kPrefill) {
+      return InvalidArgumentError("the prefill worker {} runs with --role {}, not prefill", address,
+                                  worker::RoleName(info.role));
+    }
+    if (!prefill && info.role == worker::Role::kPrefill) {
+      return InvalidArgumentError("the decode worker {} runs with --role prefill", address);
+    }
+    if (!have_model_.load()) {
+      // The first worker (Init, before any other thread runs): its model is the router's.
+      model_ = info;
+      layout_.groups = model_.groups;
+      layout_.hash_block_size = model_.hash_block_size;
+      layout_.cache_salt = model_.cache_salt;
+      have_model_ = true;
+    } else if (info.fingerprint != model_.fingerprint || !SameLayout(info, model_)) {
+      return InvalidArgumentError(
+          "the worker {} runs {} (fingerprint {:#018x}) but the router's workers run {} "
+          "({:#018x}): their blocks would never match",
+          address, info.model, info.fingerprint, model_.model, model_.fingerprint);
+    }
+    // Its entry of the other role (it restarted with another) leaves first: one address, one
+    // source in the index.
+    Leave(address, {!prefill});
+    const std::string source = "worker " + address;
+    std::unique_ptr<events::EventSubscriber> subscriber;
+    if (!info.kv_events.empty()) {
       events::SubscriberOptions sub;
-      sub.endpoint = node.endpoint;
-      sub.replay_endpoint = node.replay;
-      sub.topic = options_.node_topic;
+      sub.endpoint = ReachableEndpoint(info.kv_events, address);
+      sub.replay_endpoint =
+          info.kv_events_replay.empty() ? "" : ReachableEndpoint(info.kv_events_replay, address);
+      sub.topic = info.kv_events_topic;
       sub.replay_at_start = true;
-      KVSTASH_ASSIGN_OR_RETURN(auto subscriber, Subscribe(sub, source));
-      node_subscribers_.push_back(std::move(subscriber));
+      KVSTASH_ASSIGN_OR_RETURN(subscriber, Subscribe(sub, source));
+    }
+    std::unique_ptr<events::EventSubscriber> old;
+    {
+      MutexLock lock(&mu_);
+      std::deque<Slot>& slots = prefill ? prefill_ : decode_;
+      Slot* slot = Find(slots, address);
+      if (slot == nullptr) {
+        slot = &slots.emplace_back();
+        slot->address = address;
+        slot->source = source;
+      } else if (slot->member) {
+        return Status::OK();  // joined meanwhile (another call)
+      }
+      slot->member = true;
+      slot->role = info.role;
+      slot->down_until = {};
+      old = std::move(slot->subscriber);
+      slot->subscriber = std::move(subscriber);
+      slot->idle.clear();
+      slot->idle.push_back(std::move(client));
     }
     return Status::OK();
+  }
+
+  void RemoveWorker(const std::string& address) override { Leave(address, {true, false}); }
+
+  // The worker at `address` leaves the roles named (prefill or not).
+  void Leave(const std::string& address, std::initializer_list<bool> roles) {
+    std::vector<std::unique_ptr<events::EventSubscriber>> gone;
+    std::string source;
+    {
+      MutexLock lock(&mu_);
+      for (const bool prefill : roles) {
+        Slot* slot = Find(prefill ? prefill_ : decode_, address);
+        if (slot == nullptr || !slot->member) continue;
+        slot->member = false;
+        slot->idle.clear();
+        gone.push_back(std::move(slot->subscriber));
+        source = slot->source;
+      }
+    }
+    if (gone.empty()) return;
+    gone.clear();  // its thread stopped: nothing more reaches the index from it
+    index_.Forget(source);
+    KVSTASH_LOG_INFO("worker {} left the router's set", address);
+  }
+
+  Status AddNode(const NodeEvents& node) override {
+    {
+      MutexLock lock(&mu_);
+      if (nodes_.count(node.endpoint) > 0) return Status::OK();
+    }
+    const std::string source = "node " + node.endpoint;
+    events::SubscriberOptions sub;
+    sub.endpoint = node.endpoint;
+    sub.replay_endpoint = node.replay;
+    sub.topic = options_.node_topic;
+    sub.replay_at_start = true;
+    KVSTASH_ASSIGN_OR_RETURN(auto subscriber, Subscribe(sub, source));
+    MutexLock lock(&mu_);
+    if (nodes_.count(node.endpoint) > 0) return Status::OK();  // added meanwhile
+    nodes_[node.endpoint] = NodeSlot{source, std::move(subscriber)};
+    node_sources_.push_back(source);
+    return Status::OK();
+  }
+
+  void RemoveNode(const std::string& endpoint) override {
+    std::unique_ptr<events::EventSubscriber> gone;
+    std::string source;
+    {
+      MutexLock lock(&mu_);
+      auto it = nodes_.find(endpoint);
+      if (it == nodes_.end()) return;
+      source = it->second.source;
+      gone = std::move(it->second.subscriber);
+      nodes_.erase(it);
+      std::erase(node_sources_, source);
+    }
+    gone.reset();
+    index_.Forget(source);
+    KVSTASH_LOG_INFO("node events {} left the router's set", endpoint);
+  }
+
+  size_t nodes() const override {
+    MutexLock lock(&mu_);
+    return nodes_.size();
   }
 
   Choice Choose(std::span<const uint32_t> prompt) override {
@@ -208,7 +321,7 @@ class RouterImpl final : public Router {
     status = Status::OK();
     for (int attempt = 0; attempt < 2; ++attempt) {
       if (placement.decode < 0) break;
-      Slot& slot = decode_[placement.decode];
+      Slot& slot = At(/*prefill=*/false, placement.decode);
       routed.decode_worker = slot.address;
       auto client = Acquire(slot);
       bool started = false;
@@ -251,8 +364,8 @@ class RouterImpl final : public Router {
   }
 
   const worker::WorkerInfo& model() const override { return model_; }
-  std::vector<WorkerView> prefill_workers() const override { return Views(prefill_); }
-  std::vector<WorkerView> decode_workers() const override { return Views(decode_); }
+  std::vector<WorkerView> prefill_workers() const override { return Views(/*prefill=*/true); }
+  std::vector<WorkerView> decode_workers() const override { return Views(/*prefill=*/false); }
 
   RouterTotals totals() const override {
     RouterTotals t;
@@ -268,9 +381,10 @@ class RouterImpl final : public Router {
       t.event_replayed += st.replayed;
       t.event_resets += st.resets;
     };
+    MutexLock lock(&mu_);
     for (const auto& s : prefill_) add(s.subscriber.get());
     for (const auto& s : decode_) add(s.subscriber.get());
-    for (const auto& s : node_subscribers_) add(s.get());
+    for (const auto& [endpoint, node] : nodes_) add(node.subscriber.get());
     return t;
   }
 
@@ -284,41 +398,11 @@ class RouterImpl final : public Router {
     int decode = -1;
   };
 
-  Status AddWorker(const std::string& address, Slot* slot, bool prefill) {
-    slot->address = address;
-    slot->source = "worker " + address;
-    KVSTASH_ASSIGN_OR_RETURN(auto client,
-                             worker::WorkerClient::Create(address, options_.worker_timeout));
-    KVSTASH_ASSIGN_OR_RETURN(worker::WorkerInfo info, client->Info());
-    slot->role = info.role;
-    if (prefill && info.role != worker::Role::kPrefill) {
-      return InvalidArgumentError("the prefill worker {} runs with --role {}, not prefill", address,
-                                  worker::RoleName(info.role));
+  static Slot* Find(std::deque<Slot>& slots, const std::string& address) {
+    for (Slot& s : slots) {
+      if (s.address == address) return &s;
     }
-    if (!prefill && info.role == worker::Role::kPrefill) {
-      return InvalidArgumentError("the decode worker {} runs with --role prefill", address);
-    }
-    if (!have_model_) {
-      model_ = info;
-      have_model_ = true;
-    } else if (info.fingerprint != model_.fingerprint || !SameLayout(info, model_)) {
-      return InvalidArgumentError(
-          "the worker {} runs {} (fingerprint {:#018x}) but {} runs {} ({:#018x}): their blocks "
-          "would never match",
-          address, info.model, info.fingerprint, decode_.front().address, model_.model,
-          model_.fingerprint);
-    }
-    if (!info.kv_events.empty()) {
-      events::SubscriberOptions sub;
-      sub.endpoint = Reachable(info.kv_events, address);
-      sub.replay_endpoint =
-          info.kv_events_replay.empty() ? "" : Reachable(info.kv_events_replay, address);
-      sub.topic = info.kv_events_topic;
-      sub.replay_at_start = true;
-      KVSTASH_ASSIGN_OR_RETURN(slot->subscriber, Subscribe(sub, slot->source));
-    }
-    slot->idle.push_back(std::move(client));
-    return Status::OK();
+    return nullptr;
   }
 
   Result<std::unique_ptr<events::EventSubscriber>> Subscribe(const events::SubscriberOptions& sub,
@@ -329,7 +413,9 @@ class RouterImpl final : public Router {
     });
   }
 
-  bool Up(const Slot& slot, Clock::time_point now) const { return now >= slot.down_until; }
+  static bool Up(const Slot& slot, Clock::time_point now) {
+    return slot.member && now >= slot.down_until;
+  }
 
   Choice ChooseLocked(std::span<const uint32_t> prompt) REQUIRES(mu_) {
     Choice c;
@@ -353,7 +439,7 @@ class RouterImpl final : public Router {
            options_.ssd_weight * static_cast<double>(c.node_tokens - c.node_memory_tokens));
     }
     auto local_hit = [&](const Slot& s) -> size_t {
-      if (!kv || s.subscriber == nullptr) return 0;
+      if (!kv || !s.member || s.subscriber == nullptr) return 0;
       return HybridHitTokens(index_, s.source, events::kMediumGpu, layout_, hashes, prompt.size());
     };
     // Decode: the worker that would compute the least (its own cache, or the nodes), less its load.
@@ -393,7 +479,7 @@ class RouterImpl final : public Router {
   }
 
   // The next worker of `slots` that is up, from *next on (all of them down: the next one).
-  int RoundRobin(const std::vector<Slot>& slots, size_t* next, Clock::time_point now) const {
+  int RoundRobin(const std::deque<Slot>& slots, size_t* next, Clock::time_point now) const {
     for (size_t k = 0; k < slots.size(); ++k) {
       const size_t i = (*next + k) % slots.size();
       if (Up(slots[i], now)) {
@@ -401,14 +487,17 @@ class RouterImpl final : public Router {
         return static_cast<int>(i);
       }
     }
-    const size_t i = (*next)++ % slots.size();
-    return static_cast<int>(i);
+    for (size_t k = 0; k < slots.size(); ++k) {  // every member down: the next one
+      const size_t i = (*next)++ % slots.size();
+      if (slots[i].member) return static_cast<int>(i);
+    }
+    return -1;
   }
 
   // The up worker with the best score other than `except`; ties go to the first from *next on
   // (so that equal workers take turns). -1 when none is up and `except` is the only one; when
   // every other is down, the one whose time out ends first.
-  int Best(const std::vector<Slot>& slots, const std::vector<double>& scores, size_t* next,
+  int Best(const std::deque<Slot>& slots, const std::vector<double>& scores, size_t* next,
            Clock::time_point now, int except) const {
     int best = -1;
     for (size_t k = 0; k < slots.size(); ++k) {
@@ -421,7 +510,7 @@ class RouterImpl final : public Router {
       return best;
     }
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (static_cast<int>(i) == except) continue;
+      if (static_cast<int>(i) == except || !slots[i].member) continue;
       if (best < 0 || slots[i].down_until < slots[best].down_until) best = static_cast<int>(i);
     }
     return best;
@@ -455,7 +544,7 @@ class RouterImpl final : public Router {
   // Moves the request's hold from worker `from` of a role to `to` (-1: none).
   void Move(bool prefill, int from, int to) {
     MutexLock lock(&mu_);
-    std::vector<Slot>& slots = prefill ? prefill_ : decode_;
+    std::deque<Slot>& slots = prefill ? prefill_ : decode_;
     if (from >= 0) --slots[from].running;
     if (to >= 0) {
       ++slots[to].running;
@@ -479,13 +568,20 @@ class RouterImpl final : public Router {
     int next;
     {
       MutexLock lock(&mu_);
-      std::vector<Slot>& slots = prefill ? prefill_ : decode_;
+      std::deque<Slot>& slots = prefill ? prefill_ : decode_;
       const std::vector<double>& scores = prefill ? choice.prefill_scores : choice.decode_scores;
       size_t* rotate = prefill ? &next_prefill_ : &next_decode_;
       next = Best(slots, scores, rotate, Clock::now(), failed);
     }
     Move(prefill, failed, next);
     return next;
+  }
+
+  // A slot by index (its address is fixed, its other fields under mu_): slots are only ever
+  // appended, and a deque's elements stay where they are.
+  Slot& At(bool prefill, int i) {
+    MutexLock lock(&mu_);
+    return (prefill ? prefill_ : decode_)[static_cast<size_t>(i)];
   }
 
   std::unique_ptr<worker::WorkerClient> Acquire(Slot& slot) {
@@ -497,7 +593,7 @@ class RouterImpl final : public Router {
         return client;
       }
     }
-    // The address was checked when the router started.
+    // The address was checked when the worker joined.
     auto client = worker::WorkerClient::Create(slot.address, options_.worker_timeout);
     return std::move(*client);
   }
@@ -510,7 +606,7 @@ class RouterImpl final : public Router {
   Status Prefill(const worker::CompletionRequest& request, Placement* p, RoutedCompletion* routed) {
     Status last;
     for (int attempt = 0; attempt < 2 && p->prefill >= 0; ++attempt) {
-      Slot& slot = prefill_[p->prefill];
+      Slot& slot = At(/*prefill=*/true, p->prefill);
       auto client = Acquire(slot);
       Result<worker::Completion> done = client->Complete(request);
       if (done.ok()) {
@@ -538,7 +634,7 @@ class RouterImpl final : public Router {
                                     RoutedCompletion* routed) {
     Status last = UnavailableError("no decode worker is up");
     for (int attempt = 0; attempt < 2 && p->decode >= 0; ++attempt) {
-      Slot& slot = decode_[p->decode];
+      Slot& slot = At(/*prefill=*/false, p->decode);
       routed->decode_worker = slot.address;
       auto client = Acquire(slot);
       Result<worker::Completion> done = client->Complete(request);
@@ -592,15 +688,16 @@ class RouterImpl final : public Router {
     totals_.local_hit_tokens += d.local_hit_tokens;
   }
 
-  std::vector<WorkerView> Views(const std::vector<Slot>& slots) const {
+  std::vector<WorkerView> Views(bool prefill) const {
     std::vector<WorkerView> views;
     const auto now = Clock::now();
     MutexLock lock(&mu_);
-    for (const Slot& s : slots) {
+    for (const Slot& s : prefill ? prefill_ : decode_) {
       WorkerView v;
       v.address = s.address;
       v.role = s.role;
       v.up = Up(s, now);
+      v.member = s.member;
       v.events = s.subscriber != nullptr;
       v.running = s.running;
       v.blocks = index_.blocks(s.source);
@@ -612,24 +709,40 @@ class RouterImpl final : public Router {
     return views;
   }
 
+  // A followed node: its name in the index and its subscription.
+  struct NodeSlot {
+    std::string source;
+    std::unique_ptr<events::EventSubscriber> subscriber;
+  };
+
   const RouterOptions options_;
+  // Set by the first worker, in Init; read-only after.
   worker::WorkerInfo model_;
-  bool have_model_ = false;
+  std::atomic<bool> have_model_{false};
   CacheLayout layout_;
   events::KvIndex index_;
-  std::vector<std::string> node_sources_;
-  std::vector<std::unique_ptr<events::EventSubscriber>> node_subscribers_;
   std::atomic<uint64_t> event_batches_{0};
-  // The slots' vectors never change size after Init; their mutable fields are under mu_.
-  std::vector<Slot> prefill_;
-  std::vector<Slot> decode_;
   mutable Mutex mu_;
+  // Appended to, never shrunk (a worker that leaves stays, not a member): an index into them
+  // stays valid, and so does a reference (At).
+  std::deque<Slot> prefill_ GUARDED_BY(mu_);
+  std::deque<Slot> decode_ GUARDED_BY(mu_);
+  std::map<std::string, NodeSlot> nodes_ GUARDED_BY(mu_);  // by events endpoint
+  std::vector<std::string> node_sources_ GUARDED_BY(mu_);
   size_t next_prefill_ GUARDED_BY(mu_) = 0;
   size_t next_decode_ GUARDED_BY(mu_) = 0;
   RouterTotals totals_ GUARDED_BY(mu_);
 };
 
 }  // namespace
+
+std::string ReachableEndpoint(const std::string& endpoint, std::string_view address) {
+  const std::string host(address.substr(0, address.rfind(':')));
+  for (std::string_view any : {"tcp://*:", "tcp://0.0.0.0:"}) {
+    if (endpoint.rfind(any, 0) == 0) return "tcp://" + host + ":" + endpoint.substr(any.size());
+  }
+  return endpoint;
+}
 
 std::string_view PolicyName(Policy policy) { return policy == Policy::kKv ? "kv" : "round-robin"; }
 

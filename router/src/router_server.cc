@@ -47,6 +47,7 @@ json WorkersJson(const std::vector<WorkerView>& workers) {
     list.push_back({{"address", w.address},
                     {"role", worker::RoleName(w.role)},
                     {"up", w.up},
+                    {"member", w.member},
                     {"events", w.events},
                     {"running", w.running},
                     {"blocks", w.blocks},
@@ -379,6 +380,7 @@ std::string RouterStateJson(const Router& router) {
   return worker::Dump({{"policy", PolicyName(router.options().policy)},
                        {"model", router.model().model},
                        {"totals", std::move(totals)},
+                       {"nodes", router.nodes()},
                        {"prefill_workers", WorkersJson(router.prefill_workers())},
                        {"decode_workers", WorkersJson(router.decode_workers())}});
 }

@@ -48,6 +48,27 @@ TEST(NodeRecordTest, RoundTripsAndRefusesWhatIsNotARecord) {
   EXPECT_FALSE(ValidateClusterName("a/b").ok());
 }
 
+// A node's events endpoints and a worker's role travel in the record; a record without them
+// is written as before they existed (older readers see nothing new).
+TEST(NodeRecordTest, EventsEndpointsAndARoleRoundTripAndAreLeftOutWhenUnset) {
+  NodeRecord node = Record(2);
+  EXPECT_EQ(node.ToJson().find("kv_events"), std::string::npos);
+  EXPECT_EQ(node.ToJson().find("role"), std::string::npos);
+  node.kv_events = "tcp://0.0.0.0:5600";
+  node.kv_events_replay = "tcp://0.0.0.0:5601";
+  auto back = NodeRecord::FromJson(node.ToJson());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, node);
+  NodeRecord worker;
+  worker.address = "10.0.0.7:7390";
+  worker.role = "prefill";
+  back = NodeRecord::FromJson(worker.ToJson());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->role, "prefill");
+  EXPECT_EQ(MembersPrefix("c1", MemberKind::kWorker), "/kvstash/c1/workers/");
+  EXPECT_EQ(MembersPrefix("c1"), "/kvstash/c1/nodes/");
+}
+
 class MembershipTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(etcd_.Started()); }

@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -18,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "etcd_process.h"
 #include "subprocess.h"
 
 namespace kvstash::router {
@@ -105,6 +107,18 @@ std::vector<uint32_t> Tokens(const json& completion) {
   return completion["choices"][0]["token_ids"].get<std::vector<uint32_t>>();
 }
 
+// Waits (at most 20 s) until the router would place `prompt` as `ready` says.
+bool WaitForRoute(uint16_t port, const std::vector<uint32_t>& prompt,
+                  const std::function<bool(const json&)>& ready) {
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < deadline) {
+    const Reply r = Call(port, "POST", "/kvstash/route", Request(prompt, 1).dump());
+    if (r.status == 200 && ready(r.parsed)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 // Two nodes, two prefill and two decode workers, each publishing its KV events; the router in
 // front (started by the test, so that it can be given other flags).
 class RouterClusterTest : public ::testing::Test {
@@ -172,16 +186,9 @@ class RouterClusterTest : public ::testing::Test {
     return static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
   }
 
-  // Waits (at most 20 s) until the router would place `prompt` as `ready` says.
   static bool WaitForChoice(uint16_t port, const std::vector<uint32_t>& prompt,
                             const std::function<bool(const json&)>& ready) {
-    const auto deadline = Clock::now() + std::chrono::seconds(20);
-    while (Clock::now() < deadline) {
-      const Reply r = Call(port, "POST", "/kvstash/route", Request(prompt, 1).dump());
-      if (r.status == 200 && ready(r.parsed)) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
+    return WaitForRoute(port, prompt, ready);
   }
 
   std::vector<Started> nodes_, workers_;
@@ -418,6 +425,190 @@ TEST_F(RouterClusterTest, WorkersOfAnotherModelOrRoleAreRefusedAtStart) {
   const auto usage =
       RunProcess({KVSTASH_ROUTER_PATH, "--policy", "random", "--decode-worker", decode_[0]});
   EXPECT_EQ(usage.exit_code, 2) << usage.err;
+}
+
+// The router finding its workers and nodes in etcd: workers that `serve --register`, a node
+// whose record names its KV events. Workers join and leave while it runs.
+class RouterEtcdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(etcd_.Started());
+    node_ = Start({KVSTASHD_PATH,
+                   "--port",
+                   "0",
+                   "--metrics-address",
+                   "off",
+                   "--log-level",
+                   "warn",
+                   "--block-bytes",
+                   "4152",
+                   "--cpu-bytes",
+                   "32MiB",
+                   "--kv-events",
+                   "tcp://127.0.0.1:*",
+                   "--kv-events-replay",
+                   "tcp://127.0.0.1:*",
+                   "--etcd",
+                   etcd_.endpoint(),
+                   "--cluster",
+                   "c1",
+                   "--etcd-ttl-s",
+                   "2"},
+                  {"kvstashd listening on "});
+    ASSERT_FALSE(node_.rest[0].empty()) << "kvstashd did not start";
+  }
+
+  // A worker registered in etcd; its address ("" when it did not start).
+  std::string StartWorker(const std::string& role) {
+    Started w = Start({KVSTASH_ENGINE_PATH,
+                       "serve",
+                       "--model",
+                       "builtin:tiny-hybrid",
+                       "--role",
+                       role,
+                       "--etcd",
+                       etcd_.endpoint(),
+                       "--cluster",
+                       "c1",
+                       "--port",
+                       "0",
+                       "--lookup-budget-ms",
+                       "60000",
+                       "--kv-events",
+                       "tcp://127.0.0.1:*",
+                       "--kv-events-replay",
+                       "tcp://127.0.0.1:*",
+                       "--register",
+                       "--etcd-ttl-s",
+                       "2"},
+                      {"kvstash-engine serving "});
+    if (w.rest[0].empty()) return "";
+    const std::string address = LastWord(w.rest[0]);
+    workers_.push_back(std::move(w));
+    return address;
+  }
+
+  // Waits (at most 20 s) until the router's state says `ready`.
+  static bool WaitForState(uint16_t port, const std::function<bool(const json&)>& ready) {
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    while (Clock::now() < deadline) {
+      const Reply r = Call(port, "GET", "/kvstash/router");
+      if (r.status == 200 && ready(r.parsed)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // Whether `state` lists `address` among `role`'s workers as a member that is up.
+  static bool Member(const json& state, const std::string& role, const std::string& address) {
+    for (const json& w : state[role + "_workers"]) {
+      if (w["address"] == address) return w["member"] == true && w["up"] == true;
+    }
+    return false;
+  }
+
+  ::kvstash::testing::EtcdProcess etcd_;
+  Started node_;
+  std::vector<Started> workers_;
+};
+
+TEST_F(RouterEtcdTest, WorkersAndNodesRegisteredInEtcdJoinAndLeaveTheRoutersSet) {
+  // The router starts before any worker and waits for a decode worker to register.
+  Started router = Start({KVSTASH_ROUTER_PATH, "--port", "0", "--etcd", etcd_.endpoint(),
+                          "--cluster", "c1", "--local-prefill-tokens", "0"},
+                         {});
+  ASSERT_NE(router.child, nullptr);
+  const std::string decode = StartWorker("decode");
+  const std::string prefill = StartWorker("prefill");
+  ASSERT_FALSE(decode.empty() || prefill.empty()) << "a worker did not start";
+  std::optional<std::string> serving;
+  for (int i = 0; i < 60 && !serving; ++i) {
+    std::optional<std::string> line = router.child->ReadLine(30000);
+    if (!line) break;
+    if (line->rfind("kvstash-router serving on ", 0) == 0) serving = LastWord(*line);
+  }
+  ASSERT_TRUE(serving) << "the router did not start";
+  const uint16_t port = static_cast<uint16_t>(std::stoi(serving->substr(serving->rfind(':') + 1)));
+  ASSERT_TRUE(WaitForState(port, [&](const json& s) {
+    return Member(s, "decode", decode) && Member(s, "prefill", prefill);
+  })) << Call(port, "GET", "/kvstash/router").body;
+
+  // A prompt runs prefill then decode, as without a cache; run again, the nodes (followed
+  // through their etcd record) hold it all: no prefill.
+  const std::vector<uint32_t> prompt = Prompt(120, 5);
+  Reply r = Call(port, "POST", "/v1/completions", Request(prompt, 4).dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Tokens(r.parsed), Reference(prompt, 4));
+  EXPECT_EQ(r.parsed["usage"]["kvstash"]["router"]["prefill"]["worker"], prefill) << r.body;
+  EXPECT_TRUE(WaitForRoute(port, prompt, [](const json& c) {
+    return c["skipped_prefill"] == "nodes-hold-prompt";
+  })) << "the router never followed the node's events found in etcd";
+
+  // A second decode worker registers: it is chosen in turn.
+  const std::string second = StartWorker("decode");
+  ASSERT_FALSE(second.empty());
+  ASSERT_TRUE(WaitForState(port, [&](const json& s) { return Member(s, "decode", second); }));
+  bool used = false;
+  for (int i = 0; i < 6 && !used; ++i) {
+    const std::vector<uint32_t> p = Prompt(40, 200 + i);
+    r = Call(port, "POST", "/v1/completions", Request(p, 3).dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    used = r.parsed["usage"]["kvstash"]["router"]["decode_worker"] == second;
+  }
+  EXPECT_TRUE(used) << "the decode worker that registered later was never chosen";
+
+  // It stops (SIGTERM: its key is deleted at once): it leaves the set, and no request fails.
+  workers_[2].child->Kill(SIGTERM);
+  ASSERT_TRUE(WaitForState(port, [&](const json& s) {
+    for (const json& w : s["decode_workers"]) {
+      if (w["address"] == second) return w["member"] == false;
+    }
+    return false;
+  })) << Call(port, "GET", "/kvstash/router").body;
+  // The first decode worker is killed outright: its lease (2 s) expires and it leaves too;
+  // with no decode worker left the router is unhealthy rather than failing calls slowly.
+  workers_[0].child->Kill(SIGKILL);
+  ASSERT_TRUE(WaitForState(port, [&](const json& s) {
+    for (const json& w : s["decode_workers"]) {
+      if (w["member"] == true) return false;
+    }
+    return true;
+  })) << Call(port, "GET", "/kvstash/router").body;
+  EXPECT_EQ(Call(port, "GET", "/health").status, 503);
+  // A decode worker that registers again makes it whole.
+  const std::string again = StartWorker("decode");
+  ASSERT_FALSE(again.empty());
+  ASSERT_TRUE(WaitForState(port, [&](const json& s) { return Member(s, "decode", again); }));
+  const std::vector<uint32_t> last = Prompt(60, 300);
+  r = Call(port, "POST", "/v1/completions", Request(last, 3).dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Tokens(r.parsed), Reference(last, 3));
+  EXPECT_EQ(r.parsed["usage"]["kvstash"]["router"]["decode_worker"], again);
+  EXPECT_EQ(Call(port, "GET", "/kvstash/router").parsed["totals"]["failed_requests"], 0);
+}
+
+TEST_F(RouterEtcdTest, FlagsThatCannotWorkAreRefused) {
+  const auto alone = RunProcess({KVSTASH_ROUTER_PATH, "--etcd", etcd_.endpoint()});
+  EXPECT_EQ(alone.exit_code, 2) << alone.err;
+  EXPECT_NE(alone.err.find("--cluster"), std::string::npos) << alone.err;
+  const auto none = RunProcess({KVSTASH_ROUTER_PATH});
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("--decode-worker"), std::string::npos) << none.err;
+  // No decode worker registers within the wait: a clear failure, not a router without one.
+  const auto empty = RunProcess({KVSTASH_ROUTER_PATH, "--etcd", etcd_.endpoint(), "--cluster",
+                                 "nobody", "--wait-for-workers-ms", "300"});
+  EXPECT_NE(empty.exit_code, 0);
+  EXPECT_NE(empty.err.find("no registered decode worker"), std::string::npos) << empty.err;
+  // serve --register needs etcd, and an address routers can reach.
+  const auto no_etcd = RunProcess({KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-hybrid",
+                                   "--port", "0", "--register"});
+  EXPECT_EQ(no_etcd.exit_code, 2) << no_etcd.err;
+  EXPECT_NE(no_etcd.err.find("--register needs --etcd"), std::string::npos) << no_etcd.err;
+  const auto wildcard = RunProcess({KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-hybrid",
+                                    "--port", "0", "--listen", "0.0.0.0", "--etcd",
+                                    etcd_.endpoint(), "--cluster", "c1", "--register"});
+  EXPECT_EQ(wildcard.exit_code, 2) << wildcard.err;
+  EXPECT_NE(wildcard.err.find("--advertise"), std::string::npos) << wildcard.err;
 }
 
 }  // namespace

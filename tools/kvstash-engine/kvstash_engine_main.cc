@@ -283,6 +283,21 @@ int main(int argc, char** argv) {
                     "from a sequence number, as vLLM's publisher does");
   serve->add_option("--kv-events-topic", serve_flags.kv_events_topic,
                     "with --kv-events: the topic of every message (default: none, as vLLM's)");
+  serve->add_flag("--register", serve_flags.register_worker,
+                  "keep a key in --etcd's --cluster under /kvstash/<cluster>/workers/<advertise> "
+                  "(its role; bound to a lease it keeps alive, deleted at SIGTERM/SIGINT) while "
+                  "serving, so that kvstash-router --etcd finds this worker; needs --etcd and "
+                  "--cluster");
+  serve->add_option("--advertise", serve_flags.advertise,
+                    "with --register: HOST or HOST:PORT routers reach this worker at. Default: the "
+                    "--listen address and the port listened on; required when listening on every "
+                    "address (0.0.0.0)");
+  serve
+      ->add_option("--etcd-ttl-s", serve_flags.etcd_ttl_s,
+                   "with --register: TTL of the worker's etcd lease in seconds, refreshed every "
+                   "third of it: a worker that dies leaves the routers' set this long after")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 3600));
   serve
       ->add_option("--role", serve_flags.role,
                    "both: requests run to completion here; prefill: compute the prompt, push "

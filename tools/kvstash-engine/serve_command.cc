@@ -9,14 +9,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "kvstash/common/logging.h"
+#include "kvstash/membership/membership.h"
 #include "kvstash/worker/client.h"
 #include "kvstash/worker/protocol_json.h"
 #include "kvstash/worker/server.h"
@@ -79,9 +82,54 @@ Result<WorkerTurn> RunTurn(worker::WorkerClient& client, const worker::Completio
   return turn;
 }
 
+// --register's key: the worker at --advertise (or the address it listens on) with its role.
+Result<std::optional<membership::RegistrationOptions>> WorkerRegistration(const ModelFlags& model,
+                                                                          const ServeFlags& serve,
+                                                                          uint16_t port) {
+  if (!serve.register_worker) {
+    if (!serve.advertise.empty()) return InvalidArgumentError("--advertise needs --register");
+    return std::optional<membership::RegistrationOptions>();
+  }
+  if (model.etcd.empty() || model.cluster.empty()) {
+    return InvalidArgumentError("--register needs --etcd and --cluster");
+  }
+  membership::RegistrationOptions r;
+  KVSTASH_ASSIGN_OR_RETURN(r.etcd.endpoints, membership::ParseEtcdEndpoints(model.etcd));
+  r.cluster = model.cluster;
+  r.kind = membership::MemberKind::kWorker;
+  r.ttl_s = serve.etcd_ttl_s;
+  std::string host = serve.advertise.empty() ? serve.listen : serve.advertise;
+  std::string port_text = std::to_string(port);
+  if (const size_t colon = host.rfind(':');
+      !serve.advertise.empty() && colon != std::string::npos && host.find(':') == colon) {
+    port_text = host.substr(colon + 1);  // HOST:PORT (not a bare IPv6 address)
+    host = host.substr(0, colon);
+    int value = 0;
+    auto [end, error] =
+        std::from_chars(port_text.data(), port_text.data() + port_text.size(), value);
+    if (error != std::errc() || end != port_text.data() + port_text.size() || value <= 0 ||
+        value > 65535) {
+      return InvalidArgumentError("--advertise: bad port in '{}'", serve.advertise);
+    }
+  }
+  if (host.empty() || host == "0.0.0.0" || host == "::") {
+    return InvalidArgumentError(
+        "--register: give --advertise, the address routers reach this worker at (it listens "
+        "on every address, {})",
+        serve.listen);
+  }
+  r.record.address = host + ":" + port_text;
+  r.record.role = serve.role;
+  return std::optional<membership::RegistrationOptions>(std::move(r));
+}
+
 }  // namespace
 
 int RunServe(const ModelFlags& model, const ServeFlags& serve) {
+  // Flags checked before anything starts (the port is filled in once bound).
+  if (auto checked = WorkerRegistration(model, serve, serve.port); !checked.ok()) {
+    return kErrors.Fail(checked.status());
+  }
   if (serve.role != "both" && !HasNodes(model)) {
     return kErrors.Fail(InvalidArgumentError("--role {} needs --nodes or --etcd", serve.role));
   }
@@ -139,16 +187,30 @@ int RunServe(const ModelFlags& model, const ServeFlags& serve) {
                 events->replay_endpoint().c_str());
   }
   std::fflush(stdout);
+  // Registered once it serves: a router that learns of it can call it at once.
+  std::unique_ptr<membership::Registration> registration;
+  if (auto wanted = WorkerRegistration(model, serve, (*server)->port()); wanted.ok() && *wanted) {
+    auto created = membership::Registration::Create(std::move(**wanted));
+    if (!created.ok()) return kErrors.Fail(created.status());
+    registration = std::move(*created);
+    KVSTASH_LOG_INFO("registered in cluster '{}' in etcd at {} as {}", model.cluster, model.etcd,
+                     registration->key());
+  }
 
   worker::WorkerServer* const stoppable = server->get();
   std::atomic<bool> signalled{false};
-  std::thread waiter([&stop_signals, &signalled, stoppable] {
+  membership::Registration* const registered = registration.get();
+  std::thread waiter([&stop_signals, &signalled, stoppable, registered] {
     int signal_number = 0;
     sigwait(&stop_signals, &signal_number);
     signalled = true;
+    // Routers stop choosing it before its requests' grace begins (the key deleted, not left to
+    // expire).
+    if (registered != nullptr) registered->Stop();
     stoppable->Stop();
   });
   const Status status = (*server)->Serve();
+  if (registration) registration->Stop();
   // Serve ended without a signal (the HTTP server failed): wake the waiter with one.
   if (!signalled) pthread_kill(waiter.native_handle(), SIGTERM);
   waiter.join();

@@ -27,6 +27,12 @@ struct ServeFlags {
   std::string kv_events;         // ZMQ endpoint of the prefix cache's KV events; empty: off
   std::string kv_events_replay;  // their replay ROUTER; empty: none
   std::string kv_events_topic;   // the topic ("" as vLLM's default)
+  // Keep a key in --etcd's --cluster under /kvstash/<cluster>/workers/ while serving, for
+  // routers to find (kvstash-router --etcd), at `advertise` (HOST or HOST:PORT; default the
+  // --listen address and port).
+  bool register_worker = false;
+  std::string advertise;
+  int64_t etcd_ttl_s = 10;
 };
 
 // Runs until SIGTERM or SIGINT; then gives the requests it has --stop-grace-ms to finish,

@@ -7,7 +7,10 @@
 #include <signal.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +18,9 @@
 #include "CLI/CLI.hpp"
 #include "kvstash/common/cli.h"
 #include "kvstash/common/status.h"
+#include "kvstash/membership/etcd_client.h"
+#include "kvstash/membership/membership.h"
+#include "kvstash/router/discovery.h"
 #include "kvstash/router/router.h"
 #include "kvstash/router/router_server.h"
 
@@ -41,6 +47,37 @@ std::vector<std::string> Split(const std::vector<std::string>& values) {
   return out;
 }
 
+// With --etcd and no --decode-worker: the router over the first registered decode worker that
+// answers (its model is the router's), waiting up to `wait` for one; the rest join through
+// discovery.
+Result<std::unique_ptr<Router>> CreateOverRegistered(RouterOptions options,
+                                                     const Discovery& discovery,
+                                                     std::chrono::milliseconds wait) {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  Status last = UnavailableError("no decode worker is registered");
+  bool logged = false;
+  while (true) {
+    for (const membership::NodeRecord& r : discovery.workers()) {
+      if (r.role == "prefill") continue;
+      options.decode_workers = {r.address};
+      auto router = Router::Create(options);
+      if (router.ok()) return router;
+      last = router.status();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status(last.code(), fmt::format("no registered decode worker could serve within {} ms "
+                                             "(--wait-for-workers-ms): {}",
+                                             wait.count(), last.message()));
+    }
+    if (!logged) {
+      std::fprintf(stderr, "kvstash-router: waiting up to %lld ms for a decode worker in etcd\n",
+                   static_cast<long long>(wait.count()));
+      logged = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,6 +97,8 @@ int main(int argc, char** argv) {
       "usage.kvstash.router says where it went and why.",
       "kvstash-router"};
   std::vector<std::string> prefill, decode, node_events, node_replay;
+  std::string etcd, cluster;
+  int64_t wait_ms = 30000;
   RouterOptions options;
   RouterServerOptions server;
   std::string policy = "kv";
@@ -70,8 +109,22 @@ int main(int argc, char** argv) {
                  "separate with commas). None: every request goes to a decode worker alone");
   app.add_option("--decode-worker", decode,
                  "HOST:PORT of a decode worker (--role decode, or both); at least one (repeat or "
-                 "separate with commas)")
-      ->required();
+                 "separate with commas), unless --etcd finds them");
+  app.add_option(
+      "--etcd", etcd,
+      "URL[,URL...] of the etcd cluster to find workers and nodes in (http://HOST:PORT): "
+      "the workers registered under /kvstash/<cluster>/workers/ (kvstash-engine serve "
+      "--register) join the router's set as prefill or decode workers by their role "
+      "and leave it when their key goes (deleted at their exit, or their lease "
+      "expired); nodes under /kvstash/<cluster>/nodes/ whose records name KV events "
+      "(kvstashd --etcd --kv-events) are followed. Workers and nodes given by flags "
+      "stay whatever etcd says");
+  app.add_option("--cluster", cluster, "With --etcd: the cluster's name");
+  app.add_option("--wait-for-workers-ms", wait_ms,
+                 "With --etcd and no --decode-worker: how long to wait at start for a registered "
+                 "decode worker that answers")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{86400000}));
   app.add_option("--node-events", node_events,
                  "A node's KV events endpoint (kvstashd --kv-events, e.g. tcp://127.0.0.1:5600); "
                  "repeat or separate with commas, one per node. Without them the router does not "
@@ -149,13 +202,41 @@ int main(int argc, char** argv) {
   }
   options.worker_timeout = std::chrono::milliseconds(timeout_ms);
   options.down_for = std::chrono::milliseconds(down_ms);
-  auto router = Router::Create(options);
+  if (etcd.empty() != cluster.empty()) {
+    return kErrors.Fail(InvalidArgumentError("--etcd and --cluster go together"));
+  }
+  if (etcd.empty() && options.decode_workers.empty()) {
+    return kErrors.Fail(
+        InvalidArgumentError("give at least one --decode-worker, or --etcd to find them"));
+  }
+  std::unique_ptr<Discovery> discovery;
+  if (!etcd.empty()) {
+    DiscoveryOptions d;
+    auto endpoints = membership::ParseEtcdEndpoints(etcd);
+    if (!endpoints.ok()) return kErrors.Fail(endpoints.status());
+    d.etcd.endpoints = std::move(*endpoints);
+    d.cluster = cluster;
+    auto created = Discovery::Create(d);
+    if (!created.ok()) return kErrors.Fail(created.status());
+    discovery = std::move(*created);
+  }
+  auto router = options.decode_workers.empty()
+                    ? CreateOverRegistered(options, *discovery, std::chrono::milliseconds(wait_ms))
+                    : Router::Create(options);
   if (!router.ok()) return kErrors.Fail(router.status());
+  if (discovery) {
+    // What the flags named stays; the rest follows etcd.
+    std::set<std::string> fixed(options.prefill_workers.begin(), options.prefill_workers.end());
+    fixed.insert(options.decode_workers.begin(), options.decode_workers.end());
+    for (const NodeEvents& n : options.nodes) fixed.insert(n.endpoint);
+    discovery->Follow(router->get(), std::move(fixed));
+  }
   auto http = RouterServer::Create(server, router->get());
   if (!http.ok()) return kErrors.Fail(http.status());
-  std::printf("kvstash-router (%s) for %s: %zu prefill + %zu decode workers, %zu nodes' events\n",
+  std::printf("kvstash-router (%s) for %s: %zu prefill + %zu decode workers, %zu nodes' events%s\n",
               std::string(PolicyName(options.policy)).c_str(), (*router)->model().model.c_str(),
-              options.prefill_workers.size(), options.decode_workers.size(), options.nodes.size());
+              options.prefill_workers.size(), options.decode_workers.size(), options.nodes.size(),
+              discovery ? fmt::format(", and those in etcd cluster '{}'", cluster).c_str() : "");
   std::printf("kvstash-router serving on %s:%u\n", server.listen.c_str(), (*http)->port());
   std::fflush(stdout);
 
@@ -168,6 +249,7 @@ int main(int argc, char** argv) {
   const Status status = (*http)->Serve();
   if (!status.ok()) pthread_kill(waiter.native_handle(), SIGTERM);
   waiter.join();
+  discovery.reset();  // before the router it feeds
   if (!status.ok()) return kErrors.Fail(status);
   return cli::kExitOk;
 }

@@ -95,6 +95,8 @@ class KvIndex {
   bool Holds(std::string_view source, std::string_view medium, int64_t group,
              const ExternalHash& hash) const;
   size_t blocks(std::string_view source) const;
+  // Drops everything `source` holds (a worker or node no longer followed).
+  void Forget(std::string_view source);
   // Everything `source` holds, in order (tests compare two indexes by it).
   using Entry = std::tuple<std::string, int64_t, ExternalHash>;  // medium, group, hash
   std::vector<Entry> Snapshot(std::string_view source) const;

@@ -4,7 +4,9 @@
 // "/kvstash/<cluster>/nodes/<address>", holding its NodeRecord as JSON and bound to a lease it
 // keeps alive (Registration), so a node that dies leaves the set once its lease expires.
 // Clients read the prefix and watch it (MembershipWatcher). etcd does the consensus. The rules
-// a client and a node follow: docs/semantics.md §15.
+// a client and a node follow: docs/semantics.md §15. Engine workers that register
+// (kvstash-engine serve --register) keep theirs under "/kvstash/<cluster>/workers/<address>"
+// the same way, for routers to find (§20).
 
 #include <atomic>
 #include <chrono>
@@ -25,8 +27,11 @@ namespace kvstash::membership {
 
 // InvalidArgument unless `cluster` is 1..64 of [A-Za-z0-9._-].
 Status ValidateClusterName(std::string_view cluster);
-// "/kvstash/<cluster>/nodes/".
-std::string MembersPrefix(std::string_view cluster);
+// Who keeps keys in a cluster: offload nodes, or engine workers.
+enum class MemberKind : uint8_t { kNode, kWorker };
+
+// "/kvstash/<cluster>/nodes/", or ".../workers/".
+std::string MembersPrefix(std::string_view cluster, MemberKind kind = MemberKind::kNode);
 
 // What a node publishes of itself.
 struct NodeRecord {
@@ -38,6 +43,13 @@ struct NodeRecord {
   uint64_t ssd_bytes = 0;  // 0: no SSD tier
   std::string policy;      // "lru" or "arc"
   std::string zone;        // failure domain (kvstashd --zone; docs/semantics.md §16); empty: none
+  // A node's KV events (kvstashd --kv-events, --kv-events-replay) as it bound them, for a router
+  // to follow (a wildcard host is reached at the address's host); empty: it publishes none.
+  std::string kv_events;
+  std::string kv_events_replay;
+  // A worker's role ("prefill", "decode", "both"); empty for a node. A worker's record has no
+  // block size or tiers: a router reads its model and events from its /v1/models.
+  std::string role;
 
   std::string ToJson() const;
   // InvalidArgument for JSON that is not a record, or one without an address.
@@ -48,6 +60,7 @@ struct NodeRecord {
 struct RegistrationOptions {
   EtcdOptions etcd;
   std::string cluster;
+  MemberKind kind = MemberKind::kNode;
   NodeRecord record;
   int64_t ttl_s = 10;  // the lease's TTL; it is refreshed every third of it
 };
@@ -98,6 +111,7 @@ class Registration {
 struct WatcherOptions {
   EtcdOptions etcd;
   std::string cluster;
+  MemberKind kind = MemberKind::kNode;  // the members it follows
   // How long Create waits for the first read of the members.
   std::chrono::milliseconds first_read_timeout{5000};
 };

@@ -36,6 +36,10 @@ struct NodeEvents {
   std::string replay;  // empty: a gap is a reset, never filled
 };
 
+// An events endpoint bound on every interface (tcp://*:P, tcp://0.0.0.0:P) as reached at the
+// host of `address` (HOST:PORT of the worker or node that bound it); any other as it is.
+std::string ReachableEndpoint(const std::string& endpoint, std::string_view address);
+
 struct RouterOptions {
   // HOST:PORT of each `kvstash-engine serve --role prefill` worker (may be none: every request
   // then goes to a decode worker alone, which computes what the nodes lack).
@@ -70,7 +74,8 @@ struct RouterOptions {
 struct WorkerView {
   std::string address;
   worker::Role role = worker::Role::kBoth;
-  bool up = true;           // false while it sits out after a failure
+  bool up = true;           // false while it sits out after a failure, or once it left
+  bool member = true;       // false once it left (RemoveWorker); kept for its counters
   bool events = false;      // it publishes KV events the router follows
   size_t running = 0;       // requests the router has on it now
   size_t blocks = 0;        // blocks its events say it holds
@@ -157,6 +162,22 @@ class Router {
   // stream (returned). `on_event` returns false when the client is gone (the stream stops).
   virtual Status Stream(const worker::CompletionRequest& request,
                         const std::function<bool(std::string_view event)>& on_event) = 0;
+
+  // Workers and nodes that join and leave while it runs (kvstash-router --etcd).
+  // AddWorker reads the worker's /v1/models (the model and layout of the rest; a prefill
+  // worker's role prefill, a decode worker's not) and follows its events; a worker that left
+  // joins again on its old entry (its counters kept); one of the other role at that address
+  // leaves first. InvalidArgument or Unavailable as Create; OK when it is a member already.
+  virtual Status AddWorker(const std::string& address, bool prefill) = 0;
+  // Stops choosing it (requests on it finish), stops following its events and forgets what
+  // they said; listed on as not a member. A no-op for an address that is not a member.
+  virtual void RemoveWorker(const std::string& address) = 0;
+  // Follows a node's events (its blocks count for every worker); a node followed already is
+  // left as it is.
+  virtual Status AddNode(const NodeEvents& node) = 0;
+  // Stops following the node whose events are at `endpoint` and forgets what they said.
+  virtual void RemoveNode(const std::string& endpoint) = 0;
+  virtual size_t nodes() const = 0;  // nodes followed now
 
   // The model every worker serves.
   virtual const worker::WorkerInfo& model() const = 0;
