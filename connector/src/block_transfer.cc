@@ -83,6 +83,10 @@ Status BlockTransfer::Submit(BlockJob job) {
     return InvalidArgumentError("job {}: {} keys but {} page lists", job.id, job.keys.size(),
                                 job.pages.size());
   }
+  if (!job.metas.empty() && job.metas.size() != job.keys.size()) {
+    return InvalidArgumentError("job {}: {} keys but {} block metadata", job.id, job.keys.size(),
+                                job.metas.size());
+  }
   for (size_t i = 0; i < job.pages.size(); ++i) {
     if (job.pages[i].size() != options_.pages_per_block) {
       return InvalidArgumentError("job {}: block {} has {} pages, not {}", job.id, i,
@@ -202,7 +206,8 @@ BlockJobResult BlockTransfer::Execute(Pending& pending) {
     for (size_t i = 0; i < job.keys.size(); ++i) {
       blocks.emplace_back(pending.staged.data() + i * block_bytes_, block_bytes_);
     }
-    r.status = options_.client->Put(job.keys, blocks);
+    r.status = job.metas.empty() ? options_.client->Put(job.keys, blocks)
+                                 : options_.client->PutWithMeta(job.keys, blocks, job.metas);
     // Put stores every block it can and reports the first failure: count them all as failed
     // then, it only means fewer blocks offloaded.
     if (r.status.ok()) {

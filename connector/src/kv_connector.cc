@@ -209,6 +209,7 @@ Status KvConnector::Submit(const TransferJob& job, BlockJob::Kind kind) {
   b.id = job.id;
   b.kind = kind;
   b.keys = job.keys;
+  b.metas = job.metas;
   for (GpuBlockId block : job.gpu_blocks) b.pages.push_back({block});
   return transfer_->Submit(std::move(b));
 }

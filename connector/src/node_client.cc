@@ -153,7 +153,12 @@ std::optional<size_t> NodeClient::LookupPrefix(std::span<const BlockKey> keys) {
 }
 
 Status NodeClient::Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) {
-  return impl_->Put(keys, blocks);
+  return impl_->Put(keys, blocks, {});
+}
+Status NodeClient::PutWithMeta(std::span<const BlockKey> keys,
+                               std::span<const transport::Bytes> blocks,
+                               std::span<const BlockMeta> metas) {
+  return impl_->Put(keys, blocks, metas);
 }
 Result<size_t> NodeClient::Get(const BlockKey& key, transport::MutableBytes out) {
   return std::move(impl_->Get(std::span(&key, 1), std::span(&out, 1))[0]);

@@ -477,10 +477,14 @@ std::string EncodeRuns(double ts, std::span<const BlockRun> runs) {
         p.Str("BlockStored");
         p.Array(run.hashes.size());
         for (const Hash128& h : run.hashes) p.Hash(h);
-        p.Nil();     // parent_block_hash
+        if (run.parent) {
+          p.Hash(*run.parent);  // parent_block_hash
+        } else {
+          p.Nil();
+        }
         p.Array(0);  // token_ids
-        p.Int(0);    // block_size
-        p.Nil();     // lora_id
+        p.Int(run.block_size);
+        p.Nil();  // lora_id
         p.Str(run.medium);
         p.Nil();  // lora_name
         p.Nil();  // extra_keys

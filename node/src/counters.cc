@@ -106,6 +106,10 @@ const MetricFamilyDef kEventReplays{"kvstash_kv_event_replays_total", MetricType
 const MetricFamilyDef kEventLosses{"kvstash_kv_event_losses_total", MetricType::Counter,
                                    "Times the store dropped undrained events, after which every "
                                    "topic started over with AllBlocksCleared"};
+const MetricFamilyDef kEventMetasDropped{
+    "kvstash_kv_event_block_metas_dropped_total", MetricType::Counter,
+    "What puts said of their blocks (parent, tokens), pushed out of its bounded table by newer "
+    "puts before the block's BlockStored was published (which then has no parent, block size 0)"};
 
 using N = NodeCounter;
 
@@ -201,6 +205,7 @@ const std::vector<CounterDef>& Defs() {
        &kEventReplays,
        {{"outcome", "refused"}}},
       {"events.losses", KVSTASH_EVENTS(rounds_lost), &kEventLosses, {}},
+      {"events.block_metas_dropped", KVSTASH_EVENTS(block_metas_dropped), &kEventMetasDropped, {}},
   };
   return defs;
 }

@@ -89,6 +89,7 @@ struct CounterSnapshot {
   struct Events {
     uint64_t batches_sent = 0, batches_dropped = 0, batches_replayed = 0;
     uint64_t replays_served = 0, replays_refused = 0, rounds_lost = 0;
+    uint64_t block_metas_dropped = 0;
   };
   std::optional<Events> events;
 };

@@ -185,6 +185,28 @@ class BatchBuffer {
   transport::MutableBytes bytes_;
 };
 
+// What a put said of `key`'s block (wire.BlockMeta), checked: it comes from the network, and
+// the node publishes it. InvalidArgument naming the block for tokens outside
+// 1..kMaxBlockMetaTokens, or a parent of another group (vLLM's parent_block_hash is a block of
+// the event's own group: a parent of another would chain blocks that no request chains).
+Result<BlockMeta> CheckedMeta(const BlockKey& key, const wire::BlockMeta& meta) {
+  if (meta.tokens() == 0 || meta.tokens() > kMaxBlockMetaTokens) {
+    return InvalidArgumentError("block {}: metadata of {} tokens; a block holds 1..{}",
+                                key.ToString(), meta.tokens(), kMaxBlockMetaTokens);
+  }
+  BlockMeta out;
+  out.tokens = meta.tokens();
+  if (meta.has_parent()) {
+    const BlockKey parent = wire::FromWire(meta.parent(), key.namespace_id);
+    if (parent.group != key.group) {
+      return InvalidArgumentError("block {}: its parent {} is in group {}, not the block's {}",
+                                  key.ToString(), parent.ToString(), parent.group, key.group);
+    }
+    out.parent = parent.hash;
+  }
+  return out;
+}
+
 }  // namespace
 
 class NodeServer::Impl {
@@ -269,8 +291,10 @@ class NodeServer::Impl {
       KvEventPump::NameOf name_of = [this](NamespaceId ns) NO_THREAD_SAFETY_ANALYSIS {
         return service_->NamespaceName(ns);
       };
+      metas_ = std::make_unique<BlockMetaTable>(options_.kv_events.max_block_metas);
       KVSTASH_ASSIGN_OR_RETURN(
-          kv_events_, KvEventPump::Create(options_.kv_events, &service().store(), name_of));
+          kv_events_,
+          KvEventPump::Create(options_.kv_events, &service().store(), name_of, metas_.get()));
     }
     Register();
     server_->OnDisconnect([this](uint64_t connection) {
@@ -327,7 +351,8 @@ class NodeServer::Impl {
       const KvEventPumpStats e = kv_events_->stats();
       snapshot.events = CounterSnapshot::Events{
           e.publisher.batches_sent,   e.publisher.batches_dropped, e.publisher.batches_replayed,
-          e.publisher.replays_served, e.publisher.replays_refused, e.rounds_lost};
+          e.publisher.replays_served, e.publisher.replays_refused, e.rounds_lost,
+          e.block_metas_dropped};
     }
     counters.merge(ReadCounters(snapshot));
     return counters;
@@ -404,6 +429,14 @@ class NodeServer::Impl {
     return true;
   }
 
+  // Records what a put said of `key`'s block for the KV events (KvEventPump::metas): true when
+  // recorded, false when the node publishes no events (nothing to say it in).
+  bool NoteMeta(const BlockKey& key, const BlockMeta& meta) {
+    if (!metas_) return false;
+    metas_->Record(key, meta);
+    return true;
+  }
+
   // Every handler gets its call with the clock of its method's latency histogram running.
   void Register() {
     using M = wire::Method;
@@ -454,6 +487,15 @@ class NodeServer::Impl {
                                            key.ToString(), request.length(), bytes));
       return;
     }
+    std::optional<BlockMeta> meta;
+    if (request.has_meta()) {
+      Result<BlockMeta> checked = CheckedMeta(key, request.meta());
+      if (!checked.ok()) {
+        call.ReplyError(checked.status());
+        return;
+      }
+      meta = *checked;
+    }
     Result<NodeService::PutSlot> put = [&] {
       MutexLock lock(&service_mu_);
       return service_->BeginPut(call.connection_id(), key, bytes);
@@ -471,22 +513,26 @@ class NodeServer::Impl {
     }
     const uint64_t connection = call.connection_id();
     const uint64_t checksum = request.checksum();
+    // Before the store commits, so that the round that publishes the block finds it.
+    const bool noted = meta.has_value() && NoteMeta(key, *meta);
     auto shared = std::make_shared<TimedCall>(std::move(call));
-    auto receive = [this, shared, connection, key, checksum, slot = put->slot,
+    auto receive = [this, shared, connection, key, checksum, noted, slot = put->slot,
                     reply = std::move(reply)]() mutable {
-      shared->ReceivePayload(
-          slot, region(),
-          [this, shared, connection, key, checksum, reply = std::move(reply)](Status received) {
-            const Status stored = [&] {
-              MutexLock lock(&service_mu_);
-              return service_->EndPut(connection, key, std::move(received), checksum);
-            }();
-            if (stored.ok()) {
-              ReplyWith(*shared, reply);
-            } else {
-              shared->ReplyError(stored);
-            }
-          });
+      shared->ReceivePayload(slot, region(),
+                             [this, shared, connection, key, checksum, noted,
+                              reply = std::move(reply)](Status received) {
+                               const Status stored = [&] {
+                                 MutexLock lock(&service_mu_);
+                                 return service_->EndPut(connection, key, std::move(received),
+                                                         checksum);
+                               }();
+                               if (noted && !stored.ok()) metas_->Erase(key);
+                               if (stored.ok()) {
+                                 ReplyWith(*shared, reply);
+                               } else {
+                                 shared->ReplyError(stored);
+                               }
+                             });
     };
     if (put->gate) {
       // The slot's old block is still being written to SSD (write-back, staging all busy): the
@@ -600,6 +646,22 @@ class NodeServer::Impl {
                                            request->keys_size(), request->lengths_size()));
       return;
     }
+    if (request->metas_size() != 0 && request->metas_size() != request->keys_size()) {
+      call.ReplyError(InvalidArgumentError(
+          "put-blocks request of {} keys with {} block metadata; send none or one per key",
+          request->keys_size(), request->metas_size()));
+      return;
+    }
+    auto metas = std::make_shared<std::vector<BlockMeta>>();
+    metas->reserve(request->metas_size());
+    for (int i = 0; i < request->metas_size(); ++i) {
+      Result<BlockMeta> checked = CheckedMeta((*keys)[i], request->metas(i));
+      if (!checked.ok()) {
+        call.ReplyError(checked.status());
+        return;
+      }
+      metas->push_back(*checked);
+    }
     uint64_t total = 0;
     for (const uint64_t length : request->lengths()) {
       if (length > max_batch_bytes_ - total) {
@@ -618,7 +680,7 @@ class NodeServer::Impl {
     }
     std::shared_ptr<BatchBuffer> payload = NewBatchBuffer(total);
     auto shared = std::make_shared<TimedCall>(std::move(call));
-    auto store = [this, shared, request, keys, payload](Status received) {
+    auto store = [this, shared, request, keys, metas, payload](Status received) {
       if (!received.ok()) {
         shared->ReplyError(received);
         return;
@@ -633,7 +695,7 @@ class NodeServer::Impl {
             payload->bytes().size()));
         return;
       }
-      StoreBatch(shared, *request, *keys, payload);
+      StoreBatch(shared, *request, *keys, *metas, payload);
     };
     if (total == 0) {
       store(Status::OK());
@@ -642,11 +704,12 @@ class NodeServer::Impl {
     }
   }
 
-  // Stores a PutBlocks call's blocks, all in `payload`, in key order, each as PutBlock would;
-  // answers once the last is stored: at once, or when the last slot that a write-back to SSD
-  // still reads opens (on the I/O thread that opens it).
+  // Stores a PutBlocks call's blocks, all in `payload`, in key order, each as PutBlock would
+  // (with metas[i] when there are any); answers once the last is stored: at once, or when the
+  // last slot that a write-back to SSD still reads opens (on the I/O thread that opens it).
   void StoreBatch(const std::shared_ptr<TimedCall>& call, const wire::PutBlocksRequest& request,
-                  const std::vector<BlockKey>& keys, const std::shared_ptr<BatchBuffer>& payload) {
+                  const std::vector<BlockKey>& keys, const std::vector<BlockMeta>& metas,
+                  const std::shared_ptr<BatchBuffer>& payload) {
     struct Batch {
       Mutex mu;
       wire::PutBlocksReply reply GUARDED_BY(mu);
@@ -658,6 +721,7 @@ class NodeServer::Impl {
       std::span<std::byte> slot;
       Bytes bytes;
       std::shared_ptr<store::SlotGate> gate;
+      bool noted;  // its metadata recorded
     };
     auto batch = std::make_shared<Batch>();
     std::vector<Gated> gated;
@@ -685,12 +749,16 @@ class NodeServer::Impl {
             result->set_skipped(true);
             continue;
           }
+          // Before the store commits, as PutBlock's.
+          const bool noted = !metas.empty() && NoteMeta(keys[i], metas[i]);
           if (put->gate) {
-            gated.push_back({static_cast<int>(i), keys[i], put->slot, bytes, put->gate});
+            gated.push_back({static_cast<int>(i), keys[i], put->slot, bytes, put->gate, noted});
             continue;
           }
           std::memcpy(put->slot.data(), bytes.data(), bytes.size());
-          wire::ToWire(service_->EndPut(connection, keys[i], Status::OK(), 0), result);
+          const Status stored = service_->EndPut(connection, keys[i], Status::OK(), 0);
+          if (noted && !stored.ok()) metas_->Erase(keys[i]);
+          wire::ToWire(stored, result);
         }
       }
       // Answered outside the service's lock.
@@ -712,6 +780,7 @@ class NodeServer::Impl {
           MutexLock lock(&service_mu_);
           return service_->EndPut(connection, g.key, Status::OK(), 0);
         }();
+        if (g.noted && !stored.ok()) metas_->Erase(g.key);
         MutexLock lock(&batch->mu);
         wire::ToWire(stored, batch->reply.mutable_results(g.index));
         if (--batch->waiting == 0) ReplyWith(*call, batch->reply);
@@ -791,7 +860,10 @@ class NodeServer::Impl {
   // payload transfers run outside it. Counters and Namespaces need no lock (the service's own).
   mutable Mutex service_mu_;
   std::unique_ptr<NodeService> service_ PT_GUARDED_BY(service_mu_);
-  std::unique_ptr<MemoryWarmer> warmer_;    // faulting the CPU memory in; null when not
+  std::unique_ptr<MemoryWarmer> warmer_;  // faulting the CPU memory in; null when not
+  // What puts said of their blocks, for the pump; null when it is off. It outlives the pump
+  // and the service (not reset in ~Impl): a put whose slot opens while they go still erases.
+  std::unique_ptr<BlockMetaTable> metas_;
   std::unique_ptr<KvEventPump> kv_events_;  // publishing the store's events; null when off
   uint64_t max_batch_bytes_ = 0;            // of GetBlocks and PutBlocks; 0: not served
   // Batched calls' payloads, kBatchChunks of max_batch_bytes_; none (null chunks) where the

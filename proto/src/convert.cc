@@ -25,6 +25,11 @@ BlockKey FromWire(const Key& key, NamespaceId namespace_id) {
   return out;
 }
 
+void ToWire(const kvstash::BlockMeta& meta, uint32_t group, wire::BlockMeta* out) {
+  out->set_tokens(meta.tokens);
+  if (meta.parent) ToWire(BlockKey{*meta.parent, group}, out->mutable_parent());
+}
+
 wire::LookupResult ToWire(kvstash::LookupResult result) {
   switch (result) {
     case kvstash::LookupResult::kHit:

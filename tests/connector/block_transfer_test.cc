@@ -14,6 +14,7 @@
 
 #include "daemon_process.h"
 #include "home_node.h"
+#include "kv_event_watch.h"
 #include "kvstash/common/hash.h"
 #include "kvstash/connector/node_client.h"
 
@@ -102,7 +103,7 @@ TEST_F(BlockTransferTest, StoredPagesLoadBackByteForByteAcrossNodes) {
   auto t = Make(2);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   // 6 blocks of 2 pages: pages 1..12.
-  BlockJob store{1, BlockJob::Kind::kStore, {}, {}};
+  BlockJob store{1, BlockJob::Kind::kStore, {}, {}, {}};
   for (uint32_t b = 0; b < 6; ++b) {
     store.keys.push_back(Key(b, b % 3));
     store.pages.push_back({1 + 2 * b, 2 + 2 * b});
@@ -120,7 +121,7 @@ TEST_F(BlockTransferTest, StoredPagesLoadBackByteForByteAcrossNodes) {
   EXPECT_EQ(done[0].bytes, 6 * 2 * kPage);
 
   // Load them into other pages, in another order.
-  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}};
+  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}, {}};
   for (uint32_t b = 6; b-- > 0;) {
     load.keys.push_back(Key(b, b % 3));
     load.pages.push_back({40 + 2 * b, 41 + 2 * b});
@@ -140,12 +141,13 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   Fill(1, 1);
   Fill(2, 2);
-  ASSERT_TRUE(RunJob(**t, {1, BlockJob::Kind::kStore, {Key(1), Key(2)}, {{1}, {2}}}).status.ok());
+  ASSERT_TRUE(
+      RunJob(**t, {1, BlockJob::Kind::kStore, {Key(1), Key(2)}, {{1}, {2}}, {}}).status.ok());
   // Another model's engine stores under key 3.
   auto other = Make(1, /*fingerprint=*/8);
   ASSERT_TRUE(other.ok());
   Fill(3, 3);
-  ASSERT_TRUE(RunJob(**other, {2, BlockJob::Kind::kStore, {Key(3)}, {{3}}}).status.ok());
+  ASSERT_TRUE(RunJob(**other, {2, BlockJob::Kind::kStore, {Key(3)}, {{3}}, {}}).status.ok());
   // Raw bytes under key 4 (a node returning something that is not a kvstash block), and key 2's
   // block stored again under key 5 (the right bytes for the wrong key).
   std::vector<std::byte> junk((*t)->block_bytes(), std::byte{0x5a});
@@ -165,7 +167,8 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   BlockJob load{3,
                 BlockJob::Kind::kLoad,
                 {Key(1), Key(3), Key(4), Key(5), Key(6), Key(2)},
-                {{10}, {11}, {12}, {13}, {14}, {15}}};
+                {{10}, {11}, {12}, {13}, {14}, {15}},
+                {}};
   BlockJobResult r = RunJob(**t, load);
   EXPECT_EQ(r.ok, (std::vector<bool>{true, false, false, false, false, true}));
   EXPECT_TRUE(Holds(10, 1));
@@ -175,7 +178,7 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
 
   // The flipped block under (key 1, group 9) names key 1 group 0 in its trailer: refused; and a
   // block whose trailer matches but whose payload changed fails the checksum.
-  r = RunJob(**t, {4, BlockJob::Kind::kLoad, {Key(1, 9)}, {{16}}});
+  r = RunJob(**t, {4, BlockJob::Kind::kLoad, {Key(1, 9)}, {{16}}, {}});
   EXPECT_EQ(r.num_ok(), 0u);
   std::vector<std::byte> bad((*t)->block_bytes());
   ASSERT_TRUE(client_->Get(Key(2), bad).ok());
@@ -186,7 +189,7 @@ TEST_F(BlockTransferTest, ForeignCorruptOrMissingBlocksAreRefusedOthersLoad) {
   std::memcpy(bad.data() + kPage, &trailer, sizeof trailer);
   ASSERT_TRUE(
       client_->Put(std::vector<BlockKey>{Key(2, 1)}, std::vector<transport::Bytes>{bad}).ok());
-  r = RunJob(**t, {5, BlockJob::Kind::kLoad, {Key(2, 1)}, {{17}}});
+  r = RunJob(**t, {5, BlockJob::Kind::kLoad, {Key(2, 1)}, {{17}}, {}});
   EXPECT_EQ(r.num_ok(), 0u);
   EXPECT_THAT(std::string(r.status.message()), HasSubstr("checksum"));
 }
@@ -195,7 +198,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   StartNodes(2, 1);
   auto t = Make(1);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  BlockJob store{1, BlockJob::Kind::kStore, {}, {}};
+  BlockJob store{1, BlockJob::Kind::kStore, {}, {}, {}};
   for (uint32_t b = 0; b < 16; ++b) {
     Fill(1 + b, 50 + b);
     store.keys.push_back(Key(b));
@@ -208,7 +211,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   }
   ASSERT_FALSE(on_dead.empty());
   daemons_[1]->process().Kill(SIGKILL);
-  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}};
+  BlockJob load{2, BlockJob::Kind::kLoad, {}, {}, {}};
   for (uint32_t b = 0; b < 16; ++b) {
     load.keys.push_back(Key(b));
     load.pages.push_back({30 + b});
@@ -225,7 +228,7 @@ TEST_F(BlockTransferTest, DeadNodeFailsItsBlocksWithoutHanging) {
   }
   // A store to the dead node reports the failure and does not hang either.
   Fill(60, 9);
-  BlockJobResult s = RunJob(**t, {3, BlockJob::Kind::kStore, {Key(on_dead[0] + 100)}, {{60}}});
+  BlockJobResult s = RunJob(**t, {3, BlockJob::Kind::kStore, {Key(on_dead[0] + 100)}, {{60}}, {}});
   (void)s;  // its node may be the live one; what matters is that it returned
 }
 
@@ -242,16 +245,110 @@ TEST_F(BlockTransferTest, WrongNodeBlockSizeAndBadJobsAreRefused) {
   StartNodes(1, 1);
   auto ok = Make(1);
   ASSERT_TRUE(ok.ok());
-  EXPECT_EQ((*ok)->Submit({1, BlockJob::Kind::kStore, {Key(1)}, {{0}}}).code(),
+  EXPECT_EQ((*ok)->Submit({1, BlockJob::Kind::kStore, {Key(1)}, {{0}}, {}}).code(),
             StatusCode::kInvalidArgument);  // page 0 is the null page
-  EXPECT_EQ((*ok)->Submit({2, BlockJob::Kind::kLoad, {Key(1)}, {{kPages}}}).code(),
+  EXPECT_EQ((*ok)->Submit({2, BlockJob::Kind::kLoad, {Key(1)}, {{kPages}}, {}}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ((*ok)->Submit({3, BlockJob::Kind::kLoad, {Key(1)}, {{1, 2}}}).code(),
+  EXPECT_EQ((*ok)->Submit({3, BlockJob::Kind::kLoad, {Key(1)}, {{1, 2}}, {}}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ((*ok)->Submit({4, BlockJob::Kind::kLoad, {Key(1), Key(2)}, {{1}}}).code(),
+  EXPECT_EQ((*ok)->Submit({4, BlockJob::Kind::kLoad, {Key(1), Key(2)}, {{1}}, {}}).code(),
             StatusCode::kInvalidArgument);
+  // Block metadata that is not one per key.
+  const Status metas =
+      (*ok)->Submit({5, BlockJob::Kind::kStore, {Key(1)}, {{1}}, {BlockMeta{}, BlockMeta{}}});
+  EXPECT_EQ(metas.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(metas.message()), HasSubstr("1 keys but 2 block metadata"));
   EXPECT_TRUE((*ok)->Poll().empty());
 }
+
+// A store job's blocks carry what they hold (BlockJob::metas, from the scheduler's TransferJob):
+// the node's KV events say each block's parent and block size (docs/semantics.md §19), whether
+// its blocks travel batched (PutBlocks: 1 page) or one to a call (PutBlock: 17 pages, past
+// kBatchedBlockBytes). A store without metadata is published as before.
+class BlockTransferEventsTest : public BlockTransferTest,
+                                public ::testing::WithParamInterface<size_t> {};
+
+TEST_P(BlockTransferEventsTest, StoredBlocksCarryTheirParentAndSizeIntoTheNodesEvents) {
+  const size_t pages = GetParam();
+  const size_t block_bytes = OffloadedBlockBytes(pages, kPage);
+  std::unique_ptr<::kvstash::ChildProcess> node = ::kvstash::testing::StartChild(
+      {::kvstash::testing::kKvstashd, "--port", "0", "--metrics-address", "off", "--log-level",
+       "warn", "--block-bytes", std::to_string(block_bytes), "--cpu-bytes", "4MiB", "--kv-events",
+       "tcp://127.0.0.1:*"});
+  ASSERT_NE(node, nullptr);
+  uint16_t port = 0;
+  std::string endpoint;
+  const std::string listening = "kvstashd listening on 127.0.0.1:";
+  const std::string publishing = "kvstashd KV events on ";
+  for (int i = 0; i < 50 && endpoint.empty(); ++i) {
+    std::optional<std::string> line = node->ReadLine(10000);
+    if (!line) break;
+    if (line->rfind(listening, 0) == 0) port = std::stoi(line->substr(listening.size()));
+    if (line->rfind(publishing, 0) == 0) {
+      endpoint = line->substr(publishing.size());
+      endpoint = endpoint.substr(0, endpoint.find_first_of(", "));
+    }
+  }
+  ASSERT_NE(port, 0);
+  ASSERT_FALSE(endpoint.empty());
+  NodeClientOptions options;
+  options.nodes.push_back({"127.0.0.1", port});
+  auto client = NodeClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  client_ = std::move(client).value();
+  auto t = Make(pages);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+
+  ::kvstash::testing::KvEventWatch watch(endpoint);
+  // Probes (stores without metadata, keys of their own) until the subscriber hears one.
+  std::vector<uint32_t> first_block;
+  for (size_t p = 0; p < pages; ++p) first_block.push_back(static_cast<uint32_t>(1 + p));
+  ASSERT_TRUE(watch.Join([&](int i) {
+    RunJob(**t, {100 + static_cast<uint64_t>(i),
+                 BlockJob::Kind::kStore,
+                 {Key(1000 + static_cast<uint64_t>(i))},
+                 {first_block},
+                 {}});
+  }));
+
+  // Blocks 1, 2 chain under block 0 (stored before, or never); 4 hangs from 3; 5 has none.
+  auto meta = [](std::optional<uint64_t> parent, uint32_t tokens) {
+    BlockMeta m;
+    if (parent) m.parent = Key(*parent).hash;
+    m.tokens = tokens;
+    return m;
+  };
+  BlockJob store{1,
+                 BlockJob::Kind::kStore,
+                 {Key(1), Key(2), Key(4)},
+                 {},
+                 {meta(0, 16), meta(1, 16), meta(3, 16)}};
+  for (uint32_t b = 0; b < store.keys.size(); ++b) {
+    std::vector<uint32_t> block;
+    for (size_t p = 0; p < pages; ++p) block.push_back(static_cast<uint32_t>(1 + b * pages + p));
+    store.pages.push_back(block);
+  }
+  BlockJobResult r = RunJob(**t, store);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  BlockJob plain{2, BlockJob::Kind::kStore, {Key(5)}, {first_block}, {}};
+  r = RunJob(**t, plain);
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+
+  auto hash = [](uint64_t k) { return events::ExternalHashOf(Key(k).hash); };
+  using Said = ::kvstash::testing::KvEventWatch::Said;
+  EXPECT_EQ(watch.Stored("default", {hash(1), hash(2), hash(4), hash(5)}),
+            (std::map<events::ExternalHash, Said>{{hash(1), {hash(0), 16, "CPU"}},
+                                                  {hash(2), {hash(1), 16, "CPU"}},
+                                                  {hash(4), {hash(3), 16, "CPU"}},
+                                                  {hash(5), {std::nullopt, 0, "CPU"}}}));
+  client_.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Batched, BlockTransferEventsTest, ::testing::Values(1, 17),
+                         [](const auto& param_info) {
+                           return param_info.param == 1 ? std::string("PutBlocks")
+                                                        : std::string("PutBlock");
+                         });
 
 }  // namespace
 }  // namespace kvstash::connector

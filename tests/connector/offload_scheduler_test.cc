@@ -766,7 +766,42 @@ TEST(OffloadSchedulerApiTest, StoresOnlyWhatTheManagerChoseAndAdvancesPastTheRes
   // In block order, whatever order the manager answered in.
   EXPECT_THAT(meta->store_jobs[0].keys, ElementsAre(BlockKey{H(0), 0}, BlockKey{H(2), 0}));
   EXPECT_THAT(meta->store_jobs[0].gpu_blocks, ElementsAre(1, 3));
+  // Each block's parent is the request's block before it, stored or not.
+  EXPECT_THAT(meta->store_jobs[0].metas,
+              ElementsAre(BlockMeta{std::nullopt, 4}, BlockMeta{H(1), 4}));
   EXPECT_THAT(*f.scheduler->NextStoredBlocks(1), ElementsAre(4u));
+}
+
+// What the nodes' KV events say of a stored block (docs/semantics.md §19): its group's previous
+// key in the request, also across jobs, and the tokens of its group's offloaded block.
+TEST(OffloadSchedulerApiTest, StoreJobsSayEachBlocksParentAndTokensPerGroup) {
+  Fixture f = MakeScheduler(
+      {.groups = {{OffloadGroupKind::kFull, 4, 1, 0}, {OffloadGroupKind::kFull, 8, 1, 0}},
+       .hash_block_size = 4});
+  std::vector<BlockHash> hashes = Hashes(6);
+  const OffloadRequestView view{.id = 1, .num_tokens = 24, .block_hashes = hashes};
+  ASSERT_EQ(f.scheduler->GetNumNewMatchedTokens(view, 0), 0u);
+  // A prompt of 24 tokens computed in two steps of 12: group 0 keys H(i), group 1 H(2i + 1).
+  auto first = f.scheduler->BuildConnectorMeta(Step({Sched(view, 0, 12, {{1, 2, 3}, {4, 5}})}));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->store_jobs.size(), 1u);
+  EXPECT_THAT(first->store_jobs[0].keys, ElementsAre(BlockKey{H(0), 0}, BlockKey{H(1), 0},
+                                                     BlockKey{H(2), 0}, BlockKey{H(1), 1}));
+  EXPECT_THAT(first->store_jobs[0].metas,
+              ElementsAre(BlockMeta{std::nullopt, 4}, BlockMeta{H(0), 4}, BlockMeta{H(1), 4},
+                          BlockMeta{std::nullopt, 8}));
+  auto second = f.scheduler->BuildConnectorMeta(Step({Sched(view, 12, 12, {{6, 7, 8}, {9}})}));
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->store_jobs.size(), 1u);
+  EXPECT_THAT(second->store_jobs[0].keys,
+              ElementsAre(BlockKey{H(3), 0}, BlockKey{H(4), 0}, BlockKey{H(5), 0},
+                          BlockKey{H(3), 1}, BlockKey{H(5), 1}));
+  // A job's first block hangs from the last block of the job before.
+  EXPECT_THAT(second->store_jobs[0].metas,
+              ElementsAre(BlockMeta{H(2), 4}, BlockMeta{H(3), 4}, BlockMeta{H(4), 4},
+                          BlockMeta{H(1), 8}, BlockMeta{H(3), 8}));
+  // A load carries none.
+  EXPECT_THAT(first->load_jobs, IsEmpty());
 }
 
 // Request 1 stores from GPU block 1 and finishes before the store completes; request 3 keeps

@@ -207,9 +207,9 @@ TEST(KvEventsTest, RandomAndMutatedBytesNeverCrashTheDecoder) {
 TEST(KvEventsTest, RunsEncodeAsTheEventsTheyStandFor) {
   const std::vector<Hash128> hashes = {{.lo = 5, .hi = 0}, {.lo = 0x0f, .hi = 0x01}};
   const BlockRun runs[] = {
-      {BlockRun::Kind::kAllCleared, {}, 0, {}},
-      {BlockRun::Kind::kStored, kMediumCpu, 3, hashes},
-      {BlockRun::Kind::kRemoved, kMediumSsd, 0, std::span(hashes).first(1)},
+      {BlockRun::Kind::kAllCleared, {}, 0, {}, std::nullopt, 0},
+      {BlockRun::Kind::kStored, kMediumCpu, 3, hashes, std::nullopt, 0},
+      {BlockRun::Kind::kRemoved, kMediumSsd, 0, std::span(hashes).first(1), std::nullopt, 0},
   };
   BlockStored stored;
   stored.block_hashes = {uint64_t{5}, ExternalHashOf(hashes[1])};
@@ -220,6 +220,39 @@ TEST(KvEventsTest, RunsEncodeAsTheEventsTheyStandFor) {
   EXPECT_EQ(Hex(EncodeRuns(4.25, runs)), Hex(EncodeBatch(batch)));
   EXPECT_EQ(std::get<std::string>(ExternalHashOf(hashes[1])),
             std::string("\0\0\0\0\0\0\0\x01\0\0\0\0\0\0\0\x0f", 16));
+}
+
+// A run of a chain the client described (PutBlock's BlockMeta): its parent, a narrow or a wide
+// hash, and its block size go where vLLM's BlockStored has them.
+TEST(KvEventsTest, AStoredRunCarriesItsParentAndBlockSize) {
+  const std::vector<Hash128> hashes = {{.lo = 7, .hi = 0}, {.lo = 8, .hi = 0}};
+  const Hash128 wide{.lo = 0x0f, .hi = 0x01};
+  const BlockRun runs[] = {
+      {BlockRun::Kind::kStored, kMediumCpu, 1, hashes, Hash128{.lo = 6, .hi = 0}, 16},
+      {BlockRun::Kind::kStored, kMediumCpu, 1, std::span(hashes).first(1), wide, 32},
+      {BlockRun::Kind::kStored, kMediumSsd, 2, std::span(hashes).last(1), std::nullopt, 64},
+  };
+  BlockStored chained;
+  chained.block_hashes = {uint64_t{7}, uint64_t{8}};
+  chained.parent_block_hash = uint64_t{6};
+  chained.block_size = 16;
+  chained.medium = "CPU";
+  chained.group_idx = 1;
+  BlockStored under_wide = chained;
+  under_wide.block_hashes = {uint64_t{7}};
+  under_wide.parent_block_hash = ExternalHashOf(wide);
+  under_wide.block_size = 32;
+  BlockStored first;  // a request's first block: no parent, its size still said
+  first.block_hashes = {uint64_t{8}};
+  first.block_size = 64;
+  first.medium = "SSD";
+  first.group_idx = 2;
+  const KvEventBatch batch{1.5, {chained, under_wide, first}, std::nullopt};
+  const std::string bytes = EncodeRuns(1.5, runs);
+  EXPECT_EQ(Hex(bytes), Hex(EncodeBatch(batch)));
+  auto decoded = DecodeBatch(Bytes(bytes));
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(*decoded, batch);
 }
 
 TEST(KvEventsTest, SequenceNumbersAreEightBytesBigEndian) {

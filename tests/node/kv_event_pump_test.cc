@@ -40,25 +40,31 @@ struct Message {
 
 class KvEventPumpTest : public ::testing::Test {
  protected:
-  void Start(size_t max_pending_event_keys = size_t{1} << 20) {
+  void Start(size_t max_pending_event_keys = size_t{1} << 20, size_t cpu_blocks = 64,
+             size_t max_metas = 16) {
     store::TieredStoreOptions options;
     options.block_bytes = kBlock;
-    options.cpu_capacity_blocks = 64;
+    options.cpu_capacity_blocks = cpu_blocks;
     options.prefault = false;
     options.enable_events = true;
     options.max_pending_event_keys = max_pending_event_keys;
     auto store = store::TieredStore::Create(options);
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     store_ = std::move(*store);
+    metas_ = std::make_unique<BlockMetaTable>(max_metas);
     KvEventOptions events;
     events.publisher.endpoint = "tcp://127.0.0.1:*";
     // Rounds only when the test says (PublishNow), so that it decides what one round holds.
     events.interval = std::chrono::hours(1);
-    auto pump = KvEventPump::Create(events, store_.get(), [](NamespaceId ns) {
-      static const std::map<NamespaceId, std::string> names = {{1, "a"}, {2, "b"}, {3, "probe"}};
-      auto it = names.find(ns);
-      return it == names.end() ? std::nullopt : std::optional<std::string>(it->second);
-    });
+    auto pump = KvEventPump::Create(
+        events, store_.get(),
+        [](NamespaceId ns) {
+          static const std::map<NamespaceId, std::string> names = {
+              {1, "a"}, {2, "b"}, {3, "probe"}};
+          auto it = names.find(ns);
+          return it == names.end() ? std::nullopt : std::optional<std::string>(it->second);
+        },
+        metas_.get());
     ASSERT_TRUE(pump.ok()) << pump.status().ToString();
     pump_ = std::move(*pump);
     ctx_ = zmq_ctx_new();
@@ -130,6 +136,7 @@ class KvEventPumpTest : public ::testing::Test {
   }
 
   std::unique_ptr<store::TieredStore> store_;
+  std::unique_ptr<BlockMetaTable> metas_;  // as a node's puts fill it
   std::unique_ptr<KvEventPump> pump_;
   void* ctx_ = nullptr;
   void* sub_ = nullptr;
@@ -141,6 +148,22 @@ BlockStored Stored(std::vector<ExternalHash> hashes, std::string medium, int64_t
   e.medium = std::move(medium);
   e.group_idx = group;
   return e;
+}
+
+// A chain's BlockStored in the CPU tier: its parent (none: a request's first block) and size.
+BlockStored Chain(std::vector<ExternalHash> hashes, std::optional<uint64_t> parent,
+                  int64_t block_size, int64_t group = 0) {
+  BlockStored e = Stored(std::move(hashes), "CPU", group);
+  if (parent) e.parent_block_hash = *parent;
+  e.block_size = block_size;
+  return e;
+}
+
+BlockMeta Meta(std::optional<uint64_t> parent, uint32_t tokens) {
+  BlockMeta meta;
+  if (parent) meta.parent = BlockHash{.lo = *parent, .hi = 0};
+  meta.tokens = tokens;
+  return meta;
 }
 
 TEST_F(KvEventPumpTest, EachNamespaceIsATopicStartingWithAllBlocksCleared) {
@@ -212,6 +235,108 @@ TEST_F(KvEventPumpTest, EventsTheStoreDroppedRestartEveryTopic) {
   EXPECT_EQ(b.seq, 0);
   EXPECT_THAT(b.events,
               ::testing::ElementsAre(KvEvent(AllBlocksCleared{}), KvEvent(Stored({9u}, "CPU"))));
+}
+
+// Blocks whose puts said what they hold go in one BlockStored per chain: blocks each naming the
+// one before as its parent, with the same tokens, whatever order they were committed in (the
+// cluster client sends a request's blocks last first). A break (a parent not stored here,
+// another size, a first block, a second block naming the same parent) starts a new event;
+// blocks without metadata are published together, as before; a cycle is published once. The
+// round takes what it published out of the table.
+TEST_F(KvEventPumpTest, BlocksWithMetadataArePublishedInChainsWithTheirParentAndSize) {
+  Start();
+  const std::vector<std::pair<uint64_t, BlockMeta>> said = {
+      {10, Meta(9, 16)},
+      {11, Meta(10, 16)},
+      {12, Meta(11, 16)},  // a chain under 9
+      {20, Meta(19, 16)},
+      {21, Meta(20, 16)},            // another chain
+      {40, Meta(std::nullopt, 16)},  // a request's first block
+      {41, Meta(40, 32)},            // another size
+      {60, Meta(61, 16)},
+      {61, Meta(60, 16)},  // a cycle
+      {70, Meta(69, 16)},
+      {71, Meta(70, 16)},
+      {72, Meta(70, 16)},  // two children of 70
+      {50, Meta(7, 16)},
+      {51, Meta(50, 16)}};  // group 1
+  for (const auto& [k, meta] : said) metas_->Record(Key(1, k, k == 50 || k == 51 ? 1 : 0), meta);
+  Store({Key(1, 12), Key(1, 11), Key(1, 10), Key(1, 20), Key(1, 21), Key(1, 30), Key(1, 31),
+         Key(1, 40), Key(1, 41), Key(1, 50, 1), Key(1, 51, 1), Key(1, 60), Key(1, 61), Key(1, 70),
+         Key(1, 71), Key(1, 72)});
+  pump_->PublishNow();
+  EXPECT_THAT(Next("a").events,
+              ::testing::ElementsAre(
+                  KvEvent(AllBlocksCleared{}), KvEvent(Chain({10u, 11u, 12u}, 9, 16)),
+                  KvEvent(Chain({20u, 21u}, 19, 16)), KvEvent(Chain({30u, 31u}, std::nullopt, 0)),
+                  KvEvent(Chain({40u}, std::nullopt, 16)), KvEvent(Chain({41u}, 40, 32)),
+                  KvEvent(Chain({60u, 61u}, 61, 16)), KvEvent(Chain({70u, 71u}, 69, 16)),
+                  KvEvent(Chain({72u}, 70, 16)), KvEvent(Chain({50u, 51u}, 7, 16, 1))));
+  EXPECT_TRUE(metas_->empty());
+  // Only the put's own life carries it: stored again (a promotion), the block has none.
+  const std::vector<BlockKey> ten = {Key(1, 10)};
+  ASSERT_EQ(store_->cpu().Remove(ten), 1u);
+  pump_->PublishNow();
+  Next("a");
+  Store({Key(1, 10)});
+  pump_->PublishNow();
+  EXPECT_THAT(Next("a").events, ::testing::ElementsAre(KvEvent(Stored({10u}, "CPU"))));
+  EXPECT_EQ(pump_->stats().block_metas_dropped, 0u);
+}
+
+// A chain longer than one batch goes on in the next batch from the last block sent.
+TEST_F(KvEventPumpTest, AChainSplitAcrossBatchesHangsFromTheLastBlockSent) {
+  constexpr uint64_t kBlocks = 8192 + 3;  // one more batch than kMaxHashesPerBatch holds
+  Start(size_t{1} << 20, /*cpu_blocks=*/kBlocks + 8, /*max_metas=*/kBlocks);
+  std::vector<BlockKey> keys;
+  for (uint64_t k = 1; k <= kBlocks; ++k) {
+    keys.push_back(Key(1, k));
+    metas_->Record(keys.back(), Meta(k - 1, 16));
+  }
+  Store(keys);
+  pump_->PublishNow();
+  const Message first = Next("a");
+  const Message second = Next("a");
+  ASSERT_EQ(first.events.size(), 2u);  // AllBlocksCleared, then the chain's first 8192 blocks
+  ASSERT_EQ(second.events.size(), 1u);
+  const auto& a = std::get<BlockStored>(first.events[1]);
+  const auto& b = std::get<BlockStored>(second.events[0]);
+  ASSERT_EQ(a.block_hashes.size(), 8192u);
+  EXPECT_EQ(a.parent_block_hash, ExternalHash(uint64_t{0}));
+  EXPECT_EQ(a.block_size, 16);
+  EXPECT_EQ(b.block_hashes, (std::vector<ExternalHash>{8193u, 8194u, 8195u}));
+  EXPECT_EQ(b.parent_block_hash, ExternalHash(uint64_t{8192}));
+  EXPECT_EQ(b.block_size, 16);
+}
+
+// The table keeps the newest `capacity` entries: the oldest goes first, counted, and a block
+// taken, erased or recorded again is not counted when its old slot comes round.
+TEST(BlockMetaTableTest, KeepsTheNewestEntriesAndCountsTheOldestDropped) {
+  BlockMetaTable table(3);
+  EXPECT_TRUE(table.empty());
+  table.Record(Key(1, 1), Meta(std::nullopt, 16));
+  table.Record(Key(1, 2), Meta(1, 16));
+  table.Record(Key(1, 3), Meta(2, 16));
+  table.Record(Key(1, 4), Meta(3, 16));  // 1 goes
+  EXPECT_EQ(table.dropped(), 1u);
+  EXPECT_EQ(table.Take(Key(1, 1)), std::nullopt);
+  EXPECT_EQ(table.Take(Key(1, 2)), Meta(1, 16));
+  EXPECT_EQ(table.Take(Key(1, 2)), std::nullopt);  // taken once
+  table.Erase(Key(1, 3));
+  table.Record(Key(1, 4), Meta(3, 32));  // recorded again: its newer entry counts
+  table.Record(Key(1, 5), Meta(4, 16));  // the slots of 2, 3 and 4's first entry: none dropped
+  table.Record(Key(1, 6), Meta(5, 16));
+  EXPECT_EQ(table.dropped(), 1u);
+  EXPECT_EQ(table.Take(Key(1, 4)), Meta(3, 32));
+  // Another namespace's or group's block of the same hash is another key.
+  table.Record(Key(2, 5), Meta(9, 16));
+  table.Record(Key(1, 5, 1), Meta(9, 16));
+  EXPECT_EQ(table.dropped(), 2u);  // 5's slot came round again: it was still there
+  EXPECT_EQ(table.Take(Key(1, 5)), std::nullopt);
+  EXPECT_EQ(table.Take(Key(1, 6)), Meta(5, 16));
+  EXPECT_EQ(table.Take(Key(2, 5)), Meta(9, 16));
+  EXPECT_EQ(table.Take(Key(1, 5, 1)), Meta(9, 16));
+  EXPECT_TRUE(table.empty());
 }
 
 // A topic's batches from sequence 0, through the replay socket (the topic frame names it).

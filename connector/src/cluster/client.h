@@ -57,8 +57,9 @@ class NodeClient::Impl {
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys, Status* refusal) {
     return lookup_.Lookup(keys, refusal);
   }
-  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) {
-    return store_.Put(keys, blocks);
+  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
+             std::span<const BlockMeta> metas) {
+    return store_.Put(keys, blocks, metas);
   }
   std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,
                                   std::span<const transport::MutableBytes> outs) {

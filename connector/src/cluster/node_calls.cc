@@ -98,10 +98,12 @@ Result<std::map<std::string, uint64_t>> NodeCalls::Stats(Member& member) {
 }
 
 uint64_t NodeCalls::StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
-                             Bytes block, std::function<void(Outcome)> done) {
+                             Bytes block, const BlockMeta* meta,
+                             std::function<void(Outcome)> done) {
   wire::PutBlockRequest put;
   *put.mutable_key() = wire::ToWire(key);
   put.set_length(block.size());
+  if (meta != nullptr) wire::ToWire(*meta, key.group, put.mutable_meta());
   // Over a network the node checks the bytes against this; a client on the node's host
   // copies them into the node's memory itself, where a checksum would guard nothing and
   // cost a hash of every block on both sides.
@@ -114,6 +116,7 @@ uint64_t NodeCalls::StartPut(transport::CallGroup& group, Member& member, const 
 
 uint64_t NodeCalls::StartPutBatch(transport::CallGroup& group, Member& member,
                                   std::span<const BlockKey> keys, std::span<const Bytes> blocks,
+                                  std::span<const BlockMeta> metas,
                                   const std::vector<size_t>& which, transport::MutableBytes staging,
                                   std::function<void(Outcome)> done) {
   wire::PutBlocksRequest put;
@@ -121,6 +124,7 @@ uint64_t NodeCalls::StartPutBatch(transport::CallGroup& group, Member& member,
   for (size_t i : which) {
     wire::ToWire(keys[i], put.add_keys());
     put.add_lengths(blocks[i].size());
+    if (!metas.empty()) wire::ToWire(metas[i], keys[i].group, put.add_metas());
     std::memcpy(staging.data() + offset, blocks[i].data(), blocks[i].size());
     offset += blocks[i].size();
   }
@@ -137,7 +141,7 @@ std::future<Outcome> NodeCalls::StartPut(transport::CallGroup& group, Member& me
                                          const BlockKey& key, Bytes block) {
   auto promise = std::make_shared<std::promise<Outcome>>();
   std::future<Outcome> future = promise->get_future();
-  StartPut(group, member, key, block,
+  StartPut(group, member, key, block, nullptr,
            [promise](Outcome outcome) { promise->set_value(std::move(outcome)); });
   return future;
 }

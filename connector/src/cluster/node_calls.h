@@ -62,21 +62,23 @@ class NodeCalls {
   // The member's counters (wire.StatsReply), waiting for its answer.
   Result<std::map<std::string, uint64_t>> Stats(Member& member);
 
-  // Starts the PutBlock call of `block` under `key` to `member` in `group`; `done` gets its
-  // outcome. Returns the call's id.
+  // Starts the PutBlock call of `block` under `key` to `member` in `group`, with `meta` (none:
+  // null); `done` gets its outcome. Returns the call's id.
   uint64_t StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
-                    transport::Bytes block, std::function<void(Outcome)> done);
+                    transport::Bytes block, const BlockMeta* meta,
+                    std::function<void(Outcome)> done);
   // The same, the future holding its outcome.
   std::future<Outcome> StartPut(transport::CallGroup& group, Member& member, const BlockKey& key,
                                 transport::Bytes block);
 
-  // Starts the PutBlocks call of blocks[i] under keys[i] for each i of `which`, in that order,
-  // to `member` in `group`: their bytes copied back to back into `staging` (exactly their
-  // size), which must outlive the call. `done` gets its outcome. Returns the call's id.
+  // Starts the PutBlocks call of blocks[i] under keys[i] (with metas[i] unless `metas` is
+  // empty) for each i of `which`, in that order, to `member` in `group`: their bytes copied back
+  // to back into `staging` (exactly their size), which must outlive the call. `done` gets its
+  // outcome. Returns the call's id.
   uint64_t StartPutBatch(transport::CallGroup& group, Member& member,
                          std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
-                         const std::vector<size_t>& which, transport::MutableBytes staging,
-                         std::function<void(Outcome)> done);
+                         std::span<const BlockMeta> metas, const std::vector<size_t>& which,
+                         transport::MutableBytes staging, std::function<void(Outcome)> done);
 
   // Starts a call; `done` runs once on the progress thread with its outcome. Its deadline is
   // `timeout` from now (zero: the client's timeout). With `group`, the call is counted in it

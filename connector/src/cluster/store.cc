@@ -15,9 +15,14 @@
 
 namespace kvstash::connector {
 
-Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) {
+Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
+                         std::span<const BlockMeta> metas) {
   if (keys.size() != blocks.size()) {
     return InvalidArgumentError("{} keys for {} blocks", keys.size(), blocks.size());
+  }
+  if (!metas.empty() && metas.size() != keys.size()) {
+    return InvalidArgumentError("{} keys with {} block metadata; give none or one per key",
+                                keys.size(), metas.size());
   }
   if (keys.empty()) return Status::OK();
   const auto topology = members_.snapshot();
@@ -130,10 +135,11 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
       call.keys = {i};
       call.outcome = promise->get_future();
       call.id =
-          calls_.StartPut(group, member, keys[i], blocks[i], [settle_keys, i, promise](Outcome o) {
-            settle_keys({i}, {o.status});
-            promise->set_value(std::move(o));
-          });
+          calls_.StartPut(group, member, keys[i], blocks[i], metas.empty() ? nullptr : &metas[i],
+                          [settle_keys, i, promise](Outcome o) {
+                            settle_keys({i}, {o.status});
+                            promise->set_value(std::move(o));
+                          });
     }
   }
   // A batch's blocks go back to back in staging memory of this thread's, kept between stores
@@ -164,7 +170,7 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
       for (size_t i : call.keys) bytes += blocks[i].size();
       const transport::MutableBytes room = std::span(staging).subspan(at, bytes);
       at += bytes;
-      call.id = calls_.StartPutBatch(group, *call.member, keys, blocks, call.keys, room,
+      call.id = calls_.StartPutBatch(group, *call.member, keys, blocks, metas, call.keys, room,
                                      [settle_keys, which = call.keys, promise](Outcome o) {
                                        wire::PutBlocksReply reply;
                                        settle_keys(which, BatchStatuses(o, which.size(), &reply));

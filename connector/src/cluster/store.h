@@ -35,10 +35,12 @@ class ClusterStore {
         calls_(calls),
         watch_(watch) {}
 
-  // Stores blocks[i] under keys[i] at each of its replicas among the members live now. A
+  // Stores blocks[i] under keys[i] at each of its replicas among the members live now, with
+  // metas[i] in its call when `metas` is not empty (InvalidArgument unless it is one per key). A
   // replica that cannot be reached is counted, not returned, while another holds the block; a
   // refusal is always returned (the first, naming the node and the key).
-  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks);
+  Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
+             std::span<const BlockMeta> metas = {});
 
  private:
   const NodeClientOptions& options_;

@@ -198,6 +198,9 @@ void TrackedRequests::PlanStore(TrackedRequest& state, const StoreCandidates& ca
     for (const size_t i : candidates.blocks[g]) {
       if (!chosen.contains(group_state.keys[i])) continue;
       job->keys.push_back(group_state.keys[i]);
+      BlockMeta& meta = job->metas.emplace_back();
+      if (i > 0) meta.parent = group_state.keys[i - 1].hash;
+      meta.tokens = groups_[g].offloaded_block_size;
       for (size_t j = i * f; j < i * f + f; ++j) {
         // Null blocks lead (the group skipped them); the worker places the first real one by
         // block_indices.

@@ -87,8 +87,9 @@ class TrackedRequests {
 
   // The blocks of the request's first `offloadable` tokens that a store may take.
   StoreCandidates CandidatesOf(const TrackedRequest& state, size_t offloadable) const;
-  // The store of the candidates whose key is `chosen`: fills `job` with them and their GPU
-  // blocks, and `*full` and `*window` with those blocks by kind of group; then AdvanceStored.
+  // The store of the candidates whose key is `chosen`: fills `job` with them, their GPU blocks
+  // and their metadata (each one's previous key in the request, its tokens), and `*full` and
+  // `*window` with those blocks by kind of group; then AdvanceStored.
   void PlanStore(TrackedRequest& state, const StoreCandidates& candidates,
                  const std::unordered_set<BlockKey>& chosen, size_t offloadable, TransferJob* job,
                  std::vector<GpuBlockId>* full, std::vector<GpuBlockId>* window) const;

@@ -37,6 +37,16 @@ struct BlockKey {
   std::string ToString() const;
 };
 
+// What a client that knows its tokens may say of a block beyond its key (wire.BlockMeta), so
+// that the node's KV events say it too (docs/semantics.md §19): the block before it in its
+// request, in the same group, and the tokens it holds. A value type.
+struct BlockMeta {
+  std::optional<BlockHash> parent;  // the previous block's hash; none: the request's first block
+  uint32_t tokens = 0;
+
+  friend bool operator==(const BlockMeta&, const BlockMeta&) = default;
+};
+
 // "0x2a", "0x2a/g1", "42" (decimal), with an optional 128-bit hex hash "0x<hi><lo>"; the
 // namespace is 0. InvalidArgument naming the text otherwise.
 Result<BlockKey> ParseBlockKey(std::string_view text);

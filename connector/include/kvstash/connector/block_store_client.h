@@ -60,6 +60,15 @@ class BlockStoreClient {
   // skipped. The first error; the other blocks are still stored.
   virtual Status Put(std::span<const BlockKey> keys,
                      std::span<const std::span<const std::byte>> blocks) = 0;
+  // Put, saying what each block holds: metas[i] of keys[i], the block before it in its request
+  // and its tokens, which the nodes' KV events then carry (docs/semantics.md §19). `metas` is
+  // empty (Put) or one per key. The default drops them and calls Put: a client whose nodes
+  // cannot say them (a fake, a wrapper) need not know them.
+  virtual Status PutWithMeta(std::span<const BlockKey> keys,
+                             std::span<const std::span<const std::byte>> blocks,
+                             std::span<const BlockMeta> metas) {
+    return Put(keys, blocks);
+  }
   // Reads the block of keys[i] into outs[i]; per key, the bytes read, NotFound when absent or
   // Unavailable when its node cannot be reached.
   virtual std::vector<Result<size_t>> Get(std::span<const BlockKey> keys,

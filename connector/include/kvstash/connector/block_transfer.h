@@ -67,6 +67,9 @@ struct BlockJob {
   std::vector<BlockKey> keys;  // one per offloaded block
   // The pool pages of each key's block, in token order (pages_per_block each).
   std::vector<std::vector<uint32_t>> pages;
+  // A store's: none, or one per key, what its block holds (BlockStoreClient::PutWithMeta), for
+  // the nodes' KV events.
+  std::vector<BlockMeta> metas;
 };
 
 struct BlockJobResult {
@@ -100,7 +103,8 @@ class BlockTransfer {
   size_t block_bytes() const { return block_bytes_; }
 
   // Queues a job (a store copies its pages first). InvalidArgument, and nothing queued, for a
-  // page outside the pool or a block with the wrong page count.
+  // page outside the pool, a block with the wrong page count, or metadata that is not one per
+  // key.
   Status Submit(BlockJob job);
   // Queues a touch of `keys` (BlockStoreClient::Touch, the first key most recent) behind the
   // stores queued so far. It has no result; WaitAll waits for it to be sent.

@@ -193,6 +193,10 @@ class NodeClient : public BlockStoreClient {
   // first is the most recent, as a touch would leave them. The first error, naming the node and the
   // key; the other blocks are still stored.
   Status Put(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks) override;
+  // Put with each block's metadata in its call (PutBlock's meta, PutBlocks' metas): none, or one
+  // per key (else InvalidArgument, nothing sent). A node older than the metadata ignores it.
+  Status PutWithMeta(std::span<const BlockKey> keys, std::span<const transport::Bytes> blocks,
+                     std::span<const BlockMeta> metas) override;
 
   // Reads the block of `key` into `out` in one call (from this client's pin, or the node pins it
   // for the transfer). A block

@@ -150,6 +150,11 @@ struct TransferJob {
   std::vector<GpuBlockId> gpu_blocks;
   std::vector<uint32_t> group_sizes;
   std::vector<uint32_t> block_indices;
+  // A store's, one per key: the key of the request's block before it in its group (none for the
+  // request's first block, whether or not that block is in the job) and the tokens the block
+  // holds (its group's offloaded_block_size), for the nodes' KV events (docs/semantics.md §19).
+  // Empty for a load.
+  std::vector<BlockMeta> metas;
 };
 
 // The step's work for the workers.

@@ -103,11 +103,15 @@ struct BlockRun {
   std::string_view medium;
   int64_t group = 0;
   std::span<const Hash128> hashes;  // ExternalHashOf each
+  // A stored run's parent_block_hash (ExternalHashOf it; none: None) and block_size: a chain's,
+  // where the client said what its blocks hold; else none and 0.
+  std::optional<Hash128> parent;
+  int64_t block_size = 0;
 };
 
 // The bytes of EncodeBatch for a batch of one event per run, without building the events: a
-// stored run is a BlockStored with no parent, no tokens and block size 0 (a node knows keys,
-// not tokens), a removed run a BlockRemoved, both with `group` as group_idx.
+// stored run is a BlockStored with the run's parent and block size and no tokens, a removed run
+// a BlockRemoved, both with `group` as group_idx.
 std::string EncodeRuns(double ts, std::span<const BlockRun> runs);
 
 // The 8-byte big-endian sequence number frame of a publisher's messages and replay requests.

@@ -39,6 +39,10 @@ struct KvEventOptions {
   events::PublisherOptions publisher;  // where (PUB, replay ROUTER) and how much to buffer
   // How often the store's events are drained and published.
   std::chrono::milliseconds interval{10};
+  // What clients said of the blocks they store (wire.BlockMeta) waits for the block's event in
+  // a table of at most this many blocks; past it the oldest goes first, its event without it
+  // (counted: events.block_metas_dropped).
+  size_t max_block_metas = 65536;
 };
 
 struct NodeOptions : NodeServiceOptions {

@@ -15,6 +15,9 @@ void ToWire(const BlockKey& key, Key* out);
 // The key of a request, in the namespace of the connection it came on.
 BlockKey FromWire(const Key& key, NamespaceId namespace_id = 0);
 
+// A block's metadata on the wire: its parent named as a key of `group`, the block's own.
+void ToWire(const kvstash::BlockMeta& meta, uint32_t group, wire::BlockMeta* out);
+
 wire::LookupResult ToWire(kvstash::LookupResult result);
 // Values a newer peer may send read as kMiss, which is never wrong for a cache.
 kvstash::LookupResult FromWire(wire::LookupResult result);
