@@ -494,16 +494,27 @@ class RouterImpl final : public Router {
     return -1;
   }
 
-  // The up worker with the best score other than `except`; ties go to the first from *next on
-  // (so that equal workers take turns). -1 when none is up and `except` is the only one; when
+  // The up worker with the best score other than `except`, among those not running more than
+  // max_imbalance requests beyond the least loaded up one (a prefix everyone wants must not pile
+  // every request on one worker); ties go to the one running fewer, then to the first from *next
+  // on (so that equal workers take turns). -1 when none is up and `except` is the only one; when
   // every other is down, the one whose time out ends first.
   int Best(const std::deque<Slot>& slots, const std::vector<double>& scores, size_t* next,
            Clock::time_point now, int except) const {
+    size_t least = std::numeric_limits<size_t>::max();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (static_cast<int>(i) != except && Up(slots[i], now))
+        least = std::min(least, slots[i].running);
+    }
     int best = -1;
     for (size_t k = 0; k < slots.size(); ++k) {
       const size_t i = (*next + k) % slots.size();
       if (static_cast<int>(i) == except || !Up(slots[i], now)) continue;
-      if (best < 0 || scores[i] > scores[best]) best = static_cast<int>(i);
+      if (slots[i].running > least + options_.max_imbalance) continue;
+      if (best < 0 || scores[i] > scores[best] ||
+          (scores[i] == scores[best] && slots[i].running < slots[best].running)) {
+        best = static_cast<int>(i);
+      }
     }
     if (best >= 0) {
       *next = static_cast<size_t>(best) + 1;

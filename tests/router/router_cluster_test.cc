@@ -119,6 +119,17 @@ bool WaitForRoute(uint16_t port, const std::vector<uint32_t>& prompt,
   return false;
 }
 
+// Waits (at most 20 s) until the router's state (GET /kvstash/router) says `ready`.
+bool WaitForState(uint16_t port, const std::function<bool(const json&)>& ready) {
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < deadline) {
+    const Reply r = Call(port, "GET", "/kvstash/router");
+    if (r.status == 200 && ready(r.parsed)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 // Two nodes, two prefill and two decode workers, each publishing its KV events; the router in
 // front (started by the test, so that it can be given other flags).
 class RouterClusterTest : public ::testing::Test {
@@ -405,6 +416,40 @@ TEST_F(RouterClusterTest, AWorkerThatComesBackIsUsedAgain) {
   EXPECT_EQ(Call(port, "GET", "/kvstash/router").parsed["totals"]["failed_requests"], 0);
 }
 
+// A worker that holds the prompt is passed over once it runs more than --max-imbalance
+// requests beyond the least loaded one: a prefix every request shares does not queue them all
+// on one worker. (A stopped worker holds its request running.)
+TEST_F(RouterClusterTest, AWorkerRunningTooManyMoreThanTheOthersIsPassedOver) {
+  const uint16_t port = StartRouter({"--max-imbalance", "0", "--worker-timeout-ms", "60000"});
+  ASSERT_NE(port, 0);
+  const std::vector<uint32_t> prompt = Prompt(120, 400);
+  const Reply first = Call(port, "POST", "/v1/completions", Request(prompt, 3).dump());
+  ASSERT_EQ(first.status, 200) << first.body;
+  const std::string holder = first.parsed["usage"]["kvstash"]["router"]["decode_worker"];
+  const size_t h = holder == decode_[0] ? 0 : 1;
+  // The router sees the holder's own cache hold the prompt: it would send it there again.
+  ASSERT_TRUE(WaitForChoice(port, prompt, [&](const json& c) {
+    return c["decode_worker"] == holder && c["scores"]["decode"][h]["hit_tokens"].get<size_t>() > 0;
+  }));
+  // The holder stops: the prompt sent again runs there, held.
+  ASSERT_EQ(::kill(workers_[2 + h].child->pid(), SIGSTOP), 0);
+  std::thread held([&] {
+    const Reply r = Call(port, "POST", "/v1/completions", Request(prompt, 3).dump());
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.parsed["usage"]["kvstash"]["router"]["decode_worker"], holder) << r.body;
+  });
+  ASSERT_TRUE(WaitForState(
+      port, [&](const json& s) { return s["decode_workers"][h]["running"].get<size_t>() == 1; }));
+  // One running there, none on the other: the same prompt goes to the other, as without a cache.
+  const Reply other = Call(port, "POST", "/v1/completions", Request(prompt, 3).dump());
+  EXPECT_EQ(other.status, 200) << other.body;
+  EXPECT_EQ(other.parsed["usage"]["kvstash"]["router"]["decode_worker"], decode_[1 - h])
+      << other.body;
+  EXPECT_EQ(Tokens(other.parsed), Tokens(first.parsed));
+  ASSERT_EQ(::kill(workers_[2 + h].child->pid(), SIGCONT), 0);
+  held.join();
+}
+
 TEST_F(RouterClusterTest, WorkersOfAnotherModelOrRoleAreRefusedAtStart) {
   Started other =
       Start({KVSTASH_ENGINE_PATH, "serve", "--model", "builtin:tiny-full", "--port", "0"},
@@ -486,17 +531,6 @@ class RouterEtcdTest : public ::testing::Test {
     const std::string address = LastWord(w.rest[0]);
     workers_.push_back(std::move(w));
     return address;
-  }
-
-  // Waits (at most 20 s) until the router's state says `ready`.
-  static bool WaitForState(uint16_t port, const std::function<bool(const json&)>& ready) {
-    const auto deadline = Clock::now() + std::chrono::seconds(20);
-    while (Clock::now() < deadline) {
-      const Reply r = Call(port, "GET", "/kvstash/router");
-      if (r.status == 200 && ready(r.parsed)) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
   }
 
   // Whether `state` lists `address` among `role`'s workers as a member that is up.

@@ -142,9 +142,17 @@ int main(int argc, char** argv) {
                  "role's workers in turn, every request prefilled (for comparison)")
       ->capture_default_str();
   app.add_option("--load-tokens", options.load_tokens,
-                 "What one request running on a worker costs its score, in prompt tokens of hit")
+                 "What one request running on a worker costs its score, in prompt tokens of hit "
+                 "(0: the hit alone decides, ties going to the worker running fewer; the load "
+                 "counts through --max-imbalance)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-imbalance", options.max_imbalance,
+                 "A worker running more than this many requests beyond the least loaded one of "
+                 "its role is passed over whatever it holds, so that a prefix every request "
+                 "shares does not queue them all on one worker")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{0}, size_t{1} << 20));
   app.add_option("--node-weight", options.node_weight,
                  "What a prompt token the nodes hold in memory is worth against one in a "
                  "worker's own cache, which needs no pull (0 to 1)")

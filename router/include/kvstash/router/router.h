@@ -51,8 +51,13 @@ struct RouterOptions {
   // (kvstash-engine serve's --namespace).
   std::string node_topic = "kvstash-engine";
   Policy policy = Policy::kKv;
-  // What one request running on a worker costs its score, in prompt tokens of hit.
-  double load_tokens = 64;
+  // What one request running on a worker costs its score, in prompt tokens of hit. 0: the hit
+  // alone decides (ties go to the worker running fewer); load counts through max_imbalance.
+  double load_tokens = 0;
+  // A worker running more than this many requests beyond the least loaded one of its role is
+  // passed over, whatever it holds (as SGLang's router balances only when the load is uneven):
+  // a prefix every request shares must not queue them all on one worker.
+  size_t max_imbalance = 8;
   // What a prompt token the nodes hold in memory is worth against one in the worker's own cache
   // (it must be pulled first), and one they hold only on SSD against one in their memory (it
   // comes back slower still).
