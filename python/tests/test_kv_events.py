@@ -4,9 +4,13 @@ published schema (vllm/distributed/kv_events.py: KVEventBatch, BlockStored, Bloc
 AllBlocksCleared; msgspec structs with array_like, omit_defaults and tag), every field checked.
 Needs KVSTASHD (conftest.py) and the built package on PYTHONPATH."""
 
+import json
+import os
 import pathlib
 import re
+import subprocess
 import time
+import urllib.request
 
 import msgpack
 import pytest
@@ -188,3 +192,126 @@ def test_a_nodes_events_decode_as_vllms_schema_in_order(start_node):
         ctx.term()
     finally:
         sub.close()
+
+
+def _start(argv, lines, timeout=30.0):
+    """Starts a program and reads its standard output until every line prefix in `lines` came:
+    the process and each such line's rest."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True)
+    found = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < len(lines) and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        for prefix in lines:
+            if line.startswith(prefix) and prefix not in found:
+                found[prefix] = line[len(prefix):].strip()
+    if len(found) < len(lines):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{argv[0]} did not start: {found}")
+    return proc, found
+
+
+def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_path):
+    """kvstash-engine serve --kv-events (a worker's own cache, medium GPU) over a kvstashd
+    --kv-events (what the worker's connector stored, medium CPU): every field decoded as vLLM's
+    schema says, each BlockStored's block_size its group's block size, and its parent the block
+    before its first in the same group (None for a request's first block), as the worker said
+    it and, through the put's metadata, as the node says it."""
+    kvstashd = os.environ.get("KVSTASHD")
+    engine = os.environ.get("KVSTASH_ENGINE")
+    if not kvstashd or not engine:
+        pytest.skip("KVSTASHD and KVSTASH_ENGINE (ctest sets them) are not set")
+    node, node_lines = _start(
+        [kvstashd, "--listen", "127.0.0.1", "--port", "0", "--metrics-address", "off",
+         "--block-bytes", "4152", "--cpu-bytes", "16MiB", "--kv-events", "tcp://127.0.0.1:*"],
+        ["kvstashd listening on ", "kvstashd KV events on "])
+    worker = None
+    subs = []
+    try:
+        node_address = node_lines["kvstashd listening on "].split()[-1]
+        worker, worker_lines = _start(
+            [engine, "serve", "--model", "builtin:tiny-hybrid", "--nodes", node_address,
+             "--port", "0", "--kv-events", "tcp://127.0.0.1:*"],
+            ["kvstash-engine serving ", "kvstash-engine KV events on "])
+        http = worker_lines["kvstash-engine serving "].split()[-1]
+        models = json.load(urllib.request.urlopen(f"http://{http}/v1/models", timeout=10))
+        details = models["data"][0]["kvstash"]
+        groups = details["groups"]
+        node_sub = Subscriber(node_lines["kvstashd KV events on "].split(",")[0])
+        worker_sub = Subscriber(worker_lines["kvstash-engine KV events on "].split(",")[0])
+        subs = [node_sub, worker_sub]
+        for s in subs:
+            s.sub.setsockopt(zmq.RCVTIMEO, 50)
+
+        stored = {"node": [], "worker": []}
+        def drain():
+            for name, s in (("node", node_sub), ("worker", worker_sub)):
+                while True:
+                    try:
+                        _, _, events = s.receive()
+                    except zmq.Again:
+                        break
+                    stored[name] += [e for e in events if e["type"] == "BlockStored"]
+
+        # SUB sockets join asynchronously: prompts (each new) until both have said something.
+        deadline = time.monotonic() + 30
+        i = 0
+        while (not stored["node"] or not stored["worker"]) and time.monotonic() < deadline:
+            prompt = [(7 * j + 131 * i) % 250 + 1 for j in range(200)]
+            body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+            request = urllib.request.Request(f"http://{http}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            reply = json.load(urllib.request.urlopen(request, timeout=60))
+            assert reply["choices"][0]["token_ids"], reply
+            i += 1
+            end = time.monotonic() + 1
+            while time.monotonic() < end and (not stored["node"] or not stored["worker"]):
+                drain()
+        drain()
+        assert stored["worker"], "the worker published no BlockStored"
+        assert stored["node"], "the node published no BlockStored"
+
+        for source, medium in (("worker", "GPU"), ("node", "CPU")):
+            seen = {}  # group -> hashes stored so far
+            for e in stored[source]:
+                assert e["medium"] == medium, e
+                group = e["group_idx"]
+                assert isinstance(group, int) and 0 <= group < len(groups), e
+                spec = groups[group]
+                # A worker's block is its group's; a node's, the connector's offloaded block of
+                # that group: a whole number of the group's blocks.
+                assert e["block_size"] > 0 and e["block_size"] % spec["block_size"] == 0, (e, spec)
+                if source == "worker":
+                    assert e["block_size"] == spec["block_size"], (e, spec)
+                    kinds = {"full": "full_attention", "sliding_window": "sliding_window",
+                             "chunked_local": "chunked_local_attention", "state": "mamba"}
+                    assert e["kv_cache_spec_kind"] == kinds.get(spec["kind"], spec["kind"]), (e, spec)
+                    if spec["kind"] == "sliding_window":
+                        assert e["kv_cache_spec_sliding_window"] == spec["window"], (e, spec)
+                else:
+                    assert e["kv_cache_spec_kind"] is None, e
+                assert e["token_ids"] == [], e
+                # The parent: None (a request's first block) or a block of the same group this
+                # source said it stored before.
+                parent = e["parent_block_hash"]
+                assert parent is None or parent in seen.get(group, set()), (source, e)
+                seen.setdefault(group, set()).update(e["block_hashes"])
+            # Some event of every source chains onto an earlier one (the prompts are 200
+            # tokens: several blocks each).
+            assert any(e["parent_block_hash"] is not None for e in stored[source]) or any(
+                len(e["block_hashes"]) > 1 for e in stored[source]), stored[source]
+    finally:
+        for s in subs:
+            s.close()
+        for proc in (worker, node):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
