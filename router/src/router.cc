@@ -503,8 +503,9 @@ class RouterImpl final : public Router {
            Clock::time_point now, int except) const {
     size_t least = std::numeric_limits<size_t>::max();
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (static_cast<int>(i) != except && Up(slots[i], now))
+      if (static_cast<int>(i) != except && Up(slots[i], now)) {
         least = std::min(least, slots[i].running);
+      }
     }
     int best = -1;
     for (size_t k = 0; k < slots.size(); ++k) {
