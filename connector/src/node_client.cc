@@ -49,6 +49,12 @@ size_t BlocksPerBatch(const NodeLimits& limits) {
       1, std::min<size_t>(KeysPerCall(limits), static_cast<size_t>(bytes / limits.block_bytes)));
 }
 
+size_t BlocksPerPutBatch(const NodeLimits& limits) {
+  const size_t blocks = BlocksPerBatch(limits);
+  if (blocks == 0) return 0;
+  return std::min(blocks, kPutBlocksMessageBytes / kPutBlockWireBytes);
+}
+
 Result<NodeAddress> ParseNodeAddress(std::string_view text) {
   const size_t colon = text.rfind(':');
   if (colon == std::string_view::npos || colon == 0) {

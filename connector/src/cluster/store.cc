@@ -125,7 +125,7 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
         MutexLock lock(&settle->mu);
         if (settle->out[i]++ == 0 && !settle->held[i]) ++settle->unsettled;
       }
-      if (BlocksPerBatch(*limits[n]) != 0) {
+      if (BlocksPerPutBatch(*limits[n]) != 0) {
         batched[n].push_back(i);
         continue;
       }
@@ -157,7 +157,7 @@ Status ClusterStore::Put(std::span<const BlockKey> keys, std::span<const transpo
   } trim;
   size_t at = 0;
   for (size_t n = 0; n < members.size(); ++n) {
-    const size_t per_batch = batched[n].empty() ? 0 : BlocksPerBatch(*limits[n]);
+    const size_t per_batch = batched[n].empty() ? 0 : BlocksPerPutBatch(*limits[n]);
     for (size_t begin = 0; begin < batched[n].size(); begin += per_batch) {
       const size_t end = std::min(batched[n].size(), begin + per_batch);
       auto promise = std::make_shared<std::promise<Outcome>>();

@@ -15,7 +15,7 @@
 namespace kvstash::connector {
 
 // Stores blocks at their replicas: one PutBlock call per block and replica (for small blocks,
-// to a node that serves batches, one PutBlocks per node and batch, BlocksPerBatch), all in
+// to a node that serves batches, one PutBlocks per node and batch, BlocksPerPutBatch), all in
 // flight at once across the nodes, last key first; what a node would refuse (a block of another
 // size, a payload over its limit) is refused here without moving the bytes. A block is stored once
 // one of its replicas holds it: the caller waits for that (CallWatch::WaitForReplicas), not for a

@@ -165,6 +165,15 @@ inline constexpr uint64_t kBatchedBlockBytes = uint64_t{64} << 10;
 // its batch, key and message limits hold, at least 1.
 size_t BlocksPerBatch(const NodeLimits& limits);
 
+// A PutBlocks request's message (keys, lengths, block metadata) travels in UCX's active-message
+// header beside its payload, not as data: 8,100 bytes on TCP, whatever the node's batch holds.
+// Each block costs it at most kPutBlockWireBytes (a key, a length, a BlockMeta with its parent
+// key), and one call's message at most kPutBlocksMessageBytes.
+inline constexpr size_t kPutBlockWireBytes = 80;
+inline constexpr size_t kPutBlocksMessageBytes = 4096;
+// Blocks of one PutBlocks call: BlocksPerBatch, and no more than its message holds (51).
+size_t BlocksPerPutBatch(const NodeLimits& limits);
+
 class NodeClient : public BlockStoreClient {
  public:
   static Result<std::unique_ptr<NodeClient>> Create(NodeClientOptions options);
