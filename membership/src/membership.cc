@@ -1,6 +1,7 @@
 #include "kvstash/membership/membership.h"
 
 #include <algorithm>
+#include <charconv>
 #include <nlohmann/json.hpp>
 #include <utility>
 
@@ -32,6 +33,34 @@ Status ValidateClusterName(std::string_view cluster) {
     }
   }
   return Status::OK();
+}
+
+Result<std::string> AdvertisedAddress(std::string_view advertise, std::string_view listen,
+                                      uint16_t port) {
+  std::string host(advertise);
+  std::string port_text = std::to_string(port);
+  if (!host.empty()) {
+    const size_t colon = host.rfind(':');
+    if (colon != std::string::npos && host.find(':') == colon) {  // HOST:PORT (not bare IPv6)
+      port_text = host.substr(colon + 1);
+      host = host.substr(0, colon);
+      int value = 0;
+      auto [end, error] =
+          std::from_chars(port_text.data(), port_text.data() + port_text.size(), value);
+      if (error != std::errc() || end != port_text.data() + port_text.size() || value <= 0 ||
+          value > 65535) {
+        return InvalidArgumentError("bad port in '{}'", advertise);
+      }
+    }
+    if (host.empty()) return InvalidArgumentError("no host in '{}'", advertise);
+  } else {
+    host = std::string(listen);
+    if (host == "0.0.0.0" || host == "::" || host.empty()) {
+      return InvalidArgumentError("listening on every address ({}), no address to publish",
+                                  host.empty() ? std::string("any") : host);
+    }
+  }
+  return host + ":" + port_text;
 }
 
 std::string MembersPrefix(std::string_view cluster, MemberKind kind) {

@@ -207,32 +207,18 @@ Result<std::optional<membership::RegistrationOptions>> RegistrationOf(const Daem
     return InvalidArgumentError("etcd-ttl-s: {} is not within 2..3600", flags.etcd_ttl_s);
   }
   registration.ttl_s = flags.etcd_ttl_s;
-  std::string host = flags.advertise;
-  std::string advertised_port = std::to_string(port);
-  if (!host.empty()) {
-    const size_t colon = host.rfind(':');
-    if (colon != std::string::npos && host.find(':') == colon) {  // HOST:PORT (not bare IPv6)
-      advertised_port = host.substr(colon + 1);
-      host = host.substr(0, colon);
-      int value = 0;
-      auto [end, error] = std::from_chars(advertised_port.data(),
-                                          advertised_port.data() + advertised_port.size(), value);
-      if (error != std::errc() || end != advertised_port.data() + advertised_port.size() ||
-          value <= 0 || value > 65535) {
-        return InvalidArgumentError("advertise: bad port in '{}'", flags.advertise);
-      }
-    }
-    if (host.empty()) return InvalidArgumentError("advertise: no host in '{}'", flags.advertise);
-  } else {
-    host = options.server.bind_address;
-    if (host == "0.0.0.0" || host == "::" || host.empty()) {
+  Result<std::string> address =
+      membership::AdvertisedAddress(flags.advertise, options.server.bind_address, port);
+  if (!address.ok()) {
+    if (flags.advertise.empty()) {
       return InvalidArgumentError(
           "advertise: required with --etcd when listening on every address ({}): give the "
           "address clients reach this node at",
-          host.empty() ? std::string("any") : host);
+          options.server.bind_address.empty() ? std::string("any") : options.server.bind_address);
     }
+    return InvalidArgumentError("advertise: {}", address.status().message());
   }
-  registration.record.address = host + ":" + advertised_port;
+  registration.record.address = *address;
   registration.record.block_bytes = options.store.block_bytes;
   registration.record.cpu_bytes = options.store.block_bytes * options.store.cpu_capacity_blocks;
   registration.record.ssd_bytes = options.store.ssd ? options.store.ssd->capacity_bytes : 0;

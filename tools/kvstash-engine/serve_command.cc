@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -98,27 +97,17 @@ Result<std::optional<membership::RegistrationOptions>> WorkerRegistration(const 
   r.cluster = model.cluster;
   r.kind = membership::MemberKind::kWorker;
   r.ttl_s = serve.etcd_ttl_s;
-  std::string host = serve.advertise.empty() ? serve.listen : serve.advertise;
-  std::string port_text = std::to_string(port);
-  if (const size_t colon = host.rfind(':');
-      !serve.advertise.empty() && colon != std::string::npos && host.find(':') == colon) {
-    port_text = host.substr(colon + 1);  // HOST:PORT (not a bare IPv6 address)
-    host = host.substr(0, colon);
-    int value = 0;
-    auto [end, error] =
-        std::from_chars(port_text.data(), port_text.data() + port_text.size(), value);
-    if (error != std::errc() || end != port_text.data() + port_text.size() || value <= 0 ||
-        value > 65535) {
-      return InvalidArgumentError("--advertise: bad port in '{}'", serve.advertise);
+  Result<std::string> address = membership::AdvertisedAddress(serve.advertise, serve.listen, port);
+  if (!address.ok()) {
+    if (serve.advertise.empty()) {
+      return InvalidArgumentError(
+          "--register: give --advertise, the address routers reach this worker at (it listens "
+          "on every address, {})",
+          serve.listen);
     }
+    return InvalidArgumentError("--advertise: {}", address.status().message());
   }
-  if (host.empty() || host == "0.0.0.0" || host == "::") {
-    return InvalidArgumentError(
-        "--register: give --advertise, the address routers reach this worker at (it listens "
-        "on every address, {})",
-        serve.listen);
-  }
-  r.record.address = host + ":" + port_text;
+  r.record.address = *address;
   r.record.role = serve.role;
   return std::optional<membership::RegistrationOptions>(std::move(r));
 }

@@ -30,6 +30,12 @@ Status ValidateClusterName(std::string_view cluster);
 // Who keeps keys in a cluster: offload nodes, or engine workers.
 enum class MemberKind : uint8_t { kNode, kWorker };
 
+// The HOST:PORT a member publishes: `advertise` (HOST, or HOST:PORT) when given, else the
+// address it listens on with `port`. InvalidArgument, naming the flag's value, for a bad port or
+// no host, and when neither names an address others can reach (listening on every address).
+Result<std::string> AdvertisedAddress(std::string_view advertise, std::string_view listen,
+                                      uint16_t port);
+
 // "/kvstash/<cluster>/nodes/", or ".../workers/".
 std::string MembersPrefix(std::string_view cluster, MemberKind kind = MemberKind::kNode);
 
