@@ -7,8 +7,11 @@
 //   1. a lookup of the request's block keys; the hit is the run of leading hits;
 //   2. a touch of every key (the lookup's touch, the first key most recent);
 //   3. a read of the hit blocks, each checked against the content its id defines;
-//   4. a store of the blocks after the hit (a node skips, and touches, those it holds);
-//   5. a touch of the hit blocks (the store decision's touch, without the keys just offered).
+//   4. a store of the full blocks after the hit (a node skips, and touches, those it holds): a
+//      request's last block is full when input_length reaches its end (--store-partial stores
+//      every block);
+//   5. a touch of the hit blocks (the store decision's touch, without the keys just offered),
+//      sent as the same request's touch after its stores (AF-LRU counts no second use).
 // Touches are sent asynchronously, as the connector sends them.
 
 #include <fmt/format.h>
@@ -47,6 +50,7 @@ struct BenchReplayFlags {
   double speed = 0;   // 0: as fast as possible
   int64_t limit = 0;  // 0: every request
   int block_tokens = 512;
+  bool store_partial = false;  // store a request's last block even when it is not full
   int timeout_ms = 5000;
   int lookup_budget_ms = 50;
   OutputOptions output;
@@ -114,6 +118,13 @@ size_t LeadingHits(const std::vector<LookupResult>& states, bool* retry) {
     ++hits;
   }
   return hits;
+}
+
+// How many of a request's blocks a connector would store: those that are full (input_length
+// covers them whole), or every block with --store-partial.
+size_t BlocksToStore(const TraceRequest& r, uint64_t block_tokens, bool store_partial) {
+  if (store_partial) return r.hash_ids.size();
+  return static_cast<size_t>(std::min<uint64_t>(r.hash_ids.size(), r.input_length / block_tokens));
 }
 
 class Replayer {
@@ -203,9 +214,10 @@ class Replayer {
       totals_->blocks_read.fetch_add(read, std::memory_order_relaxed);
     }
 
-    // 4. Store the rest: the node skips (and touches) those it holds.
-    if (hit < n) {
-      const size_t rest = n - hit;
+    // 4. Store the rest of the full blocks: the node skips (and touches) those it holds.
+    const size_t to_store = BlocksToStore(r, flags_.block_tokens, flags_.store_partial);
+    if (hit < to_store) {
+      const size_t rest = to_store - hit;
       scratch->resize(rest * block_bytes_);
       std::vector<transport::Bytes> blocks;
       uint64_t new_blocks = 0;
@@ -216,14 +228,14 @@ class Replayer {
         if (states[hit + i] == LookupResult::kMiss) ++new_blocks;
       }
       const auto store_start = Clock::now();
-      const Status put = client.Put(std::span(keys).subspan(hit), blocks);
+      const Status put = client.Put(std::span(keys).subspan(hit, rest), blocks);
       latencies->store_us.push_back(Micros(store_start));
       if (put.ok()) totals_->blocks_stored.fetch_add(new_blocks, std::memory_order_relaxed);
       // A failed put was counted by the client (a refusal or an unreachable node).
     }
 
     // 5. The store decision's touch: the request's blocks without those just offered.
-    if (hit > 0) client.Touch(std::span(keys).first(hit));
+    if (hit > 0) client.TouchAfterStore(std::span(keys).first(hit));
 
     const uint64_t hit_tokens =
         std::min<uint64_t>(r.input_length, hit * static_cast<uint64_t>(flags_.block_tokens));
@@ -253,7 +265,7 @@ struct NodeShape {
 // be made.
 Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeClient& client,
                              const std::vector<connector::NodeAddress>& nodes,
-                             const std::vector<NodeShape>& shapes) {
+                             const std::vector<NodeShape>& shapes, const BenchReplayFlags& flags) {
   std::vector<std::unique_ptr<store::BlockManager>> managers;
   for (const NodeShape& shape : shapes) {
     store::BlockManagerOptions options;
@@ -280,13 +292,13 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
     }
     return at;
   };
-  auto touch = [&](std::span<const uint64_t> ids) {
+  auto touch = [&](std::span<const uint64_t> ids, store::TouchKind kind) {
     for (auto& keys : by_node) keys.clear();
     for (uint64_t id : ids) {
       for (size_t n : nodes_of(id)) by_node[n].push_back(key_of(id));
     }
     for (size_t n = 0; n < managers.size(); ++n) {
-      if (!by_node[n].empty()) managers[n]->Touch(by_node[n]);
+      if (!by_node[n].empty()) managers[n]->Touch(by_node[n], kind);
     }
   };
   for (const TraceRequest& r : trace) {
@@ -302,22 +314,22 @@ Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeC
     }
     refs += ids.size();
     hits += hit;
-    touch(ids);
+    touch(ids, store::TouchKind::kUse);
     // Puts go last key first (NodeClient::Put), to every replica; each prepares one key.
-    for (size_t i = ids.size(); i-- > hit;) {
+    for (size_t i = BlocksToStore(r, flags.block_tokens, flags.store_partial); i-- > hit;) {
       const BlockKey key = key_of(ids[i]);
       for (size_t n : nodes_of(ids[i])) {
         store::BlockManager& m = *managers[n];
         store::StorePlan plan;
         if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable
         if (plan.keys_to_store.empty()) {
-          m.Touch(std::span(&key, 1));  // a store of a held block is a use
+          m.Touch(std::span(&key, 1), store::TouchKind::kRefresh);  // the request's use
         } else {
           m.CompleteStore(std::span(&key, 1), true);
         }
       }
     }
-    touch(ids.first(hit));
+    touch(ids.first(hit), store::TouchKind::kRefresh);
   }
   return refs == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(refs);
 }
@@ -448,8 +460,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     };
     NodeShape shape;
     shape.capacity_blocks = value("cpu.capacity_blocks");
-    shape.policy =
-        value("cpu.policy_arc") != 0 ? store::EvictionPolicy::kArc : store::EvictionPolicy::kLru;
+    shape.policy = value("cpu.policy_arc") != 0     ? store::EvictionPolicy::kArc
+                   : value("cpu.policy_aflru") != 0 ? store::EvictionPolicy::kAfLru
+                                                    : store::EvictionPolicy::kLru;
     shape.has_ssd = value("ssd.capacity_blocks") != 0;
     resident += value("cpu.resident_blocks") + value("ssd.resident_blocks");
     capacity += shape.capacity_blocks;
@@ -463,7 +476,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   }
   const bool any_ssd =
       std::any_of(shapes.begin(), shapes.end(), [](const NodeShape& s) { return s.has_ssd; });
-  auto model = ModelHitRatio(*trace, client, nodes, shapes);
+  auto model = ModelHitRatio(*trace, client, nodes, shapes, flags);
   if (!model.ok()) return fail(kExitFailure, model.status().message());
   const double infinite = InfiniteCacheHitRatio(*trace);
 
@@ -572,7 +585,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     return fail(kExitFailure, s.message());
   }
 
-  const std::string policy = shapes.front().policy == store::EvictionPolicy::kArc ? "arc" : "lru";
+  const std::string policy(store::EvictionPolicyName(shapes.front().policy));
   const uint64_t bytes_read = totals.blocks_read.load() * block_bytes;
   const uint64_t bytes_stored = totals.blocks_stored.load() * block_bytes;
   report.Set("trace", flags.trace);
@@ -582,6 +595,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Set("capacity_blocks", capacity);
   report.Set("block_bytes", block_bytes);
   report.Set("concurrency", flags.concurrency);
+  report.Set("stored_blocks", flags.store_partial ? "every block" : "full blocks");
   report.Set("speed", flags.speed);
   report.Set("model_covers", any_ssd ? "cpu tier only" : "every tier");
   report.Set("requests", totals.requests.load());
@@ -627,8 +641,9 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
       "Replay a request trace in Mooncake's format against running offload nodes and measure "
       "them as a cache. Per request, as an engine's connector: a lookup of its blocks (the hit "
       "is the run of leading hits), a touch of every key, a read of the hit blocks (each "
-      "checked against the content its id defines), a store of the rest, a touch of the hit "
-      "blocks. Prints a progress line on stderr each second and a summary: block and token hit "
+      "checked against the content its id defines), a store of the full blocks after the hit "
+      "(--store-partial: of every block after it), a touch of the hit blocks. Prints a progress "
+      "line on stderr each second and a summary: block and token hit "
       "ratios next to the hit ratio the node's own policy reaches in-process on the same trace "
       "at the nodes' capacity (model_block_hit_ratio) and that of an unbounded cache; GB/s next "
       "to this machine's own copy rate for the block size over a working set the size of the "
@@ -663,6 +678,9 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
                   "min(k x this, input_length) tokens); Mooncake's traces use 512")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  cmd->add_flag("--store-partial", flags->store_partial,
+                "Store a request's last block even when input_length does not fill it (by "
+                "default only full blocks are stored, as a connector stores them)");
   cmd->add_option("--timeout-ms", flags->timeout_ms, "Deadline of each call to a node")
       ->capture_default_str();
   cmd->add_option("--lookup-budget-ms", flags->lookup_budget_ms,
@@ -675,7 +693,8 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
   cmd->footer(FiguresHelp(ReplaySpec()) +
               "One round: the replay, then the limit (a second replay would find the first's "
               "blocks). --json also carries trace, nodes, policy, capacity_blocks, block_bytes, "
-              "concurrency, speed, model_covers (\"every tier\", or \"cpu tier only\" with SSD "
+              "concurrency, speed, stored_blocks (\"full blocks\" or \"every block\"), "
+              "model_covers (\"every tier\", or \"cpu tier only\" with SSD "
               "tiers), requests, block_refs, blocks_hit, bytes_stored, bytes_read, seconds, "
               "read_misses (reads of blocks evicted since their lookup), lookup_retries, errors "
               "(keys of lookups, reads and stores that no node answered, and calls nodes "

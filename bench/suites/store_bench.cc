@@ -66,7 +66,7 @@ void StoreAll(BlockManager& m, const std::vector<BlockKey>& keys) {
   }
 }
 
-// Args: resident blocks, policy (0 lru, 1 arc).
+// Args: resident blocks, policy (0 lru, 1 arc, 2 aflru).
 void BM_PrefixLookup(benchmark::State& state) {
   const size_t resident = static_cast<size_t>(state.range(0));
   const auto policy = static_cast<EvictionPolicy>(state.range(1));
@@ -240,19 +240,21 @@ void Register() {
       g_smoke ? std::vector<int64_t>{2000} : std::vector<int64_t>{10000, 1000000};
   const std::vector<int64_t> evict_sizes =
       g_smoke ? std::vector<int64_t>{1000} : std::vector<int64_t>{1000, 100000, 1000000};
-  for (int64_t policy : {0, 1}) {
+  // EvictionPolicy's values: lru, arc, aflru.
+  for (int64_t policy : {0, 1, 2}) {
+    const std::string policy_name(EvictionPolicyName(static_cast<EvictionPolicy>(policy)));
     for (int64_t n : lookup_sizes) {
-      benchmark::RegisterBenchmark(policy ? "PrefixLookup/arc" : "PrefixLookup/lru",
-                                   BM_PrefixLookup)
+      benchmark::RegisterBenchmark(("PrefixLookup/" + policy_name).c_str(), BM_PrefixLookup)
           ->Args({n, policy});
     }
   }
   for (int64_t variant : {kPlain, kPinned, kChurn}) {
-    for (int64_t policy : {0, 1}) {
-      const std::string name = std::string("StoreEvict/") + (policy ? "arc" : "lru") +
-                               (variant == kPinned  ? "/pinned"
-                                : variant == kChurn ? "/churn"
-                                                    : "");
+    for (int64_t policy : {0, 1, 2}) {
+      const std::string name =
+          "StoreEvict/" + std::string(EvictionPolicyName(static_cast<EvictionPolicy>(policy))) +
+          (variant == kPinned  ? "/pinned"
+           : variant == kChurn ? "/churn"
+                               : "");
       for (int64_t n : evict_sizes) {
         benchmark::RegisterBenchmark(name.c_str(), BM_StoreEvict)->Args({n, policy, variant});
       }
@@ -268,7 +270,7 @@ void Register() {
   }
 }
 
-// `store_bench --evict-loop RESIDENT,CALLS,lru|arc`: fills a manager, then makes CALLS
+// `store_bench --evict-loop RESIDENT,CALLS,lru|arc|aflru`: fills a manager, then makes CALLS
 // store+evict calls of 16 blocks with no timing at all. For counting instructions per evicted
 // block, which does not depend on caches or noise:
 //   valgrind --tool=callgrind store_bench --evict-loop 1000000,0,lru      (setup only)
@@ -278,7 +280,8 @@ int EvictLoop(const std::string& spec) {
   size_t resident = 0, calls = 0;
   char policy[8] = {};
   if (std::sscanf(spec.c_str(), "%zu,%zu,%7s", &resident, &calls, policy) != 3 || resident == 0) {
-    std::fprintf(stderr, "--evict-loop takes RESIDENT,CALLS,lru|arc, not '%s'\n", spec.c_str());
+    std::fprintf(stderr, "--evict-loop takes RESIDENT,CALLS,lru|arc|aflru, not '%s'\n",
+                 spec.c_str());
     return 2;
   }
   auto parsed = ParseEvictionPolicy(policy);
@@ -315,7 +318,7 @@ bench::SuiteSpec StoreSuite() {
       "(this machine's cost of a random cache-line read from DRAM: the unit in which eviction "
       "time grows once the index outgrows the caches), SlabCopy/<block bytes> (a block into a "
       "slab slot vs plain memcpy of the same size, interleaved). store_bench --evict-loop "
-      "RESIDENT,CALLS,lru|arc makes CALLS store+evict calls with no timing, for counting "
+      "RESIDENT,CALLS,lru|arc|aflru makes CALLS store+evict calls with no timing, for counting "
       "instructions under callgrind.";
   spec.counters = {
       {.counter = "ns_per_key",

@@ -15,7 +15,8 @@ using Clock = std::chrono::steady_clock;
 
 struct BlockTransfer::Pending {
   BlockJob job;
-  bool touch = false;  // a touch of job.keys, not a transfer
+  bool touch = false;        // a touch of job.keys, not a transfer
+  bool after_store = false;  // that touch is the step's touch after its stores
   // A store's blocks, encoded at submit: pages then trailer, block_bytes each.
   std::vector<std::byte> staged;
 };
@@ -127,10 +128,11 @@ Status BlockTransfer::Submit(BlockJob job) {
   return Status::OK();
 }
 
-void BlockTransfer::SubmitTouch(std::vector<BlockKey> keys) {
+void BlockTransfer::SubmitTouch(std::vector<BlockKey> keys, bool after_store) {
   if (keys.empty()) return;
   auto pending = std::make_unique<Pending>();
   pending->touch = true;
+  pending->after_store = after_store;
   pending->job.keys = std::move(keys);
   {
     MutexLock lock(&mu_);
@@ -175,7 +177,11 @@ void BlockTransfer::Run() {
     }
     if (next->touch) {
       // Asynchronous: the client sends it and counts its outcome; nothing waits for the nodes.
-      options_.client->Touch(next->job.keys);
+      if (next->after_store) {
+        options_.client->TouchAfterStore(next->job.keys);
+      } else {
+        options_.client->Touch(next->job.keys);
+      }
       {
         MutexLock lock(&mu_);
         --touches_in_flight_;

@@ -236,7 +236,7 @@ Result<std::vector<std::pair<RequestId, JobId>>> KvConnector::BeginStep(
 void KvConnector::SubmitTouches(bool before_stores) {
   if (manager_ == nullptr) return;
   if (!before_stores) {
-    transfer_->SubmitTouch(std::exchange(after_store_touches_, {}));
+    transfer_->SubmitTouch(std::exchange(after_store_touches_, {}), /*after_store=*/true);
     return;
   }
   NodeOffloadManager::StepTouches touches = manager_->TakeStepTouches();

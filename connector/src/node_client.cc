@@ -174,6 +174,9 @@ std::vector<Result<size_t>> NodeClient::Get(std::span<const BlockKey> keys,
   return impl_->Get(keys, outs);
 }
 void NodeClient::Touch(std::span<const BlockKey> keys) { impl_->Touch(keys); }
+void NodeClient::TouchAfterStore(std::span<const BlockKey> keys) {
+  impl_->Touch(keys, /*refresh=*/true);
+}
 void NodeClient::Pin(std::span<const BlockKey> keys) { impl_->Pin(keys); }
 void NodeClient::Unpin(std::span<const BlockKey> keys) { impl_->Unpin(keys); }
 Status NodeClient::TouchSync(std::span<const BlockKey> keys) { return impl_->TouchSync(keys); }

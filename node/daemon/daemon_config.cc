@@ -53,7 +53,9 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "hold (a System V segment, else --shm-dir's free space) or than RLIMIT_MEMLOCK "
                  "(where an InfiniBand device pins it) is refused with exit status 2")
       ->capture_default_str();
-  app.add_option("--cpu-policy", flags.cpu_policy, "Eviction policy of the CPU tier: lru or arc")
+  app.add_option("--cpu-policy", flags.cpu_policy,
+                 "Eviction policy of the CPU tier: lru, arc (vLLM's) or aflru (age over frequency, "
+                 "docs/semantics.md §4a)")
       ->capture_default_str();
   app.add_flag("--huge-pages", flags.huge_pages,
                "Back the CPU tier with transparent huge pages (advisory), for fewer TLB misses "
@@ -75,7 +77,8 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "Default: no SSD tier");
   app.add_option("--ssd-bytes", flags.ssd_bytes,
                  "Capacity of the SSD tier (required with --ssd-dir)");
-  app.add_option("--ssd-policy", flags.ssd_policy, "Eviction policy of the SSD tier: lru or arc")
+  app.add_option("--ssd-policy", flags.ssd_policy,
+                 "Eviction policy of the SSD tier: lru, arc or aflru")
       ->capture_default_str();
   app.add_option("--cascade", flags.cascade,
                  "When a committed block reaches the SSD tier: write-through (at once) or "
@@ -237,7 +240,7 @@ namespace {
 Result<store::EvictionPolicy> Policy(std::string_view setting, const std::string& name) {
   auto policy = store::ParseEvictionPolicy(name);
   if (!policy.ok()) {
-    return InvalidArgumentError("{}: '{}' is not lru or arc", setting, name);
+    return InvalidArgumentError("{}: '{}' is not lru, arc or aflru", setting, name);
   }
   return *policy;
 }

@@ -25,6 +25,11 @@ Value NodeValue(const Snapshot& s) {
   [](const Snapshot& s) -> Value {                                                  \
     return s.store && s.store->arc ? Value(s.store->arc_sizes.expr) : std::nullopt; \
   }
+// AF-LRU's lists, reported under AF-LRU only.
+#define KVSTASH_AFLRU(expr)                                                           \
+  [](const Snapshot& s) -> Value {                                                    \
+    return s.store && s.store->aflru ? Value(s.store->arc_sizes.expr) : std::nullopt; \
+  }
 #define KVSTASH_TRANSPORT(expr) \
   [](const Snapshot& s) -> Value { return s.transport ? Value(s.transport->expr) : std::nullopt; }
 #define KVSTASH_MEMORY(expr) \
@@ -42,6 +47,10 @@ const MetricFamilyDef kArcBlocks{
     "kvstash_cpu_arc_blocks", MetricType::Gauge,
     "ARC's lists in the CPU tier (0 under LRU): t1 holds blocks seen once, t2 blocks used again "
     "since they were stored"};
+const MetricFamilyDef kAfLruBlocks{
+    "kvstash_cpu_aflru_blocks", MetricType::Gauge,
+    "AF-LRU's classes in the CPU tier (absent under LRU and ARC): blocks used by one, two, and "
+    "three or more requests"};
 const MetricFamilyDef kTouched{
     "kvstash_touched_keys_total", MetricType::Counter,
     "Keys clients marked used (touches, and stores of blocks the node held)"};
@@ -130,6 +139,11 @@ const std::vector<CounterDef>& Defs() {
       {"ssd.capacity_blocks", KVSTASH_STORE(ssd_capacity), &kCapacity, {{"tier", "ssd"}}},
       {"cpu.block_bytes", KVSTASH_STORE(block_bytes), &kBlockBytes, {}},
       {"cpu.policy_arc", KVSTASH_STORE(arc ? 1u : 0u), nullptr, {}},
+      {"cpu.policy_aflru", KVSTASH_STORE(aflru ? 1u : 0u), nullptr, {}},
+      {"cpu.aflru_class1_blocks", KVSTASH_AFLRU(t1), &kAfLruBlocks, {{"class", "1"}}},
+      {"cpu.aflru_class2_blocks", KVSTASH_AFLRU(t2), &kAfLruBlocks, {{"class", "2"}}},
+      {"cpu.aflru_class3_blocks", KVSTASH_AFLRU(t3), &kAfLruBlocks, {{"class", "3"}}},
+      {"cpu.aflru_ghosts", KVSTASH_AFLRU(b1), nullptr, {}},
       // ARC's lists: T2 grows as blocks are used again (a touch, a store of a held block).
       {"cpu.arc_t1_blocks", KVSTASH_ARC(t1), &kArcBlocks, {{"list", "t1"}}},
       {"cpu.arc_t2_blocks", KVSTASH_ARC(t2), &kArcBlocks, {{"list", "t2"}}},
@@ -231,7 +245,8 @@ CounterSnapshot::Store SnapshotOf(store::TieredStore& store) {
   s.cpu_capacity = store.cpu().capacity();
   s.cpu_resident = store.cpu().resident_blocks();
   s.arc = store.cpu().policy() == store::EvictionPolicy::kArc;
-  if (s.arc) s.arc_sizes = store.cpu().policy_sizes();
+  s.aflru = store.cpu().policy() == store::EvictionPolicy::kAfLru;
+  if (s.arc || s.aflru) s.arc_sizes = store.cpu().policy_sizes();
   return s;
 }
 

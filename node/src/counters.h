@@ -71,7 +71,8 @@ struct CounterSnapshot {
     uint64_t cpu_capacity = 0, cpu_resident = 0;
     uint64_t ssd_capacity = 0, ssd_resident = 0;
     bool arc = false;
-    store::PolicySizes arc_sizes;
+    bool aflru = false;
+    store::PolicySizes arc_sizes;  // ARC's or AF-LRU's lists
   };
   std::optional<Store> store;
   struct Transport {

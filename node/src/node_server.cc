@@ -807,7 +807,8 @@ class NodeServer::Impl {
     if (!ns || !Keys(call, *ns, request.keys(), &keys)) return;
     {
       MutexLock lock(&service_mu_);
-      service_->Touch(keys);
+      service_->Touch(keys,
+                      request.refresh() ? store::TouchKind::kRefresh : store::TouchKind::kUse);
     }
     ReplyWith(call, wire::TouchReply());
   }

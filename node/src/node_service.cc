@@ -93,8 +93,8 @@ class NodeService::Impl {
     return results;
   }
 
-  void Touch(std::span<const BlockKey> keys) {
-    store_->Touch(keys);
+  void Touch(std::span<const BlockKey> keys, store::TouchKind kind) {
+    store_->Touch(keys, kind);
     counters_.Add(NodeCounter::kTouchedKeys, keys.size());
   }
 
@@ -120,7 +120,7 @@ class NodeService::Impl {
     if (plan.keys_to_store.empty()) {
       // Held or being stored already: the bytes are not taken, and the store counts as a use
       // of the block (as the connector's touch after a store, docs/semantics.md §7.6).
-      Touch(std::span(&key, 1));
+      Touch(std::span(&key, 1), store::TouchKind::kRefresh);
       put.skipped = true;
       return put;
     }
@@ -451,7 +451,9 @@ Result<NamespaceId> NodeService::BeginRequest(uint64_t connection, std::string_v
 std::vector<LookupResult> NodeService::Lookup(std::span<const BlockKey> keys) {
   return impl_->Lookup(keys);
 }
-void NodeService::Touch(std::span<const BlockKey> keys) { impl_->Touch(keys); }
+void NodeService::Touch(std::span<const BlockKey> keys, store::TouchKind kind) {
+  impl_->Touch(keys, kind);
+}
 Result<NodeService::PutSlot> NodeService::BeginPut(uint64_t connection, const BlockKey& key,
                                                    size_t length) {
   return impl_->BeginPut(connection, key, length);

@@ -35,7 +35,7 @@ class ArcPolicy final : public ReplacementPolicy {
 
   void Remove(uint32_t id) override { List(id).Remove(id); }
 
-  void Touch(const BlockKey& key, uint64_t hash, uint32_t id) override {
+  void Touch(const BlockKey& key, uint64_t hash, uint32_t id, TouchKind /*kind*/) override {
     if (id != kNoId) {
       Entry& e = entries_[id];
       if (e.list == kT2) {

@@ -18,11 +18,20 @@ namespace kvstash::store {
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name) {
   if (name == "lru") return EvictionPolicy::kLru;
   if (name == "arc") return EvictionPolicy::kArc;
-  return InvalidArgumentError("unknown eviction policy '{}' (expected lru or arc)", name);
+  if (name == "aflru") return EvictionPolicy::kAfLru;
+  return InvalidArgumentError("unknown eviction policy '{}' (expected lru, arc or aflru)", name);
 }
 
 std::string_view EvictionPolicyName(EvictionPolicy policy) {
-  return policy == EvictionPolicy::kArc ? "arc" : "lru";
+  switch (policy) {
+    case EvictionPolicy::kArc:
+      return "arc";
+    case EvictionPolicy::kAfLru:
+      return "aflru";
+    case EvictionPolicy::kLru:
+      break;
+  }
+  return "lru";
 }
 
 namespace {
@@ -104,6 +113,18 @@ class PrefetchingWalk {
   uint64_t ring_[kRing];
 };
 
+std::unique_ptr<ReplacementPolicy> MakePolicy(const BlockManagerOptions& options, Entry* entries) {
+  switch (options.policy) {
+    case EvictionPolicy::kArc:
+      return MakeArcPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+    case EvictionPolicy::kAfLru:
+      return MakeAfLruPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+    case EvictionPolicy::kLru:
+      break;
+  }
+  return MakeLruPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+}
+
 class BlockManagerImpl final : public BlockManager {
  public:
   explicit BlockManagerImpl(const BlockManagerOptions& options)
@@ -111,11 +132,7 @@ class BlockManagerImpl final : public BlockManager {
         capacity_(options.capacity_blocks),
         entries_(options.capacity_blocks),
         index_(options.capacity_blocks),
-        policy_(options.policy == EvictionPolicy::kArc
-                    ? MakeArcPolicy(entries_.data(), options.capacity_blocks,
-                                    options.first_recency_stamp)
-                    : MakeLruPolicy(entries_.data(), options.capacity_blocks,
-                                    options.first_recency_stamp)) {
+        policy_(MakePolicy(options, entries_.data())) {
     if (options.count_namespaces || !options.quotas.empty()) {
       book_ = std::make_unique<NamespaceBook>(options.quotas, options.capacity_blocks);
     }
@@ -202,14 +219,15 @@ class BlockManagerImpl final : public BlockManager {
     return Status::OK();
   }
 
-  void Touch(std::span<const BlockKey> keys) override {
+  using BlockManager::Touch;
+  void Touch(std::span<const BlockKey> keys, TouchKind kind) override {
     MutexLock lock(&mu_);
     PrefetchingWalk walk = WalkForTouch(keys);
     const bool quotas = book_ && book_->has_quotas();
     for (size_t i = keys.size(); i-- > 0;) {
       const uint64_t hash = walk.Next();
       const uint32_t id = FindHashed(keys[i], hash);
-      policy_->Touch(keys[i], hash, id);
+      policy_->Touch(keys[i], hash, id, kind);
       if (quotas && id != kNoId) book_->Touch(id, keys[i].namespace_id);
     }
   }

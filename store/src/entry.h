@@ -29,7 +29,7 @@ struct Entry {
   uint32_t aux;         // the owner's: free-stack link while the slot is free; KeyLists' value
   int32_t ref : 24;     // -1 being written, 0 idle (evictable), k > 0 pinned by k loads
   uint32_t place : 2;   // a Place
-  uint32_t list : 1;    // which list of the policy (ARC: 0 = T1, 1 = T2)
+  uint32_t list : 2;    // which list of the policy (ARC: 0 = T1, 1 = T2; AF-LRU: class - 1)
   uint32_t marked : 1;  // protected from eviction by the current call
 
   Place where() const { return static_cast<Place>(place); }

@@ -13,7 +13,7 @@ class LruPolicy final : public ReplacementPolicy {
 
   void Insert(uint32_t id, uint64_t /*hash*/) override { list_.PushMru(id); }
   void Remove(uint32_t id) override { list_.Remove(id); }
-  void Touch(const BlockKey& /*key*/, uint64_t /*hash*/, uint32_t id) override {
+  void Touch(const BlockKey& /*key*/, uint64_t /*hash*/, uint32_t id, TouchKind /*kind*/) override {
     if (id != kNoId) list_.MoveToMru(id);
   }
   void OnEvictable(uint32_t id) override { list_.OnEvictable(id); }

@@ -26,7 +26,7 @@ class ReplacementPolicy {
   virtual void Remove(uint32_t id) = 0;
   // One key of a Touch call; the manager calls these in reverse key order. `id` is the key's
   // entry, or kNoId when it is not resident.
-  virtual void Touch(const BlockKey& key, uint64_t hash, uint32_t id) = 0;
+  virtual void Touch(const BlockKey& key, uint64_t hash, uint32_t id, TouchKind kind) = 0;
   // Entry `id` just became evictable (its ref count reached 0).
   virtual void OnEvictable(uint32_t id) = 0;
   // A key with this hash is about to be inserted or touched: start loading what the policy
@@ -49,5 +49,7 @@ std::unique_ptr<ReplacementPolicy> MakeLruPolicy(Entry* entries, size_t capacity
                                                  uint32_t first_stamp);
 std::unique_ptr<ReplacementPolicy> MakeArcPolicy(Entry* entries, size_t capacity,
                                                  uint32_t first_stamp);
+std::unique_ptr<ReplacementPolicy> MakeAfLruPolicy(Entry* entries, size_t capacity,
+                                                   uint32_t first_stamp);
 
 }  // namespace kvstash::store

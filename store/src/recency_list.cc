@@ -215,6 +215,17 @@ uint32_t RecencyList::TakeVictim() {
   return kNoId;
 }
 
+void RecencyList::UntakeLast(uint32_t id) {
+  if (!taken_ring_.empty() && taken_ring_.back() == id) {
+    // Taken at the cursor's position, which then moved one past it.
+    taken_ring_.pop_back();
+    cursor_ = entries_[id].stamp;
+    return;
+  }
+  taken_heap_.pop_back();
+  HeapPush(id);
+}
+
 void RecencyList::EndScan(bool commit) {
   if (commit) {
     for (uint32_t id : taken_ring_) entries_[id].set_where(Place::kFree);

@@ -59,6 +59,10 @@ class RecencyList {
   // it was (what a scan moves between ring, heap and parked set changes no observable order).
   void BeginScan();
   uint32_t TakeVictim();
+  // Gives back `id`, the entry the last TakeVictim returned, as if it had not been taken: the
+  // next TakeVictim returns it again (AF-LRU looks at the next victim of each of its lists and
+  // takes one of them).
+  void UntakeLast(uint32_t id);
   void EndScan(bool commit);
 
   size_t MemoryBytes() const;

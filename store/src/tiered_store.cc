@@ -479,9 +479,9 @@ Status TieredStore::CompleteLoad(std::span<const BlockKey> keys) {
   return cpu_->CompleteLoad(keys);
 }
 
-void TieredStore::Touch(std::span<const BlockKey> keys) {
-  cpu_->Touch(keys);
-  if (ssd_) ssd_->Touch(keys);
+void TieredStore::Touch(std::span<const BlockKey> keys, TouchKind kind) {
+  cpu_->Touch(keys, kind);
+  if (ssd_) ssd_->Touch(keys, kind);
 }
 
 Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,

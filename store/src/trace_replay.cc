@@ -119,7 +119,9 @@ class Replayer {
   }
 
   Status Start(std::string_view op) {
-    if (!have_policy_) return Error("'policy lru|arc' must come before the first operation");
+    if (!have_policy_) {
+      return Error("'policy lru|arc|aflru' must come before the first operation");
+    }
     if (!have_capacity_) return Error("'capacity N' must come before the first operation");
     options_.enable_events = true;
     auto manager = BlockManager::Create(options_);
@@ -185,9 +187,9 @@ class Replayer {
           op == "load" ? manager_->PrepareLoad(keys, &slots) : manager_->CompleteLoad(keys);
       return Print(status.ok() ? std::string("ok") : fmt::format("error {}", status.message()));
     }
-    if (op == "touch") {
+    if (op == "touch" || op == "refresh") {
       KVSTASH_RETURN_IF_ERROR(ParseKeys(args, &keys));
-      manager_->Touch(keys);
+      manager_->Touch(keys, op == "touch" ? TouchKind::kUse : TouchKind::kRefresh);
       return Print("ok");
     }
     if (op == "events") {
@@ -206,6 +208,18 @@ class Replayer {
       if (s.policy == EvictionPolicy::kLru) {
         std::string blocks = JoinBlocks(s.lru, ' ');
         return Print(blocks.empty() ? "lru" : "lru " + blocks);
+      }
+      if (s.policy == EvictionPolicy::kAfLru) {
+        std::string line = fmt::format("aflru clock={}", s.af_clock);
+        for (size_t k = 0; k < 3; ++k) {
+          line += fmt::format(" c{}=", k + 1);
+          for (size_t i = 0; i < s.af[k].size(); ++i) {
+            if (i > 0) line += ',';
+            line += fmt::format("{}:{}@{}", s.af[k][i].key.hash.lo, s.af[k][i].ref_count,
+                                s.af_touched[k][i]);
+          }
+        }
+        return Print(line + fmt::format(" ghosts={}", s.af_ghosts.size()));
       }
       return Print(fmt::format("arc p={:.6f} t1={} t2={} b1={} b2={}", s.arc_target,
                                JoinBlocks(s.t1, ','), JoinBlocks(s.t2, ','), JoinKeys(s.b1),

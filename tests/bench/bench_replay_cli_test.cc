@@ -113,7 +113,9 @@ std::vector<Request> ReadTrace(const std::string& path) {
 }
 
 // The independent model: a plain LRU list of `capacity` blocks.
-double LruHitRatio(const std::vector<Request>& trace, size_t capacity) {
+// LRU over the trace as the replay drives it: a request stores its full blocks (input_length /
+// 512 of them), or every block with `partial` (--store-partial).
+double LruHitRatio(const std::vector<Request>& trace, size_t capacity, bool partial = false) {
   std::list<uint64_t> order;  // most recent first
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where;
   uint64_t refs = 0, hits = 0;
@@ -124,7 +126,9 @@ double LruHitRatio(const std::vector<Request>& trace, size_t capacity) {
     hits += hit;
     // Store the misses, evicting the least recent blocks outside the request.
     const std::unordered_set<uint64_t> request(r.ids.begin(), r.ids.end());
-    for (size_t i = r.ids.size(); i-- > 0;) {
+    const size_t stored =
+        partial ? r.ids.size() : std::min<size_t>(r.ids.size(), r.input_length / 512);
+    for (size_t i = stored; i-- > 0;) {
       const uint64_t id = r.ids[i];
       if (where.contains(id)) continue;
       if (where.size() >= capacity) {
@@ -220,6 +224,7 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   if (GetParam() == "lru") {
     EXPECT_NEAR(measured, lru, 0.01);
   }
+  EXPECT_EQ(s["stored_blocks"], "full blocks");
   // The cache was small enough to matter and large enough to work.
   EXPECT_GT(measured, 0.05);
   if (std::getenv("KVSTASH_REPLAY_TRACE") == nullptr) {
@@ -235,7 +240,39 @@ TEST_P(BenchReplayTest, HitRatioMatchesTheModelsAndEveryBlockReadsBack) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, BenchReplayTest, ::testing::Values("lru", "arc"));
+INSTANTIATE_TEST_SUITE_P(Policies, BenchReplayTest, ::testing::Values("lru", "arc", "aflru"));
+
+// --store-partial stores a request's last block too, as the replay did before it stored full
+// blocks only: each mode's hit ratio follows an independent LRU that stores the same blocks,
+// and the partial mode stores more bytes.
+TEST(BenchReplayCliTest, StorePartialStoresTheLastBlockToo) {
+  TempDir dir;
+  const std::string path = WriteTrace(dir, GenerateTrace(1500, 7));
+  const std::vector<Request> trace = ReadTrace(path);
+  auto replay = [&](bool partial) {
+    auto node = Node(256, "lru");
+    std::vector<std::string> argv = {kKvstash, "bench",  "replay",       "--trace",
+                                     path,     "--node", Address(*node), "--lookup-budget-ms",
+                                     "60000",  "--json"};
+    if (partial) argv.push_back("--store-partial");
+    const auto r = RunProcess(argv);
+    EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
+    return Summary(r.out);
+  };
+  const Json full = replay(false);
+  const Json partial = replay(true);
+  ASSERT_FALSE(full.is_discarded());
+  ASSERT_FALSE(partial.is_discarded());
+  EXPECT_EQ(full["stored_blocks"], "full blocks");
+  EXPECT_EQ(partial["stored_blocks"], "every block");
+  EXPECT_GT(partial["bytes_stored"].get<uint64_t>(), full["bytes_stored"].get<uint64_t>());
+  for (const Json* s : {&full, &partial}) {
+    EXPECT_DOUBLE_EQ((*s)["block_hit_ratio"].get<double>(),
+                     (*s)["model_block_hit_ratio"].get<double>());
+  }
+  EXPECT_NEAR(partial["block_hit_ratio"].get<double>(), LruHitRatio(trace, 256, true), 0.01);
+  EXPECT_NEAR(full["block_hit_ratio"].get<double>(), LruHitRatio(trace, 256, false), 0.01);
+}
 
 TEST(BenchReplayCliTest, ConcurrentReplayLosesNothingAndFollowsTheClockWithProgress) {
   TempDir dir;

@@ -226,6 +226,33 @@ TEST(NodeClientRecencyTest, ArcMovesABlockToT2OnItsSecondUseAndALookupIsNone) {
   EXPECT_EQ(Counter(*client, 0, "cpu.arc_t1_blocks"), 2u);
 }
 
+// AF-LRU counts the requests that use a block (docs/semantics.md §4a): a touch moves a block a
+// class up; the same request's touch after its stores (refresh) and a store of a block the node
+// holds do not.
+TEST(NodeClientRecencyTest, AfLruCountsAUseOncePerRequest) {
+  auto daemons = StartNodes(1, {"--cpu-policy", "aflru"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  PutAll(*client, Keys(0, 4));
+  EXPECT_EQ(Counter(*client, 0, "cpu.policy_aflru"), 1u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_class1_blocks"), 4u);
+  client->TouchAfterStore(Keys(0, 2));
+  client->WaitForTouches();
+  PutAll(*client, Keys(2, 1));  // held: a refresh
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_class2_blocks"), 0u);
+  ASSERT_TRUE(client->TouchSync(Keys(0, 1)).ok());
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_class2_blocks"), 1u);
+  ASSERT_TRUE(client->TouchSync(Keys(0, 1)).ok());
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_class3_blocks"), 1u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_class1_blocks"), 3u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.aflru_ghosts"), 0u);
+  // Under LRU the class counters are absent.
+  auto lru = StartNodes(1, {"--cpu-policy", "lru"});
+  auto lru_client = Client(lru);
+  ASSERT_NE(lru_client, nullptr);
+  EXPECT_EQ(Counter(*lru_client, 0, "cpu.aflru_class1_blocks"), ~uint64_t{0});
+}
+
 TEST(NodeClientErrorsTest, ARefusalIsCountedAndReturnedNeverASilentMiss) {
   const std::filesystem::path token_file =
       std::filesystem::temp_directory_path() / ("kvstash-token-" + std::to_string(::getpid()));

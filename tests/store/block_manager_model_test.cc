@@ -1,7 +1,10 @@
 // Randomized model test of BlockManager: every operation runs on the real manager and on a slow,
 // obviously-correct model written from the specification (docs/semantics.md
-// §1-§4 and §7.4, plus the kvstash rules listed below), and the two must agree after every step:
+// §1-§4a and §7.4, plus the kvstash rules listed below), and the two must agree after every step:
 // return values, plans, slots, scan results, events and the full DebugState.
+//
+// AF-LRU (§4a) is kvstash's own: the model keeps every block's class and last-touch clock and
+// picks each victim by scanning the three class lists, as the rule is written.
 //
 // kvstash rules the model follows on top of vLLM's (docs/semantics.md §10):
 //  * ARC eviction: when T1 is skipped because vT1 < int(p) and T2 has no eligible block, fall
@@ -38,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "ghost_ring.h"
 #include "gtest/gtest.h"
 #include "kvstash/common/block_key.h"
 #include "kvstash/common/hash.h"
@@ -108,6 +112,16 @@ std::string BlocksStr(const std::vector<BlockInfo>& blocks) {
 std::string StateStr(const BlockManagerState& s) {
   std::ostringstream out;
   out.precision(17);
+  if (s.policy == EvictionPolicy::kAfLru) {
+    out << "AFLRU clock=" << s.af_clock;
+    for (size_t k = 0; k < 3; ++k) {
+      out << " c" << k + 1 << "=" << BlocksStr(s.af[k]) << "@"
+          << ListStr(s.af_touched[k], [](uint64_t t) { return t; });
+    }
+    out << " ghosts=" << ListStr(s.af_ghosts, [](uint32_t g) { return g; })
+        << " free=" << SlotsStr(s.free_slots) << " fresh=" << s.fresh_slots_used;
+    return out.str();
+  }
   out << (s.policy == EvictionPolicy::kLru ? "LRU" : "ARC") << " lru=" << BlocksStr(s.lru)
       << " t1=" << BlocksStr(s.t1) << " t2=" << BlocksStr(s.t2) << " b1=" << KeysStr(s.b1)
       << " b2=" << KeysStr(s.b2) << " p=" << s.arc_target << " free=" << SlotsStr(s.free_slots)
@@ -116,9 +130,13 @@ std::string StateStr(const BlockManagerState& s) {
 }
 
 bool StatesEqual(const BlockManagerState& a, const BlockManagerState& b) {
+  for (size_t k = 0; k < 3; ++k) {
+    if (a.af[k] != b.af[k] || a.af_touched[k] != b.af_touched[k]) return false;
+  }
   return a.policy == b.policy && a.lru == b.lru && a.t1 == b.t1 && a.t2 == b.t2 && a.b1 == b.b1 &&
          a.b2 == b.b2 && a.arc_target == b.arc_target && a.free_slots == b.free_slots &&
-         a.fresh_slots_used == b.fresh_slots_used;
+         a.fresh_slots_used == b.fresh_slots_used && a.af_clock == b.af_clock &&
+         a.af_ghosts == b.af_ghosts;
 }
 
 std::string EventsStr(const std::vector<OffloadEvent>& events) {
@@ -175,6 +193,10 @@ struct Coverage {
   size_t retries = 0;             // lookups answering RETRY
   size_t tracker_drops = 0;       // reuse-tracker entries dropped
   size_t filtered_keys = 0;       // keys the reuse filter removed
+  size_t af_promotions = 0;       // AF-LRU: a use moved a block up a class
+  size_t af_upper_evictions = 0;  // AF-LRU: victims of class 2 or 3
+  size_t af_ghost_reinserts = 0;  // AF-LRU: stores that found their key's ghost
+  size_t af_refreshes = 0;        // AF-LRU: resident keys touched without a use counted
 
   void Add(const Coverage& o) {
     evictions += o.evictions;
@@ -192,6 +214,10 @@ struct Coverage {
     retries += o.retries;
     tracker_drops += o.tracker_drops;
     filtered_keys += o.filtered_keys;
+    af_promotions += o.af_promotions;
+    af_upper_evictions += o.af_upper_evictions;
+    af_ghost_reinserts += o.af_ghost_reinserts;
+    af_refreshes += o.af_refreshes;
   }
 };
 
@@ -200,7 +226,16 @@ class Model {
   struct Block {
     BlockKey key;
     SlotId slot;
-    int32_t ref;  // -1 being written, 0 idle, k > 0 pinned by k loads
+    int32_t ref;           // -1 being written, 0 idle, k > 0 pinned by k loads
+    uint64_t touched = 0;  // AF-LRU: the clock at its last touch or store
+  };
+  // AF-LRU's memory of an evicted block: the fingerprint and class it left with, and which
+  // push made it (the ring keeps what the last 2 x capacity pushes left).
+  struct Ghost {
+    uint64_t push;
+    uint32_t fingerprint;
+    uint32_t cls;
+    BlockKey key;  // for the generator only: the manager keeps no keys
   };
   using List = std::vector<Block>;  // least recent first
 
@@ -295,9 +330,30 @@ class Model {
 
   // ---- touch ----
 
-  void Touch(const std::vector<BlockKey>& keys) {
+  void Touch(const std::vector<BlockKey>& keys, TouchKind kind) {
     for (size_t i = keys.size(); i-- > 0;) {
       const BlockKey& key = keys[i];
+      if (policy_ == EvictionPolicy::kAfLru) {
+        // §4a: every key advances the clock; a held key moves to the MRU end of its class,
+        // one class up (at most 3) for a use of a block that is not being written.
+        ++clock_;
+        for (size_t k = 0; k < 3; ++k) {
+          std::optional<size_t> at = IndexIn(af_[k], key);
+          if (!at) continue;
+          Block block = af_[k][*at];
+          af_[k].erase(af_[k].begin() + static_cast<std::ptrdiff_t>(*at));
+          block.touched = clock_;
+          const bool use = kind == TouchKind::kUse && block.ref >= 0 && k < 2;
+          if (use) {
+            ++coverage_.af_promotions;
+          } else if (kind == TouchKind::kRefresh) {
+            ++coverage_.af_refreshes;
+          }
+          af_[use ? k + 1 : k].push_back(block);
+          break;
+        }
+        continue;
+      }
       if (policy_ == EvictionPolicy::kLru) {
         // §3: a present key moves to MRU; absent keys are ignored.
         std::optional<size_t> at = IndexIn(lru_, key);
@@ -369,9 +425,10 @@ class Model {
     if (to_store.size() > free_count) {
       size_t need = to_store.size() - free_count;
       std::set<BlockKey> protected_keys(filtered.begin(), filtered.end());
-      std::optional<std::vector<BlockKey>> victims = policy_ == EvictionPolicy::kLru
-                                                         ? LruEvict(need, protected_keys)
-                                                         : ArcEvict(need, protected_keys);
+      std::optional<std::vector<BlockKey>> victims =
+          policy_ == EvictionPolicy::kLru   ? LruEvict(need, protected_keys)
+          : policy_ == EvictionPolicy::kArc ? ArcEvict(need, protected_keys)
+                                            : AfEvict(need, protected_keys);
       if (!victims) {
         ++coverage_.refused_stores;
         return Status(StatusCode::kResourceExhausted, "model: no room");
@@ -393,6 +450,19 @@ class Model {
       Block block{key, slot, -1};
       if (policy_ == EvictionPolicy::kLru) {
         lru_.push_back(block);
+      } else if (policy_ == EvictionPolicy::kAfLru) {
+        // §4a: class 1, or one above the class its ghost remembers (at most 3).
+        size_t cls = 1;
+        const uint32_t fp = GhostRing::Fingerprint(key);
+        for (size_t g = 0; g < ghosts_.size(); ++g) {
+          if (ghosts_[g].fingerprint != fp) continue;
+          cls = std::min<size_t>(3, ghosts_[g].cls + 1);
+          ghosts_.erase(ghosts_.begin() + static_cast<std::ptrdiff_t>(g));
+          ++coverage_.af_ghost_reinserts;
+          break;
+        }
+        block.touched = ++clock_;
+        af_[cls - 1].push_back(block);
       } else {
         t1_.push_back(block);
         if (GhostIndex(b1_, key) || GhostIndex(b2_, key)) ++coverage_.ghost_reinserts;
@@ -440,6 +510,9 @@ class Model {
   }
 
   void Reset() {
+    for (List& list : af_) list.clear();
+    ghosts_.clear();
+    clock_ = 0;
     lru_.clear();
     t1_.clear();
     t2_.clear();
@@ -466,6 +539,13 @@ class Model {
     s.policy = policy_;
     if (policy_ == EvictionPolicy::kLru) {
       s.lru = Infos(lru_);
+    } else if (policy_ == EvictionPolicy::kAfLru) {
+      for (size_t k = 0; k < 3; ++k) {
+        s.af[k] = Infos(af_[k]);
+        for (const Block& b : af_[k]) s.af_touched[k].push_back(b.touched);
+      }
+      s.af_clock = clock_;
+      for (const Ghost& g : ghosts_) s.af_ghosts.push_back(g.fingerprint << 2 | g.cls);
     } else {
       s.t1 = Infos(t1_);
       s.t2 = Infos(t2_);
@@ -496,6 +576,11 @@ class Model {
   const Coverage& coverage() const { return coverage_; }
 
   std::vector<BlockKey> Ghosts() const {
+    if (policy_ == EvictionPolicy::kAfLru) {
+      std::vector<BlockKey> out;
+      for (const Ghost& g : ghosts_) out.push_back(g.key);
+      return out;
+    }
     std::vector<BlockKey> out = b1_;
     out.insert(out.end(), b2_.begin(), b2_.end());
     return out;
@@ -535,10 +620,12 @@ class Model {
 
   std::vector<List*> Lists() {
     if (policy_ == EvictionPolicy::kLru) return {&lru_};
+    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2]};
     return {&t1_, &t2_};
   }
   std::vector<const List*> Lists() const {
     if (policy_ == EvictionPolicy::kLru) return {&lru_};
+    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2]};
     return {&t1_, &t2_};
   }
 
@@ -638,6 +725,51 @@ class Model {
     return out;
   }
 
+  // §4a evict: each victim is the idle, unprotected block with the largest age x (6 / W[class]),
+  // W = {1, 2, 3}, ties to the lower class (within a class the least recent is the oldest);
+  // all or nothing; the victims become ghosts in choice order, each push dropping what the
+  // ring's position held 2 x capacity pushes ago and any older ghost of its fingerprint.
+  std::optional<std::vector<BlockKey>> AfEvict(size_t n, const std::set<BlockKey>& protected_keys) {
+    static constexpr uint64_t kWeight[3] = {6, 3, 2};
+    std::set<BlockKey> selected;
+    std::vector<std::pair<BlockKey, size_t>> chosen;  // (key, class - 1)
+    while (chosen.size() < n) {
+      std::optional<std::pair<size_t, size_t>> best;  // (class - 1, index)
+      uint64_t best_score = 0;
+      for (size_t k = 0; k < 3; ++k) {
+        for (size_t i = 0; i < af_[k].size(); ++i) {
+          const Block& b = af_[k][i];
+          if (b.ref != 0 || protected_keys.count(b.key) != 0 || selected.count(b.key) != 0) {
+            continue;
+          }
+          const uint64_t score = (clock_ - b.touched) * kWeight[k];
+          if (!best || score > best_score) {
+            best = std::make_pair(k, i);
+            best_score = score;
+          }
+        }
+      }
+      if (!best) return std::nullopt;
+      const BlockKey key = af_[best->first][best->second].key;
+      chosen.emplace_back(key, best->first);
+      selected.insert(key);
+    }
+    std::vector<BlockKey> out;
+    const uint64_t ring = 2 * capacity_;
+    for (const auto& [key, k] : chosen) {
+      if (k > 0) ++coverage_.af_upper_evictions;
+      const size_t at = *IndexIn(af_[k], key);
+      free_slots_.push_back(af_[k][at].slot);
+      af_[k].erase(af_[k].begin() + static_cast<std::ptrdiff_t>(at));
+      const uint32_t fp = GhostRing::Fingerprint(key);
+      std::erase_if(ghosts_, [fp](const Ghost& g) { return g.fingerprint == fp; });
+      ghosts_.push_back(Ghost{ghost_pushes_++, fp, static_cast<uint32_t>(k + 1), key});
+      std::erase_if(ghosts_, [&](const Ghost& g) { return g.push + ring < ghost_pushes_; });
+      out.push_back(key);
+    }
+    return out;
+  }
+
   // ---- reuse tracker (§2 lookup step 1) ----
 
   void Track(const BlockKey& key) {
@@ -673,6 +805,10 @@ class Model {
 
   List lru_;
   List t1_, t2_;
+  List af_[3];  // AF-LRU: class k + 1, least recent first
+  uint64_t clock_ = 0;
+  std::vector<Ghost> ghosts_;  // oldest first
+  uint64_t ghost_pushes_ = 0;
   std::vector<BlockKey> b1_, b2_;  // oldest first
   double p_ = 0.0;
   std::vector<SlotId> free_slots_;  // top of the stack at the back
@@ -704,9 +840,10 @@ enum class OpKind : uint8_t {
 struct Op {
   OpKind kind = OpKind::kLookup;
   std::vector<KeyId> keys;
-  bool success = true;  // CompleteStore
-  size_t window = 1;    // LookupWindow
-  double target = 0.0;  // SetArcTarget
+  bool success = true;   // CompleteStore
+  size_t window = 1;     // LookupWindow
+  double target = 0.0;   // SetArcTarget
+  bool refresh = false;  // Touch: TouchKind::kRefresh
 };
 
 std::string OpStr(const Op& op) {
@@ -738,7 +875,7 @@ std::string OpStr(const Op& op) {
       out << "CompleteLoad(" << IdsStr(op.keys) << ")";
       break;
     case OpKind::kTouch:
-      out << "Touch(" << IdsStr(op.keys) << ")";
+      out << (op.refresh ? "Refresh(" : "Touch(") << IdsStr(op.keys) << ")";
       break;
     case OpKind::kReset:
       out << "Reset()";
@@ -794,6 +931,9 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
   std::vector<BlockInfo> blocks = s.lru;
   blocks.insert(blocks.end(), s.t1.begin(), s.t1.end());
   blocks.insert(blocks.end(), s.t2.begin(), s.t2.end());
+  for (const std::vector<BlockInfo>& cls : s.af) {
+    blocks.insert(blocks.end(), cls.begin(), cls.end());
+  }
   if (blocks.size() > capacity) return "more resident blocks than capacity";
   if (blocks.size() != resident_blocks) return "resident_blocks() disagrees with DebugState";
   if (s.fresh_slots_used > capacity) return "fresh_slots_used above capacity";
@@ -829,7 +969,7 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
 }
 
 const BlockInfo* FindInfo(const BlockManagerState& s, const BlockKey& key) {
-  for (const std::vector<BlockInfo>* list : {&s.lru, &s.t1, &s.t2}) {
+  for (const std::vector<BlockInfo>* list : {&s.lru, &s.t1, &s.t2, &s.af[0], &s.af[1], &s.af[2]}) {
     for (const BlockInfo& b : *list) {
       if (b.key == key) return &b;
     }
@@ -957,10 +1097,12 @@ class Harness {
         if (!got.ok()) state_must_not_change = true;
         break;
       }
-      case OpKind::kTouch:
-        impl_->Touch(keys);
-        model_.Touch(keys);
+      case OpKind::kTouch: {
+        const TouchKind kind = op.refresh ? TouchKind::kRefresh : TouchKind::kUse;
+        impl_->Touch(keys, kind);
+        model_.Touch(keys, kind);
         break;
+      }
       case OpKind::kReset:
         impl_->Reset();
         model_.Reset();
@@ -1164,6 +1306,7 @@ class Generator {
       }
       if (Chance(30)) op.keys = KeyRun(Uniform(1, 6), resident, in_flight, ghosts);
       if (!op.keys.empty() && Chance(10)) Duplicate(op.keys);
+      op.refresh = Chance(30);
     } else if (take(4)) {
       op.kind = OpKind::kReset;
     } else if (take(arc ? 30 : 3)) {
@@ -1287,7 +1430,9 @@ std::string CoverageStr(const Coverage& c) {
       << " lifo_reuses=" << c.lifo_reuses << " dedup_stores=" << c.dedup_stores
       << " failed_loads=" << c.failed_loads << " failed_store_frees=" << c.failed_store_frees
       << " retries=" << c.retries << " tracker_drops=" << c.tracker_drops
-      << " filtered_keys=" << c.filtered_keys;
+      << " filtered_keys=" << c.filtered_keys << " af_promotions=" << c.af_promotions
+      << " af_upper_evictions=" << c.af_upper_evictions
+      << " af_ghost_reinserts=" << c.af_ghost_reinserts << " af_refreshes=" << c.af_refreshes;
   return out.str();
 }
 
@@ -1351,6 +1496,12 @@ TEST_P(BlockManagerModelTest, RandomOpsMatchModel) {
     EXPECT_GT(c.arc_b2_hits, 100u);
     EXPECT_GT(c.ghost_trims, 20u);
     EXPECT_GT(c.ghost_reinserts, 100u);
+  }
+  if (GetParam() == EvictionPolicy::kAfLru) {
+    EXPECT_GT(c.af_promotions, 1000u);
+    EXPECT_GT(c.af_upper_evictions, 100u);
+    EXPECT_GT(c.af_ghost_reinserts, 100u);
+    EXPECT_GT(c.af_refreshes, 100u);
   }
 }
 
@@ -1458,9 +1609,18 @@ TEST(BlockManagerModelSelfTest, ReferenceVectorsThroughHarness) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, BlockManagerModelTest,
-                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kArc),
+                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kArc,
+                                           EvictionPolicy::kAfLru),
                          [](const ::testing::TestParamInfo<EvictionPolicy>& param_info) {
-                           return param_info.param == EvictionPolicy::kLru ? "Lru" : "Arc";
+                           switch (param_info.param) {
+                             case EvictionPolicy::kArc:
+                               return "Arc";
+                             case EvictionPolicy::kAfLru:
+                               return "AfLru";
+                             case EvictionPolicy::kLru:
+                               break;
+                           }
+                           return "Lru";
                          });
 
 }  // namespace

@@ -78,6 +78,35 @@ TEST(TraceReplayTest, ArcStateAndLoadErrors) {
             "arc p=0.000000 t1= t2= b1= b2=\n");
 }
 
+// AF-LRU (docs/semantics.md §4a): a block used by two requests outlives an older one used by
+// one; one kept young by refreshes outlives an older one used twice; a block stored again
+// starts a class above the one its ghost remembers.
+TEST(TraceReplayTest, AfLruClassesAgesAndGhosts) {
+  Replay r = ReplayString(
+      "policy aflru\ncapacity 2\n"
+      "store 1 2\ncommit 1 2\n"  // 1 at clock 1, 2 at clock 2, both class 1
+      "touch 1\n"                // clock 3: 1 used by a second request, class 2
+      "store 3\n"                // 2: age 1 x 6 = 6 against 1: age 0 x 3 = 0
+      "commit 3\nrefresh 3\n"    // clock 5: 3 refreshed, still class 1
+      "store 4\n"                // 3: age 0 x 6 = 0 against 1: age 2 x 3 = 6
+      "commit 4\nstate\n"
+      "store 1\n"  // 3 (age 1 x 6) goes; 1 comes back in class 3
+      "state\n");
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(r.out,
+            "store=1,2 evict=\n"
+            "ok\n"
+            "ok\n"
+            "store=3 evict=2\n"
+            "ok\n"
+            "ok\n"
+            "store=4 evict=1\n"
+            "ok\n"
+            "aflru clock=6 c1=3:0@5,4:0@6 c2= c3= ghosts=2\n"
+            "store=1 evict=3\n"
+            "aflru clock=7 c1=4:0@6 c2= c3=1:-1@7 ghosts=2\n");
+}
+
 TEST(TraceReplayTest, LruLookupsScansAndReuseFilter) {
   Replay r = ReplayString(
       "policy lru\ncapacity 3\nthreshold 2\ntracker 8\n"
@@ -113,7 +142,7 @@ TEST(TraceReplayTest, MalformedLinesAreNamed) {
       {"policy lru\ncapacity 2\nwindow\n", "line 3: 'window' needs a window size"},
       {"policy lru\ncapacity 2\nstate 1\n", "line 3: 'state' takes no arguments"},
       {"policy lru\nlookup 1\n", "line 2: 'capacity N' must come before the first operation"},
-      {"capacity 2\nlookup 1\n", "line 2: 'policy lru|arc' must come before"},
+      {"capacity 2\nlookup 1\n", "line 2: 'policy lru|arc|aflru' must come before"},
       {"policy fifo\n", "line 1: unknown eviction policy 'fifo'"},
       {"policy lru\ncapacity 0\nlookup 1\n", "line 3: capacity of 0 blocks"},
       {"policy lru\ncapacity two\n", "line 2: 'capacity' needs an unsigned integer"},

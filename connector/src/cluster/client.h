@@ -67,7 +67,7 @@ class NodeClient::Impl {
   }
   void Pin(std::span<const BlockKey> keys) { keys_.Pin(keys); }
   void Unpin(std::span<const BlockKey> keys) { keys_.Unpin(keys); }
-  void Touch(std::span<const BlockKey> keys) { keys_.Touch(keys); }
+  void Touch(std::span<const BlockKey> keys, bool refresh = false) { keys_.Touch(keys, refresh); }
   Status TouchSync(std::span<const BlockKey> keys) { return keys_.TouchSync(keys); }
   // Waits for the asynchronous calls (touches, pins, releases, probes) still out.
   void WaitForTouches() { calls_.WaitForAsync(); }

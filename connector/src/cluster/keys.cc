@@ -81,16 +81,19 @@ void KeyCalls::Unpin(std::span<const BlockKey> keys) {
       });
 }
 
-void KeyCalls::Touch(std::span<const BlockKey> keys) {
+void KeyCalls::Touch(std::span<const BlockKey> keys, bool refresh) {
   if (keys.empty()) return;
-  (void)StartKeyCalls<wire::TouchRequest>(keys, [this](Member& member,
-                                                       const wire::TouchRequest& request) {
-    accounting_.Touched(static_cast<size_t>(request.keys_size()));
-    calls_.StartAsync(member, wire::METHOD_TOUCH, request,
-                      [this, state = member.state](const Outcome& outcome) {
-                        accounting_.Record(*state, ParseReply(outcome, (wire::TouchReply*)nullptr));
-                      });
-  });
+  (void)StartKeyCalls<wire::TouchRequest>(
+      keys, [this, refresh](Member& member, const wire::TouchRequest& keys_only) {
+        accounting_.Touched(static_cast<size_t>(keys_only.keys_size()));
+        wire::TouchRequest request = keys_only;
+        request.set_refresh(refresh);
+        calls_.StartAsync(member, wire::METHOD_TOUCH, request,
+                          [this, state = member.state](const Outcome& outcome) {
+                            accounting_.Record(*state,
+                                               ParseReply(outcome, (wire::TouchReply*)nullptr));
+                          });
+      });
 }
 
 Status KeyCalls::TouchSync(std::span<const BlockKey> keys) {

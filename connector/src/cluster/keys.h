@@ -37,7 +37,8 @@ class KeyCalls {
   // replicas now.
   void Unpin(std::span<const BlockKey> keys);
   // Touches each key at its replicas, not waiting.
-  void Touch(std::span<const BlockKey> keys);
+  // `refresh`: the request's touch after its stores (TouchRequest.refresh).
+  void Touch(std::span<const BlockKey> keys, bool refresh = false);
   // The same, waiting for the answers: the first error, naming the node.
   Status TouchSync(std::span<const BlockKey> keys);
 

@@ -48,6 +48,9 @@ class BlockStoreClient {
   // ghost hits). Asynchronous: returns once the calls are sent, and their outcome is counted and
   // logged as any call's. Calls still in flight are waited for when the client is destroyed.
   virtual void Touch(std::span<const BlockKey> keys) = 0;
+  // The same request's touch after its stores (docs/semantics.md §7.6): recency only. A node
+  // under AF-LRU does not count it as another use of the keys; LRU and ARC treat it as Touch.
+  virtual void TouchAfterStore(std::span<const BlockKey> keys) { Touch(keys); }
   // Pins the keys on their nodes against eviction, from the scheduler's decision to load them
   // until the load is done (vLLM's prepare_load; docs/semantics.md §7.5), so that a node under
   // churn does not evict a block between the lookup that found it and its read. Asynchronous as

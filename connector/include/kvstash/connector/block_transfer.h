@@ -108,7 +108,8 @@ class BlockTransfer {
   Status Submit(BlockJob job);
   // Queues a touch of `keys` (BlockStoreClient::Touch, the first key most recent) behind the
   // stores queued so far. It has no result; WaitAll waits for it to be sent.
-  void SubmitTouch(std::vector<BlockKey> keys);
+  // `after_store`: the step's touch after its stores (BlockStoreClient::TouchAfterStore).
+  void SubmitTouch(std::vector<BlockKey> keys, bool after_store = false);
   // Results of the jobs finished since the last call.
   std::vector<BlockJobResult> Poll();
   // Blocks until each of these jobs has finished (unknown or polled ids count as finished),

@@ -218,6 +218,7 @@ class NodeClient : public BlockStoreClient {
 
   // Asynchronous touch (see BlockStoreClient::Touch), split to each node's limits.
   void Touch(std::span<const BlockKey> keys) override;
+  void TouchAfterStore(std::span<const BlockKey> keys) override;
   // Asynchronous pins and their releases (see BlockStoreClient::Pin), split likewise. A Get of
   // a pinned key reads it from the pin.
   void Pin(std::span<const BlockKey> keys) override;

@@ -47,7 +47,7 @@ struct NodeRecord {
   uint64_t block_bytes = 0;
   uint64_t cpu_bytes = 0;
   uint64_t ssd_bytes = 0;  // 0: no SSD tier
-  std::string policy;      // "lru" or "arc"
+  std::string policy;      // "lru", "arc" or "aflru"
   std::string zone;        // failure domain (kvstashd --zone; docs/semantics.md §16); empty: none
   // A node's KV events (kvstashd --kv-events, --kv-events-replay) as it bound them, for a router
   // to follow (a wildcard host is reached at the address's host); empty: it publishes none.

@@ -98,7 +98,7 @@ class NodeService {
   // Each key's result, in order; counted.
   std::vector<LookupResult> Lookup(std::span<const BlockKey> keys);
   // Marks the keys used, the first most recent (store::TieredStore::Touch); counted.
-  void Touch(std::span<const BlockKey> keys);
+  void Touch(std::span<const BlockKey> keys, store::TouchKind kind = store::TouchKind::kUse);
 
   // A store of one block: BeginPut, the bytes into `slot`, EndPut.
   struct PutSlot {

@@ -1,5 +1,5 @@
 // BlockManager: the block index of one offload node tier (vLLM's CPUOffloadingManager, §1-§4 of
-// docs/semantics.md), with LRU and ARC replacement.
+// docs/semantics.md), with LRU, ARC and AF-LRU replacement.
 #pragma once
 
 #include <cstddef>
@@ -19,9 +19,15 @@ namespace kvstash::store {
 // The index of a block slot in a tier (the CPU slab's slot, or an SSD record id).
 using SlotId = uint32_t;
 
-enum class EvictionPolicy : uint8_t { kLru, kArc };
+// kAfLru: age over frequency (docs/semantics.md §4a), kvstash's own; LRU and ARC are vLLM's.
+enum class EvictionPolicy : uint8_t { kLru, kArc, kAfLru };
 
-// "lru" or "arc" (case-sensitive); InvalidArgument otherwise.
+// Whether a touch is a new use of the keys or refreshes a use already counted (the same
+// request's second touch, after its stores). Only AF-LRU tells them apart: LRU and ARC treat
+// both as vLLM's touch.
+enum class TouchKind : uint8_t { kUse, kRefresh };
+
+// "lru", "arc" or "aflru" (case-sensitive); InvalidArgument otherwise.
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 std::string_view EvictionPolicyName(EvictionPolicy policy);
 
@@ -116,20 +122,31 @@ struct BlockInfo {
 // A full dump of the manager's order-relevant state (tests, `kvstash trace`). O(n log n).
 struct BlockManagerState {
   EvictionPolicy policy = EvictionPolicy::kLru;
-  std::vector<BlockInfo> lru;      // LRU: every block, least recent first
-  std::vector<BlockInfo> t1, t2;   // ARC: recency and frequency lists, least recent first
-  std::vector<BlockKey> b1, b2;    // ARC: ghost lists, oldest first
-  double arc_target = 0.0;         // ARC: p, the target size of T1
+  std::vector<BlockInfo> lru;     // LRU: every block, least recent first
+  std::vector<BlockInfo> t1, t2;  // ARC: recency and frequency lists, least recent first
+  std::vector<BlockKey> b1, b2;   // ARC: ghost lists, oldest first
+  double arc_target = 0.0;        // ARC: p, the target size of T1
+  // AF-LRU: the blocks of each frequency class (used by 1, 2, 3+ requests), least recent first,
+  // with the clock of each one's last touch; the clock; the ghosts, oldest first, each its
+  // fingerprint << 2 | its class.
+  std::vector<BlockInfo> af[3];
+  std::vector<uint64_t> af_touched[3];
+  uint64_t af_clock = 0;
+  std::vector<uint32_t> af_ghosts;
   std::vector<SlotId> free_slots;  // freed slots; the last is reused first
   size_t fresh_slots_used = 0;     // slots 0..n-1 have been handed out at least once
 };
 
 // The sizes of the policy's lists, read in O(1) (metrics). LRU has one list, counted in t1.
 struct PolicySizes {
-  size_t t1 = 0;            // LRU: every block; ARC: blocks seen once (recency list)
-  size_t t2 = 0;            // ARC: blocks used again since they were stored (frequency list)
-  size_t b1 = 0, b2 = 0;    // ARC: ghost keys of blocks evicted from T1 and T2
+  size_t t1 = 0;            // LRU: every block; ARC: blocks seen once (recency list); AF-LRU:
+                            // blocks used by one request
+  size_t t2 = 0;            // ARC: blocks used again since they were stored (frequency list);
+                            // AF-LRU: blocks used by two requests
+  size_t b1 = 0, b2 = 0;    // ARC: ghost keys of blocks evicted from T1 and T2; AF-LRU: ghosts in
+                            // b1
   double arc_target = 0.0;  // ARC: p, the target size of T1
+  size_t t3 = 0;            // AF-LRU: blocks used by three requests or more
 };
 
 // Answers lookups for the blocks of one tier and decides where new blocks go and what is evicted.
@@ -173,8 +190,10 @@ class BlockManager {
   // stored or not pinned (as many times as it appears).
   virtual Status CompleteLoad(std::span<const BlockKey> keys) = 0;
   // Marks the stored keys as recently used, the first key most recent. Absent keys are
-  // ignored (ARC: a key in a ghost list adapts the T1 target).
-  virtual void Touch(std::span<const BlockKey> keys) = 0;
+  // ignored (ARC: a key in a ghost list adapts the T1 target). `kind`: AF-LRU counts a kUse as
+  // one more request using each key and a kRefresh as none.
+  virtual void Touch(std::span<const BlockKey> keys, TouchKind kind) = 0;
+  void Touch(std::span<const BlockKey> keys) { Touch(keys, TouchKind::kUse); }
 
   // Reserves slots for the keys that are neither stored nor being written (duplicates once),
   // evicting idle blocks if needed; never evicts a key of this call (that passed the reuse

@@ -108,7 +108,9 @@ class SsdTier {
 
   // The two-phase protocol of BlockManager, for the tiered store.
   LookupResult Lookup(const BlockKey& key) { return index_->Lookup(key); }
-  void Touch(std::span<const BlockKey> keys) { index_->Touch(keys); }
+  void Touch(std::span<const BlockKey> keys, TouchKind kind = TouchKind::kUse) {
+    index_->Touch(keys, kind);
+  }
   // Reserves slots as BlockManager::PrepareStore does; the records of evicted blocks are
   // deleted before this returns, so their slots may be overwritten.
   Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan);

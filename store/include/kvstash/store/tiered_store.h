@@ -163,7 +163,7 @@ class TieredStore {
                      std::vector<std::span<const std::byte>>* blocks);
   Status CompleteLoad(std::span<const BlockKey> keys);
   // Recency for both tiers, the first key most recent.
-  void Touch(std::span<const BlockKey> keys);
+  void Touch(std::span<const BlockKey> keys, TouchKind kind = TouchKind::kUse);
 
   // Reserves CPU slots (BlockManager::PrepareStore); write each key's bytes to
   // CpuSlot(plan->slots[i]), then CompleteStore. With `gate`, never waits for a disk: *gate is
