@@ -32,6 +32,7 @@
 #include "kvstash/common/token_file.h"
 #include "kvstash/connector/node_client.h"
 #include "kvstash/store/block_manager.h"
+#include "replay_model.h"
 #include "replay_trace.h"
 
 namespace kvstash::bench {
@@ -51,6 +52,13 @@ struct BenchReplayFlags {
   int64_t limit = 0;  // 0: every request
   int block_tokens = 512;
   bool store_partial = false;  // store a request's last block even when it is not full
+  std::string layout = "full";
+  bool group_blind = false;
+  // --model-only: the in-process model alone, over policies x capacities, no nodes.
+  bool model_only = false;
+  std::vector<std::string> policies;
+  std::vector<size_t> capacities;
+  std::vector<double> shares;
   int timeout_ms = 5000;
   int lookup_budget_ms = 50;
   OutputOptions output;
@@ -62,10 +70,6 @@ Result<std::vector<TraceRequest>> ReadTrace(const std::string& path, int64_t lim
   if (!in) return NotFoundError("cannot read trace '{}'", path);
   return ParseReplayTrace(in, path, limit);
 }
-
-// Replayed blocks' keys: the block id, tagged so that they never meet an engine's keys.
-constexpr uint64_t kReplayTag = 0x6b76737265706c79ULL;  // "kvsreply"
-BlockKey KeyOf(uint64_t id) { return BlockKey{Hash128{id, kReplayTag}, 0}; }
 
 // A block's content: 64-bit words start + i * step, start drawn from the id. A block read back
 // under another id, shifted, torn or with any byte changed does not match.
@@ -95,6 +99,7 @@ bool ContentMatches(uint64_t id, std::span<const std::byte> block) {
 // What every replaying thread adds up; the progress line reads it while they run.
 struct Totals {
   std::atomic<uint64_t> requests{0}, block_refs{0}, blocks_hit{0}, tokens{0}, tokens_hit{0};
+  std::atomic<uint64_t> blind_tokens_hit{0};
   std::atomic<uint64_t> blocks_read{0}, blocks_stored{0}, read_misses{0}, retries{0};
   std::atomic<uint64_t> errors{0}, mismatches{0};
 };
@@ -104,34 +109,15 @@ struct Latencies {
   std::vector<double> lookup_us, read_us, store_us;
 };
 
-// The leading run of hits; *retry when a RETRY (a block being written or promoted from SSD)
-// ends it, for the caller to ask again as the connector defers a request.
-size_t LeadingHits(const std::vector<LookupResult>& states, bool* retry) {
-  size_t hits = 0;
-  *retry = false;
-  for (LookupResult s : states) {
-    if (s == LookupResult::kMiss) break;
-    if (s == LookupResult::kRetry) {
-      *retry = true;
-      break;
-    }
-    ++hits;
-  }
-  return hits;
-}
-
-// How many of a request's blocks a connector would store: those that are full (input_length
-// covers them whole), or every block with --store-partial.
-size_t BlocksToStore(const TraceRequest& r, uint64_t block_tokens, bool store_partial) {
-  if (store_partial) return r.hash_ids.size();
-  return static_cast<size_t>(std::min<uint64_t>(r.hash_ids.size(), r.input_length / block_tokens));
-}
-
 class Replayer {
  public:
-  Replayer(const BenchReplayFlags& flags, const std::vector<TraceRequest>& trace,
-           uint64_t block_bytes, Totals* totals)
-      : flags_(flags), trace_(trace), block_bytes_(block_bytes), totals_(totals) {}
+  Replayer(const BenchReplayFlags& flags, const ReplaySettings& settings,
+           const std::vector<TraceRequest>& trace, uint64_t block_bytes, Totals* totals)
+      : flags_(flags),
+        settings_(settings),
+        trace_(trace),
+        block_bytes_(block_bytes),
+        totals_(totals) {}
 
   // Replays requests taken in file order from `next` until none is left (with --speed, each
   // no earlier than its timestamp, scaled, after `start`). Returns the thread's latencies.
@@ -156,45 +142,55 @@ class Replayer {
     return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
   }
 
+  // Whether the lookup must be asked again: a RETRY (a block being written or promoted from
+  // SSD) where it decides the hit, as the connector defers a request. With one full group, a
+  // RETRY that ends the leading run; with several groups, any RETRY.
+  bool MustRetry(const std::vector<LookupResult>& states) const {
+    if (settings_.layout.hybrid()) {
+      return std::find(states.begin(), states.end(), LookupResult::kRetry) != states.end();
+    }
+    for (LookupResult s : states) {
+      if (s != LookupResult::kHit) return s == LookupResult::kRetry;
+    }
+    return false;
+  }
+
   void ReplayOne(NodeClient& client, const TraceRequest& r, Latencies* latencies,
                  std::vector<std::byte>* scratch) {
-    const size_t n = r.hash_ids.size();
-    std::vector<BlockKey> keys(n);
-    for (size_t i = 0; i < n; ++i) keys[i] = KeyOf(r.hash_ids[i]);
+    RequestPlan plan(r, settings_);
 
-    // 1. Lookup (asked again while a block of the leading run is being written or promoted).
+    // 1. Lookup (asked again while a block that decides the hit is being written or promoted).
     const auto lookup_start = Clock::now();
     const auto give_up = lookup_start + std::chrono::milliseconds(flags_.timeout_ms);
     std::vector<LookupResult> states;
-    size_t hit = 0;
     for (auto pause = std::chrono::microseconds(100);;
          pause = std::min(pause * 2, std::chrono::microseconds(10000))) {
-      states = client.Lookup(keys);
-      bool retry = false;
-      hit = LeadingHits(states, &retry);
-      if (!retry) break;
+      states = client.Lookup(plan.lookup());
+      if (!MustRetry(states)) break;
       totals_->retries.fetch_add(1, std::memory_order_relaxed);
-      if (Clock::now() + pause > give_up) break;  // the run ends at the RETRY
+      if (Clock::now() + pause > give_up) break;  // the RETRY counts as a miss
       std::this_thread::sleep_for(pause);
     }
     latencies->lookup_us.push_back(Micros(lookup_start));
+    plan.Decide(states);
 
-    // 2. The lookup's touch: every key, the first most recent.
-    client.Touch(keys);
+    // 2. The lookup's touch.
+    client.Touch(plan.touch());
 
-    // 3. Read the hits and check them.
-    if (hit > 0) {
-      scratch->resize(hit * block_bytes_);
+    // 3. Read the hit's blocks (every group's that the hit needs) and check them.
+    const std::vector<BlockKey>& needed = plan.refresh();
+    if (!needed.empty()) {
+      scratch->resize(needed.size() * block_bytes_);
       std::vector<transport::MutableBytes> outs;
-      for (size_t i = 0; i < hit; ++i) {
+      for (size_t i = 0; i < needed.size(); ++i) {
         outs.push_back(std::span(*scratch).subspan(i * block_bytes_, block_bytes_));
       }
       const auto read_start = Clock::now();
       const std::vector<Result<size_t>> got =
-          client.Get(std::span(keys).first(hit), std::span<const transport::MutableBytes>(outs));
+          client.Get(needed, std::span<const transport::MutableBytes>(outs));
       latencies->read_us.push_back(Micros(read_start));
       uint64_t read = 0;
-      for (size_t i = 0; i < hit; ++i) {
+      for (size_t i = 0; i < needed.size(); ++i) {
         if (!got[i].ok()) {
           // Evicted since the lookup (by another thread's stores): a miss, not an error. Any
           // other failure is counted by the client as a call error.
@@ -204,49 +200,50 @@ class Replayer {
           continue;
         }
         ++read;
-        if (*got[i] != block_bytes_ || !ContentMatches(r.hash_ids[i], outs[i])) {
+        const uint64_t id = needed[i].hash.lo;
+        if (*got[i] != block_bytes_ || !ContentMatches(id, outs[i])) {
           if (totals_->mismatches.fetch_add(1) == 0) {
-            std::cerr << fmt::format("\nkvstash bench replay: block {} read back wrong\n",
-                                     r.hash_ids[i]);
+            std::cerr << fmt::format(
+                "\nkvstash bench replay: block {}{} read back wrong\n", id,
+                needed[i].group == 0 ? "" : fmt::format(" of group {}", needed[i].group));
           }
         }
       }
       totals_->blocks_read.fetch_add(read, std::memory_order_relaxed);
     }
 
-    // 4. Store the rest of the full blocks: the node skips (and touches) those it holds.
-    const size_t to_store = BlocksToStore(r, flags_.block_tokens, flags_.store_partial);
-    if (hit < to_store) {
-      const size_t rest = to_store - hit;
-      scratch->resize(rest * block_bytes_);
+    // 4. Store the full blocks after the hit: the node skips (and touches) those it holds.
+    const std::vector<BlockKey>& keys = plan.store();
+    if (!keys.empty()) {
+      scratch->resize(keys.size() * block_bytes_);
       std::vector<transport::Bytes> blocks;
-      uint64_t new_blocks = 0;
-      for (size_t i = 0; i < rest; ++i) {
+      for (size_t i = 0; i < keys.size(); ++i) {
         auto block = std::span(*scratch).subspan(i * block_bytes_, block_bytes_);
-        FillContent(r.hash_ids[hit + i], block);
+        FillContent(plan.store_ids()[i], block);
         blocks.push_back(block);
-        if (states[hit + i] == LookupResult::kMiss) ++new_blocks;
       }
       const auto store_start = Clock::now();
-      const Status put = client.Put(std::span(keys).subspan(hit, rest), blocks);
+      const Status put = plan.metas().empty() ? client.Put(keys, blocks)
+                                              : client.PutWithMeta(keys, blocks, plan.metas());
       latencies->store_us.push_back(Micros(store_start));
-      if (put.ok()) totals_->blocks_stored.fetch_add(new_blocks, std::memory_order_relaxed);
+      if (put.ok()) totals_->blocks_stored.fetch_add(keys.size(), std::memory_order_relaxed);
       // A failed put was counted by the client (a refusal or an unreachable node).
     }
 
-    // 5. The store decision's touch: the request's blocks without those just offered.
-    if (hit > 0) client.TouchAfterStore(std::span(keys).first(hit));
+    // 5. The store decision's touch: the hit's blocks without those just offered, sent as the
+    // same request's touch after its stores.
+    if (!needed.empty()) client.TouchAfterStore(needed);
 
-    const uint64_t hit_tokens =
-        std::min<uint64_t>(r.input_length, hit * static_cast<uint64_t>(flags_.block_tokens));
-    totals_->block_refs.fetch_add(n, std::memory_order_relaxed);
-    totals_->blocks_hit.fetch_add(hit, std::memory_order_relaxed);
+    totals_->block_refs.fetch_add(plan.block_refs(), std::memory_order_relaxed);
+    totals_->blocks_hit.fetch_add(plan.blocks_hit(), std::memory_order_relaxed);
     totals_->tokens.fetch_add(r.input_length, std::memory_order_relaxed);
-    totals_->tokens_hit.fetch_add(hit_tokens, std::memory_order_relaxed);
+    totals_->tokens_hit.fetch_add(plan.hit_tokens(), std::memory_order_relaxed);
+    totals_->blind_tokens_hit.fetch_add(plan.blind_tokens(), std::memory_order_relaxed);
     totals_->requests.fetch_add(1, std::memory_order_relaxed);
   }
 
   const BenchReplayFlags& flags_;
+  const ReplaySettings& settings_;
   const std::vector<TraceRequest>& trace_;
   const uint64_t block_bytes_;
   Totals* totals_;
@@ -258,81 +255,6 @@ struct NodeShape {
   store::EvictionPolicy policy = store::EvictionPolicy::kLru;
   bool has_ssd = false;
 };
-
-// The trace replayed in-process through each node's block manager (its policy, its capacity,
-// the keys placed as the client places them), with the operations the replay sends in the order
-// a node applies them, sequentially. The block hit ratio; an error for a manager that cannot
-// be made.
-Result<double> ModelHitRatio(const std::vector<TraceRequest>& trace, const NodeClient& client,
-                             const std::vector<connector::NodeAddress>& nodes,
-                             const std::vector<NodeShape>& shapes, const BenchReplayFlags& flags) {
-  std::vector<std::unique_ptr<store::BlockManager>> managers;
-  for (const NodeShape& shape : shapes) {
-    store::BlockManagerOptions options;
-    options.capacity_blocks = shape.capacity_blocks;
-    options.policy = shape.policy;
-    KVSTASH_ASSIGN_OR_RETURN(auto manager, store::BlockManager::Create(options));
-    managers.push_back(std::move(manager));
-  }
-  auto key_of = [](uint64_t id) {
-    BlockKey key;
-    key.hash = KeyOf(id).hash;
-    return key;
-  };
-  uint64_t refs = 0, hits = 0;
-  std::vector<std::vector<BlockKey>> by_node(managers.size());
-  // Each key's nodes (its replicas), as the client places it: indices of `nodes`, the order of
-  // `shapes`.
-  std::map<std::string, size_t> index;
-  for (size_t n = 0; n < nodes.size(); ++n) index.emplace(nodes[n].ToString(), n);
-  auto nodes_of = [&](uint64_t id) {
-    std::vector<size_t> at;
-    for (const connector::NodeAddress& node : client.PlacesOf(KeyOf(id))) {
-      if (auto it = index.find(node.ToString()); it != index.end()) at.push_back(it->second);
-    }
-    return at;
-  };
-  auto touch = [&](std::span<const uint64_t> ids, store::TouchKind kind) {
-    for (auto& keys : by_node) keys.clear();
-    for (uint64_t id : ids) {
-      for (size_t n : nodes_of(id)) by_node[n].push_back(key_of(id));
-    }
-    for (size_t n = 0; n < managers.size(); ++n) {
-      if (!by_node[n].empty()) managers[n]->Touch(by_node[n], kind);
-    }
-  };
-  for (const TraceRequest& r : trace) {
-    const std::span<const uint64_t> ids = r.hash_ids;
-    size_t hit = 0;
-    for (; hit < ids.size(); ++hit) {
-      const BlockKey key = key_of(ids[hit]);
-      const std::vector<size_t> at = nodes_of(ids[hit]);
-      if (std::none_of(at.begin(), at.end(),
-                       [&](size_t n) { return managers[n]->Lookup(key) == LookupResult::kHit; })) {
-        break;
-      }
-    }
-    refs += ids.size();
-    hits += hit;
-    touch(ids, store::TouchKind::kUse);
-    // Puts go last key first (NodeClient::Put), to every replica; each prepares one key.
-    for (size_t i = BlocksToStore(r, flags.block_tokens, flags.store_partial); i-- > hit;) {
-      const BlockKey key = key_of(ids[i]);
-      for (size_t n : nodes_of(ids[i])) {
-        store::BlockManager& m = *managers[n];
-        store::StorePlan plan;
-        if (!m.PrepareStore(std::span(&key, 1), &plan).ok()) continue;  // nothing evictable
-        if (plan.keys_to_store.empty()) {
-          m.Touch(std::span(&key, 1), store::TouchKind::kRefresh);  // the request's use
-        } else {
-          m.CompleteStore(std::span(&key, 1), true);
-        }
-      }
-    }
-    touch(ids.first(hit), store::TouchKind::kRefresh);
-  }
-  return refs == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(refs);
-}
 
 // The hit ratio of a cache that never evicts: the leading run of ids seen before.
 double InfiniteCacheHitRatio(const std::vector<TraceRequest>& trace) {
@@ -371,15 +293,20 @@ BenchSpec ReplaySpec() {
   spec.limit = "memcpy";
   spec.figures = {
       Higher("block_hit_ratio", "",
-             "blocks hit / block references: per request the run of leading hits"),
+             "blocks hit / block references: per request and group the run of leading hits"),
       Higher("token_hit_ratio", "",
              "prompt tokens hit / prompt tokens: a hit of k blocks covers min(k x "
-             "--block-tokens, input_length) tokens"),
+             "--block-tokens, input_length) tokens; with a hybrid --layout the usable hit, the "
+             "longest every group accepts (docs/semantics.md §7.4)"),
+      Higher("blind_token_hit_ratio", "",
+             "what a group-blind count says: the full-attention group's leading run, in tokens "
+             "(equal to token_hit_ratio with one full group)"),
       Higher("model_block_hit_ratio", "",
              "what block_hit_ratio should be: the trace replayed sequentially through a block "
              "manager per node (the policy and CPU capacity each node reports, keys placed as "
              "the client places them); at --concurrency 1 on fresh nodes without an SSD tier "
              "block_hit_ratio matches it, nodes with an SSD tier hit more"),
+      Higher("model_token_hit_ratio", "", "the same model's token_hit_ratio"),
       Higher("infinite_cache_hit_ratio", "",
              "the hit ratio of a cache that never evicts: the trace's own reuse"),
       Higher("requests_per_s", "requests/s", "requests replayed per second"),
@@ -399,11 +326,108 @@ BenchSpec ReplaySpec() {
   return spec;
 }
 
+// The settings of every request's plan; InvalidArgument for an unknown layout.
+Result<ReplaySettings> Settings(const BenchReplayFlags& flags) {
+  ReplaySettings settings;
+  KVSTASH_ASSIGN_OR_RETURN(settings.layout, ParseLayout(flags.layout));
+  settings.block_tokens = static_cast<uint64_t>(flags.block_tokens);
+  settings.store_partial = flags.store_partial;
+  settings.group_blind = flags.group_blind;
+  return settings;
+}
+
+// --model-only: the trace through the in-process model of one node per policy and capacity,
+// printed as a table (or --json). No node is needed.
+int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& reporter) {
+  auto settings = Settings(flags);
+  if (!settings.ok()) return reporter.Fail(kExitUsage, settings.status().message());
+  if (flags.capacities.empty() && flags.shares.empty()) {
+    return reporter.Fail(kExitUsage,
+                         "--model-only needs --capacity-blocks or --capacity-share (or both)");
+  }
+  std::vector<store::EvictionPolicy> policies;
+  for (const std::string& name :
+       flags.policies.empty() ? std::vector<std::string>{"lru", "arc", "aflru"} : flags.policies) {
+    auto policy = store::ParseEvictionPolicy(name);
+    if (!policy.ok()) {
+      return reporter.Fail(kExitUsage, fmt::format("--policy: {}", policy.status().message()));
+    }
+    policies.push_back(*policy);
+  }
+  auto trace = ReadTrace(flags.trace, flags.limit);
+  if (!trace.ok()) {
+    return reporter.Fail(
+        trace.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure,
+        trace.status().message());
+  }
+  const uint64_t working_set = WorkingSetBlocks(*trace, *settings);
+  std::vector<std::pair<size_t, std::string>> capacities;  // blocks, how they were given
+  for (size_t blocks : flags.capacities) capacities.emplace_back(blocks, "");
+  for (double share : flags.shares) {
+    if (!(share > 0 && share <= 1)) {
+      return reporter.Fail(kExitUsage, fmt::format("--capacity-share: {} is not in (0, 1]", share));
+    }
+    capacities.emplace_back(
+        std::max<size_t>(1, static_cast<size_t>(share * static_cast<double>(working_set))),
+        fmt::format("{:g} of the working set", share));
+  }
+  Progress progress = Progress::ToStderr(flags.output.progress);
+  nlohmann::json rows = nlohmann::json::array();
+  std::string table = fmt::format("{:<7} {:>10}  {:>10} {:>10} {:>10}  {}\n", "policy", "blocks",
+                                  "block hit", "token hit", "blind", "");
+  const auto everyone = [](const BlockKey&, std::vector<size_t>* at) { *at = {0}; };
+  for (const auto& [blocks, given] : capacities) {
+    for (store::EvictionPolicy policy : policies) {
+      progress.Update(fmt::format("{} at {} blocks", store::EvictionPolicyName(policy), blocks));
+      store::BlockManagerOptions options;
+      options.capacity_blocks = blocks;
+      options.policy = policy;
+      auto counts = ReplayModel(*trace, std::span(&options, 1), everyone, *settings);
+      if (!counts.ok()) return reporter.Fail(kExitUsage, counts.status().message());
+      rows.push_back({{"policy", store::EvictionPolicyName(policy)},
+                      {"capacity_blocks", blocks},
+                      {"block_hit_ratio", counts->block_hit_ratio()},
+                      {"token_hit_ratio", counts->token_hit_ratio()},
+                      {"blind_token_hit_ratio", counts->blind_token_hit_ratio()}});
+      table += fmt::format("{:<7} {:>10}  {:>10.4f} {:>10.4f} {:>10.4f}  {}\n",
+                           store::EvictionPolicyName(policy), blocks, counts->block_hit_ratio(),
+                           counts->token_hit_ratio(), counts->blind_token_hit_ratio(), given);
+    }
+  }
+  progress.Finish();
+  const double infinite = InfiniteCacheHitRatio(*trace);
+  if (flags.output.json) {
+    nlohmann::json out = {{"bench", "replay-model"},
+                          {"trace", flags.trace},
+                          {"layout", settings->layout.name},
+                          {"groups", DescribeLayout(settings->layout)},
+                          {"group_blind", flags.group_blind},
+                          {"stored_blocks", flags.store_partial ? "every block" : "full blocks"},
+                          {"block_tokens", flags.block_tokens},
+                          {"requests", trace->size()},
+                          {"working_set_blocks", working_set},
+                          {"infinite_cache_hit_ratio", infinite},
+                          {"rows", rows}};
+    std::cout << out.dump() << "\n";
+  } else {
+    std::cout << fmt::format(
+        "{}: {} requests; layout {} ({}{}), {} stored, working set {} blocks; unbounded "
+        "cache block hit ratio {:.4f}\n\n{}",
+        flags.trace, trace->size(), settings->layout.name, DescribeLayout(settings->layout),
+        flags.group_blind ? ", group-blind" : "",
+        flags.store_partial ? "every block" : "full blocks", working_set, infinite, table);
+  }
+  return kExitOk;
+}
+
 int RunBenchReplay(const BenchReplayFlags& flags) {
   const cli::ErrorReporter reporter("kvstash bench replay");
   auto fail = [&reporter](int code, std::string_view message) {
     return reporter.Fail(code, message);
   };
+  if (flags.model_only) return RunModelOnly(flags, reporter);
+  auto settings = Settings(flags);
+  if (!settings.ok()) return fail(kExitUsage, settings.status().message());
   Result<connector::NodeClientOptions> options = ClientOptions(flags);
   if (!options.ok()) return fail(kExitUsage, options.status().message());
   if (!(flags.speed >= 0) || !std::isfinite(flags.speed)) {
@@ -476,7 +500,25 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   }
   const bool any_ssd =
       std::any_of(shapes.begin(), shapes.end(), [](const NodeShape& s) { return s.has_ssd; });
-  auto model = ModelHitRatio(*trace, client, nodes, shapes, flags);
+  std::vector<store::BlockManagerOptions> model_nodes;
+  for (const NodeShape& shape : shapes) {
+    store::BlockManagerOptions o;
+    o.capacity_blocks = shape.capacity_blocks;
+    o.policy = shape.policy;
+    model_nodes.push_back(o);
+  }
+  // Each key's nodes (its replicas), as the client places it: indices of `nodes`.
+  std::map<std::string, size_t> node_index;
+  for (size_t n = 0; n < nodes.size(); ++n) node_index.emplace(nodes[n].ToString(), n);
+  const Placement place = [&](const BlockKey& key, std::vector<size_t>* at) {
+    at->clear();
+    for (const connector::NodeAddress& node : client.PlacesOf(key)) {
+      if (auto it = node_index.find(node.ToString()); it != node_index.end()) {
+        at->push_back(it->second);
+      }
+    }
+  };
+  auto model = ReplayModel(*trace, model_nodes, place, *settings);
   if (!model.ok()) return fail(kExitFailure, model.status().message());
   const double infinite = InfiniteCacheHitRatio(*trace);
 
@@ -491,7 +533,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   RoundSides sides;
   // The replay, once: a second would find the first's blocks.
   sides.measure = [&](Round& round) -> Status {
-    Replayer replayer(flags, *trace, block_bytes, &totals);
+    Replayer replayer(flags, *settings, *trace, block_bytes, &totals);
     const connector::BlockStoreCounters before = client.counters();
     std::atomic<size_t> next{0};
     std::vector<Latencies> latencies(flags.concurrency);
@@ -563,7 +605,12 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
                                      ? 0.0
                                      : static_cast<double>(totals.tokens_hit.load()) /
                                            static_cast<double>(totals.tokens.load()));
-    round.Set("model_block_hit_ratio", *model);
+    round.Set("model_block_hit_ratio", model->block_hit_ratio());
+    round.Set("model_token_hit_ratio", model->token_hit_ratio());
+    round.Set("blind_token_hit_ratio", totals.tokens.load() == 0
+                                           ? 0.0
+                                           : static_cast<double>(totals.blind_tokens_hit.load()) /
+                                                 static_cast<double>(totals.tokens.load()));
     round.Set("infinite_cache_hit_ratio", infinite);
     round.Set("requests_per_s",
               seconds > 0 ? static_cast<double>(totals.requests.load()) / seconds : 0.0);
@@ -678,6 +725,30 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
                   "min(k x this, input_length) tokens); Mooncake's traces use 512")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  cmd->add_option("--layout", flags->layout,
+                  "Expand each request for a model's KV-cache groups, one key per group and "
+                  "block, every group's block one node block: " +
+                      LayoutNames() +
+                      " (full: the trace as it is). With more than one group the token hit is "
+                      "the usable one, next to the group-blind count")
+      ->capture_default_str();
+  cmd->add_flag("--group-blind", flags->group_blind,
+                "With a hybrid --layout, store without block metadata, as a connector that "
+                "does not say what its blocks are for (every block stored alike)");
+  cmd->add_flag("--model-only", flags->model_only,
+                "Run the in-process model alone, no nodes: one node of each --policy at each "
+                "--capacity-blocks and --capacity-share, a table of block, token and "
+                "group-blind token hit ratios (--json: one object with \"rows\")");
+  cmd->add_option("--policy", flags->policies,
+                  "With --model-only: the policies to model (lru, arc, aflru; default all)")
+      ->delimiter(',');
+  cmd->add_option("--capacity-blocks", flags->capacities,
+                  "With --model-only: node capacities in blocks (comma-separated)")
+      ->delimiter(',');
+  cmd->add_option("--capacity-share", flags->shares,
+                  "With --model-only: node capacities as shares of the working set (the blocks "
+                  "of every group the trace stores), e.g. 0.25,0.5")
+      ->delimiter(',');
   cmd->add_flag("--store-partial", flags->store_partial,
                 "Store a request's last block even when input_length does not fill it (by "
                 "default only full blocks are stored, as a connector stores them)");

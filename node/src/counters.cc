@@ -51,6 +51,10 @@ const MetricFamilyDef kAfLruBlocks{
     "kvstash_cpu_aflru_blocks", MetricType::Gauge,
     "AF-LRU's classes in the CPU tier (absent under LRU and ARC): blocks used by one, two, and "
     "three or more requests"};
+const MetricFamilyDef kSpareBlocks{
+    "kvstash_cpu_spare_blocks", MetricType::Gauge,
+    "Blocks of the CPU tier stored spare (a hybrid model's window or state blocks that no "
+    "expected hit end needs): evicted before any other block until a request uses them"};
 const MetricFamilyDef kTouched{
     "kvstash_touched_keys_total", MetricType::Counter,
     "Keys clients marked used (touches, and stores of blocks the node held)"};
@@ -144,6 +148,8 @@ const std::vector<CounterDef>& Defs() {
       {"cpu.aflru_class2_blocks", KVSTASH_AFLRU(t2), &kAfLruBlocks, {{"class", "2"}}},
       {"cpu.aflru_class3_blocks", KVSTASH_AFLRU(t3), &kAfLruBlocks, {{"class", "3"}}},
       {"cpu.aflru_ghosts", KVSTASH_AFLRU(b1), nullptr, {}},
+      // Blocks stored spare (docs/semantics.md §4b): evicted first until a request uses them.
+      {"cpu.spare_blocks", KVSTASH_STORE(arc_sizes.spare), &kSpareBlocks, {}},
       // ARC's lists: T2 grows as blocks are used again (a touch, a store of a held block).
       {"cpu.arc_t1_blocks", KVSTASH_ARC(t1), &kArcBlocks, {{"list", "t1"}}},
       {"cpu.arc_t2_blocks", KVSTASH_ARC(t2), &kArcBlocks, {{"list", "t2"}}},
@@ -246,7 +252,7 @@ CounterSnapshot::Store SnapshotOf(store::TieredStore& store) {
   s.cpu_resident = store.cpu().resident_blocks();
   s.arc = store.cpu().policy() == store::EvictionPolicy::kArc;
   s.aflru = store.cpu().policy() == store::EvictionPolicy::kAfLru;
-  if (s.arc || s.aflru) s.arc_sizes = store.cpu().policy_sizes();
+  s.arc_sizes = store.cpu().policy_sizes();
   return s;
 }
 

@@ -72,7 +72,7 @@ struct CounterSnapshot {
     uint64_t ssd_capacity = 0, ssd_resident = 0;
     bool arc = false;
     bool aflru = false;
-    store::PolicySizes arc_sizes;  // ARC's or AF-LRU's lists
+    store::PolicySizes arc_sizes;  // the policy's lists
   };
   std::optional<Store> store;
   struct Transport {

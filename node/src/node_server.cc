@@ -196,6 +196,17 @@ Result<BlockMeta> CheckedMeta(const BlockKey& key, const wire::BlockMeta& meta) 
   }
   BlockMeta out;
   out.tokens = meta.tokens();
+  if (!wire::BlockMeta::Kind_IsValid(meta.kind())) {
+    return InvalidArgumentError("block {}: metadata of unknown group kind {}", key.ToString(),
+                                static_cast<int>(meta.kind()));
+  }
+  out.kind = static_cast<BlockMeta::Kind>(meta.kind());
+  if (meta.window_blocks() > kMaxBlockMetaTokens) {
+    return InvalidArgumentError("block {}: metadata of a window of {} blocks; at most {}",
+                                key.ToString(), meta.window_blocks(), kMaxBlockMetaTokens);
+  }
+  out.window_blocks = meta.window_blocks();
+  out.at_hit_end = meta.at_hit_end();
   if (meta.has_parent()) {
     const BlockKey parent = wire::FromWire(meta.parent(), key.namespace_id);
     if (parent.group != key.group) {
@@ -205,6 +216,11 @@ Result<BlockMeta> CheckedMeta(const BlockKey& key, const wire::BlockMeta& meta) 
     out.parent = parent.hash;
   }
   return out;
+}
+
+// How the node stores a block its put described (docs/semantics.md §4b).
+store::StoreHint Hint(const std::optional<BlockMeta>& meta) {
+  return meta && meta->spare() ? store::StoreHint::kSpare : store::StoreHint::kNormal;
 }
 
 }  // namespace
@@ -498,7 +514,7 @@ class NodeServer::Impl {
     }
     Result<NodeService::PutSlot> put = [&] {
       MutexLock lock(&service_mu_);
-      return service_->BeginPut(call.connection_id(), key, bytes);
+      return service_->BeginPut(call.connection_id(), key, bytes, Hint(meta));
     }();
     if (!put.ok()) {
       call.ReplyError(put.status());
@@ -737,7 +753,9 @@ class NodeServer::Impl {
           wire::BlockResult* result = batch->reply.add_results();
           const Bytes bytes = payload->bytes().subspan(offset, request.lengths(i));
           offset += bytes.size();
-          Result<NodeService::PutSlot> put = service_->BeginPut(connection, keys[i], bytes.size());
+          Result<NodeService::PutSlot> put =
+              service_->BeginPut(connection, keys[i], bytes.size(),
+                                 metas.empty() ? store::StoreHint::kNormal : Hint(metas[i]));
           if (!put.ok()) {
             wire::ToWire(put.status(), result);
             continue;

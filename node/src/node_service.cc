@@ -98,7 +98,8 @@ class NodeService::Impl {
     counters_.Add(NodeCounter::kTouchedKeys, keys.size());
   }
 
-  Result<PutSlot> BeginPut(uint64_t connection, const BlockKey& key, size_t length) {
+  Result<PutSlot> BeginPut(uint64_t connection, const BlockKey& key, size_t length,
+                           store::StoreHint hint) {
     Session& session = sessions_[connection];
     if (length != store_->block_bytes()) {
       return InvalidArgumentError("block {} of {} bytes; this node's block size is {}",
@@ -109,7 +110,9 @@ class NodeService::Impl {
     }
     store::StorePlan plan;
     std::shared_ptr<store::SlotGate> gate;
-    if (Status prepared = store_->PrepareStore(std::span(&key, 1), &plan, &gate); !prepared.ok()) {
+    if (Status prepared =
+            store_->PrepareStore(std::span(&key, 1), &plan, &gate, std::span(&hint, 1));
+        !prepared.ok()) {
       if (plan.quota_refused != 0) return QuotaRefusal(session, plan.quota_refused, prepared);
       return prepared;
     }
@@ -455,8 +458,8 @@ void NodeService::Touch(std::span<const BlockKey> keys, store::TouchKind kind) {
   impl_->Touch(keys, kind);
 }
 Result<NodeService::PutSlot> NodeService::BeginPut(uint64_t connection, const BlockKey& key,
-                                                   size_t length) {
-  return impl_->BeginPut(connection, key, length);
+                                                   size_t length, store::StoreHint hint) {
+  return impl_->BeginPut(connection, key, length, hint);
 }
 Status NodeService::EndPut(uint64_t connection, const BlockKey& key, Status received,
                            uint64_t checksum) {

@@ -28,6 +28,9 @@ BlockKey FromWire(const Key& key, NamespaceId namespace_id) {
 void ToWire(const kvstash::BlockMeta& meta, uint32_t group, wire::BlockMeta* out) {
   out->set_tokens(meta.tokens);
   if (meta.parent) ToWire(BlockKey{*meta.parent, group}, out->mutable_parent());
+  out->set_kind(static_cast<wire::BlockMeta::Kind>(meta.kind));
+  out->set_window_blocks(meta.window_blocks);
+  out->set_at_hit_end(meta.at_hit_end);
 }
 
 wire::LookupResult ToWire(kvstash::LookupResult result) {

@@ -114,15 +114,21 @@ class PrefetchingWalk {
 };
 
 std::unique_ptr<ReplacementPolicy> MakePolicy(const BlockManagerOptions& options, Entry* entries) {
+  const size_t capacity = options.capacity_blocks;
+  const uint32_t stamp = options.first_recency_stamp;
+  std::unique_ptr<ReplacementPolicy> policy;
   switch (options.policy) {
     case EvictionPolicy::kArc:
-      return MakeArcPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+      policy = MakeArcPolicy(entries, capacity, stamp);
+      break;
     case EvictionPolicy::kAfLru:
-      return MakeAfLruPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+      policy = MakeAfLruPolicy(entries, capacity, stamp);
+      break;
     case EvictionPolicy::kLru:
+      policy = MakeLruPolicy(entries, capacity, stamp);
       break;
   }
-  return MakeLruPolicy(entries, options.capacity_blocks, options.first_recency_stamp);
+  return MakeSpareFirstPolicy(std::move(policy), entries, capacity, stamp);
 }
 
 class BlockManagerImpl final : public BlockManager {
@@ -232,7 +238,9 @@ class BlockManagerImpl final : public BlockManager {
     }
   }
 
-  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) override {
+  using BlockManager::PrepareStore;
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
+                      std::span<const StoreHint> hints) override {
     MutexLock lock(&mu_);
     plan->keys_to_store.clear();
     plan->slots.clear();
@@ -245,6 +253,7 @@ class BlockManagerImpl final : public BlockManager {
     // the reuse filter, stored or not).
     call_keys_.Reset(keys.size());
     scratch_ids_.clear();
+    spare_.clear();
     PrefetchingWalk walk = WalkForStore(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
       const uint64_t hash = walk.Next();
@@ -257,6 +266,7 @@ class BlockManagerImpl final : public BlockManager {
         }
       } else if (call_keys_.Insert(keys, static_cast<uint32_t>(i), hash)) {
         plan->keys_to_store.push_back(keys[i]);
+        spare_.push_back(i < hints.size() && hints[i] == StoreHint::kSpare);
       }
     }
     // A namespace at its quota makes room among its own blocks first (marked, so that the
@@ -307,7 +317,8 @@ class BlockManagerImpl final : public BlockManager {
       if (options_.enable_events) RecordEvent(OffloadEvent::Kind::kRemoved, plan->evicted);
     }
     call_keys_.Trim();
-    for (const BlockKey& key : plan->keys_to_store) {
+    for (size_t i = 0; i < plan->keys_to_store.size(); ++i) {
+      const BlockKey& key = plan->keys_to_store[i];
       const uint32_t id = AllocateSlot();
       Entry& e = entries_[id];
       e.key = key;
@@ -315,7 +326,11 @@ class BlockManagerImpl final : public BlockManager {
       e.marked = 0;
       const uint64_t hash = KeyHash(key);
       index_.Insert(id, hash);
-      policy_->Insert(id, hash);
+      if (spare_[i]) {
+        policy_->InsertSpare(id, hash);
+      } else {
+        policy_->Insert(id, hash);
+      }
       if (book_) book_->Add(id, key.namespace_id);
       plan->slots.push_back(id);
     }
@@ -680,6 +695,7 @@ class BlockManagerImpl final : public BlockManager {
   std::vector<std::pair<NamespaceId, size_t>> new_per_ns_ GUARDED_BY(mu_);
   std::vector<uint32_t> scratch_ids_ GUARDED_BY(mu_);
   std::vector<uint64_t> hashes_ GUARDED_BY(mu_);
+  std::vector<bool> spare_ GUARDED_BY(mu_);  // by keys_to_store: stored as StoreHint::kSpare
 };
 
 }  // namespace

@@ -22,6 +22,9 @@ class ReplacementPolicy {
 
   // Entry `id` was just created (being written): place it at the MRU end. `hash` is its KeyHash.
   virtual void Insert(uint32_t id, uint64_t hash) = 0;
+  // The same for a block stored as StoreHint::kSpare. Only the spare-first wrapper keeps such
+  // blocks apart; a policy alone inserts them as any block.
+  virtual void InsertSpare(uint32_t id, uint64_t hash) { Insert(id, hash); }
   // Entry `id` is being dropped (failed store).
   virtual void Remove(uint32_t id) = 0;
   // One key of a Touch call; the manager calls these in reverse key order. `id` is the key's
@@ -51,5 +54,10 @@ std::unique_ptr<ReplacementPolicy> MakeArcPolicy(Entry* entries, size_t capacity
                                                  uint32_t first_stamp);
 std::unique_ptr<ReplacementPolicy> MakeAfLruPolicy(Entry* entries, size_t capacity,
                                                    uint32_t first_stamp);
+// `policy` with a list of spare blocks (StoreHint::kSpare) kept apart from its order and
+// evicted before its own victims (docs/semantics.md §4b).
+std::unique_ptr<ReplacementPolicy> MakeSpareFirstPolicy(std::unique_ptr<ReplacementPolicy> policy,
+                                                        Entry* entries, size_t capacity,
+                                                        uint32_t first_stamp);
 
 }  // namespace kvstash::store

@@ -485,11 +485,12 @@ void TieredStore::Touch(std::span<const BlockKey> keys, TouchKind kind) {
 }
 
 Status TieredStore::PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
-                                 std::shared_ptr<SlotGate>* gate) {
+                                 std::shared_ptr<SlotGate>* gate,
+                                 std::span<const StoreHint> hints) {
   Deferred deferred;
   {
     MutexLock lock(&mu_);
-    if (Status s = cpu_->PrepareStore(keys, plan); !s.ok()) {
+    if (Status s = cpu_->PrepareStore(keys, plan, hints); !s.ok()) {
       counters_->quota_refusals += plan->quota_refused;
       return s;
     }

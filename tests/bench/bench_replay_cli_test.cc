@@ -274,6 +274,71 @@ TEST(BenchReplayCliTest, StorePartialStoresTheLastBlockToo) {
   EXPECT_NEAR(full["block_hit_ratio"].get<double>(), LruHitRatio(trace, 256, false), 0.01);
 }
 
+// --model-only: no node, one row per policy and capacity; LRU's follows an independent LRU.
+TEST(BenchReplayCliTest, ModelOnlyTablesPoliciesByCapacity) {
+  TempDir dir;
+  const std::string path = WriteTrace(dir, GenerateTrace(1500, 7));
+  const std::vector<Request> trace = ReadTrace(path);
+  const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--model-only",
+                             "--policy", "lru,aflru", "--capacity-blocks", "256,512", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const Json s = Summary(r.out);
+  ASSERT_FALSE(s.is_discarded()) << r.out;
+  EXPECT_EQ(s["layout"], "full");
+  ASSERT_EQ(s["rows"].size(), 4u);
+  for (const Json& row : s["rows"]) {
+    const size_t blocks = row["capacity_blocks"].get<size_t>();
+    EXPECT_TRUE(blocks == 256 || blocks == 512) << row.dump();
+    if (row["policy"] == "lru") {
+      EXPECT_NEAR(row["block_hit_ratio"].get<double>(), LruHitRatio(trace, blocks), 0.01);
+    }
+    EXPECT_DOUBLE_EQ(row["token_hit_ratio"].get<double>(),
+                     row["blind_token_hit_ratio"].get<double>());
+  }
+  const auto bad = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--model-only"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--capacity-blocks or --capacity-share"));
+  const auto layout = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--model-only",
+                                  "--capacity-blocks", "64", "--layout", "llama"});
+  EXPECT_EQ(layout.exit_code, 2);
+  EXPECT_THAT(layout.err, HasSubstr("unknown layout 'llama'"));
+}
+
+// A hybrid layout (docs/semantics.md §4b): the live node equals the model, the usable hit is at
+// most the group-blind count, and a node told what each block is for hits at least as much as
+// one that stores every block alike.
+TEST(BenchReplayCliTest, HybridLayoutLiveEqualsTheModelAndSpareBlocksHelp) {
+  TempDir dir;
+  const std::string path = WriteTrace(dir, GenerateTrace(1500, 7));
+  const auto sized =
+      RunProcess({kKvstash, "bench", "replay", "--trace", path, "--model-only", "--policy", "lru",
+                  "--layout", "qwen3-next-like", "--capacity-share", "0.25", "--json"});
+  ASSERT_EQ(sized.exit_code, 0) << sized.err;
+  const size_t blocks = Summary(sized.out)["rows"][0]["capacity_blocks"].get<size_t>();
+  auto replay = [&](bool blind) {
+    auto node = Node(blocks, "lru");
+    std::vector<std::string> argv = {
+        kKvstash, "bench",        "replay",   "--trace",         path,
+        "--node", Address(*node), "--layout", "qwen3-next-like", "--lookup-budget-ms",
+        "60000",  "--json"};
+    if (blind) argv.push_back("--group-blind");
+    const auto r = RunProcess(argv);
+    EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
+    const Json s = Summary(r.out);
+    EXPECT_EQ(s["mismatches"], 0);
+    EXPECT_EQ(s["errors"], 0);
+    EXPECT_DOUBLE_EQ(s["block_hit_ratio"].get<double>(), s["model_block_hit_ratio"].get<double>());
+    EXPECT_DOUBLE_EQ(s["token_hit_ratio"].get<double>(), s["model_token_hit_ratio"].get<double>());
+    EXPECT_LE(s["token_hit_ratio"].get<double>(), s["blind_token_hit_ratio"].get<double>());
+    return s["token_hit_ratio"].get<double>();
+  };
+  const double aware = replay(false);
+  const double blind = replay(true);
+  std::cout << "usable token hit ratio: told " << aware << ", group-blind " << blind << "\n";
+  EXPECT_GT(blind, 0.05);
+  EXPECT_GE(aware, blind);
+}
+
 TEST(BenchReplayCliTest, ConcurrentReplayLosesNothingAndFollowsTheClockWithProgress) {
   TempDir dir;
   // 300 requests 5 ms apart at --speed 1: about 1.5 s, so a progress line shows.

@@ -106,6 +106,15 @@ std::optional<std::vector<BlockKey>> StoreNone(std::span<const BlockKey>) {
 std::optional<std::vector<BlockKey>> Refuse(std::span<const BlockKey>) { return std::nullopt; }
 LookupResult AllHit(const BlockKey&) { return LookupResult::kHit; }
 
+// A full-attention block's metadata as a store job carries it.
+BlockMeta FullMeta(std::optional<BlockHash> parent, uint32_t tokens) {
+  BlockMeta meta;
+  meta.parent = parent;
+  meta.tokens = tokens;
+  meta.kind = BlockMeta::Kind::kFull;
+  return meta;
+}
+
 struct Fixture {
   std::unique_ptr<OffloadScheduler> scheduler;
   FakeManager* manager = nullptr;  // owned by scheduler
@@ -767,8 +776,7 @@ TEST(OffloadSchedulerApiTest, StoresOnlyWhatTheManagerChoseAndAdvancesPastTheRes
   EXPECT_THAT(meta->store_jobs[0].keys, ElementsAre(BlockKey{H(0), 0}, BlockKey{H(2), 0}));
   EXPECT_THAT(meta->store_jobs[0].gpu_blocks, ElementsAre(1, 3));
   // Each block's parent is the request's block before it, stored or not.
-  EXPECT_THAT(meta->store_jobs[0].metas,
-              ElementsAre(BlockMeta{std::nullopt, 4}, BlockMeta{H(1), 4}));
+  EXPECT_THAT(meta->store_jobs[0].metas, ElementsAre(FullMeta(std::nullopt, 4), FullMeta(H(1), 4)));
   EXPECT_THAT(*f.scheduler->NextStoredBlocks(1), ElementsAre(4u));
 }
 
@@ -788,8 +796,8 @@ TEST(OffloadSchedulerApiTest, StoreJobsSayEachBlocksParentAndTokensPerGroup) {
   EXPECT_THAT(first->store_jobs[0].keys, ElementsAre(BlockKey{H(0), 0}, BlockKey{H(1), 0},
                                                      BlockKey{H(2), 0}, BlockKey{H(1), 1}));
   EXPECT_THAT(first->store_jobs[0].metas,
-              ElementsAre(BlockMeta{std::nullopt, 4}, BlockMeta{H(0), 4}, BlockMeta{H(1), 4},
-                          BlockMeta{std::nullopt, 8}));
+              ElementsAre(FullMeta(std::nullopt, 4), FullMeta(H(0), 4), FullMeta(H(1), 4),
+                          FullMeta(std::nullopt, 8)));
   auto second = f.scheduler->BuildConnectorMeta(Step({Sched(view, 12, 12, {{6, 7, 8}, {9}})}));
   ASSERT_TRUE(second.ok());
   ASSERT_EQ(second->store_jobs.size(), 1u);
@@ -798,10 +806,50 @@ TEST(OffloadSchedulerApiTest, StoreJobsSayEachBlocksParentAndTokensPerGroup) {
                           BlockKey{H(3), 1}, BlockKey{H(5), 1}));
   // A job's first block hangs from the last block of the job before.
   EXPECT_THAT(second->store_jobs[0].metas,
-              ElementsAre(BlockMeta{H(2), 4}, BlockMeta{H(3), 4}, BlockMeta{H(4), 4},
-                          BlockMeta{H(1), 8}, BlockMeta{H(3), 8}));
+              ElementsAre(FullMeta(H(2), 4), FullMeta(H(3), 4), FullMeta(H(4), 4),
+                          FullMeta(H(1), 8), FullMeta(H(3), 8)));
   // A load carries none.
   EXPECT_THAT(first->load_jobs, IsEmpty());
+}
+
+// What a node evicts by (docs/semantics.md §4b): each block's group kind and window, and
+// whether a later hit may end within its window: a job's last window of blocks per group.
+TEST(OffloadSchedulerApiTest, StoreJobsSayWhichWindowAndStateBlocksAHitEndNeeds) {
+  Fixture f = MakeScheduler({.groups = {{OffloadGroupKind::kFull, 4, 1, 0},
+                                        {OffloadGroupKind::kState, 4, 1, 0},
+                                        {OffloadGroupKind::kSlidingWindow, 4, 1, 8}},
+                             .hash_block_size = 4});
+  std::vector<BlockHash> hashes = Hashes(4);
+  const OffloadRequestView view{.id = 1, .num_tokens = 17, .block_hashes = hashes};
+  ASSERT_EQ(f.scheduler->GetNumNewMatchedTokens(view, 0), 0u);
+  auto meta = f.scheduler->BuildConnectorMeta(
+      Step({Sched(view, 0, 17, {{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}, {11, 12, 13, 14, 15}})}));
+  ASSERT_TRUE(meta.ok());
+  ASSERT_EQ(meta->store_jobs.size(), 1u);
+  const std::vector<BlockMeta>& metas = meta->store_jobs[0].metas;
+  ASSERT_EQ(metas.size(), 12u);
+  auto kind = [](const BlockMeta& m) { return m.kind; };
+  auto window = [](const BlockMeta& m) { return m.window_blocks; };
+  auto at_end = [](const BlockMeta& m) { return m.at_hit_end; };
+  std::vector<BlockMeta::Kind> kinds;
+  std::vector<uint32_t> windows;
+  std::vector<bool> ends;
+  for (const BlockMeta& m : metas) {
+    kinds.push_back(kind(m));
+    windows.push_back(window(m));
+    ends.push_back(at_end(m));
+  }
+  using K = BlockMeta::Kind;
+  EXPECT_THAT(kinds, ElementsAre(K::kFull, K::kFull, K::kFull, K::kFull, K::kState, K::kState,
+                                 K::kState, K::kState, K::kSlidingWindow, K::kSlidingWindow,
+                                 K::kSlidingWindow, K::kSlidingWindow));
+  EXPECT_THAT(windows, ElementsAre(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2));
+  // Full blocks are never spare; the state at the end, the window's last two blocks.
+  EXPECT_THAT(ends, ElementsAre(false, false, false, false, false, false, false, true, false, false,
+                                true, true));
+  EXPECT_THAT(metas[4].spare(), ::testing::IsTrue());
+  EXPECT_THAT(metas[0].spare(), ::testing::IsFalse());
+  EXPECT_THAT(metas[7].spare(), ::testing::IsFalse());
 }
 
 // Request 1 stores from GPU block 1 and finishes before the store completes; request 3 keeps

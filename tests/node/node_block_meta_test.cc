@@ -173,6 +173,61 @@ TEST_F(NodeBlockMetaTest, MetadataANodeCannotTakeIsRefusedWithAClearErrorAndStor
   EXPECT_EQ(StoredEvents({1}), (std::map<uint64_t, Said>{{1, {X(0), 16, "CPU"}}}));
 }
 
+// What a put says a block is for decides how the node stores it (docs/semantics.md §4b): a
+// state or sliding-window block that no expected hit end needs is spare, evicted before every
+// other block until a request uses it; full-attention blocks and blocks at a hit end are not.
+TEST_F(NodeBlockMetaTest, SpareBlocksGoFirstUntilARequestUsesThem) {
+  StartNode(/*events=*/false);
+  auto meta = [](wire::BlockMeta::Kind kind, bool at_hit_end) {
+    wire::BlockMeta m = Meta(std::nullopt, 16);
+    m.set_kind(kind);
+    m.set_window_blocks(1);
+    m.set_at_hit_end(at_hit_end);
+    return m;
+  };
+  // 64 blocks fill the tier: 0..1 spare states, 2 a state at a hit end, 3 a full block, 4..63
+  // without metadata. 0 and 1 are the most recent (stored last), yet they go first.
+  std::vector<uint64_t> rest;
+  for (uint64_t k = 4; k < 64; ++k) rest.push_back(k);
+  for (size_t i = 0; i < rest.size(); i += 6) {  // 60 blocks, 6 to a call
+    ASSERT_TRUE(PutMany(std::vector<uint64_t>(rest.begin() + i, rest.begin() + i + 6), {}).ok());
+  }
+  ASSERT_TRUE(PutMany({3, 2, 1, 0}, {meta(wire::BlockMeta::KIND_FULL, false),
+                                     meta(wire::BlockMeta::KIND_STATE, true),
+                                     meta(wire::BlockMeta::KIND_STATE, false),
+                                     meta(wire::BlockMeta::KIND_SLIDING_WINDOW, false)})
+                  .ok());
+  EXPECT_EQ(node_->Counters().at("cpu.spare_blocks"), 2u);
+  // A use of block 1 makes it the policy's; a store evicts the other spare one, block 0.
+  wire::TouchRequest touch;
+  *touch.add_keys() = WireKey(1);
+  ASSERT_TRUE(client_->Call(wire::METHOD_TOUCH, touch, (wire::TouchReply*)nullptr).ok());
+  EXPECT_EQ(node_->Counters().at("cpu.spare_blocks"), 1u);
+  ASSERT_TRUE(PutMany({100}, {}).ok());
+  EXPECT_EQ(client_->PerKey({0, 1, 2, 3}),
+            (std::vector<wire::LookupResult>{wire::LOOKUP_MISS, wire::LOOKUP_HIT, wire::LOOKUP_HIT,
+                                             wire::LOOKUP_HIT}));
+  EXPECT_EQ(node_->Counters().at("cpu.spare_blocks"), 0u);
+  // Then the policy's own order: block 4, the least recent.
+  ASSERT_TRUE(PutMany({101}, {}).ok());
+  EXPECT_EQ(client_->PerKey({4}), (std::vector<wire::LookupResult>{wire::LOOKUP_MISS}));
+}
+
+TEST_F(NodeBlockMetaTest, AnUnknownGroupKindOrAHugeWindowIsRefused) {
+  StartNode(/*events=*/false);
+  wire::BlockMeta meta = Meta(std::nullopt, 16);
+  meta.set_kind(static_cast<wire::BlockMeta::Kind>(9));
+  Status s = PutMany({1}, {meta});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("unknown group kind 9"));
+  meta.set_kind(wire::BlockMeta::KIND_SLIDING_WINDOW);
+  meta.set_window_blocks(~0u);
+  s = PutOne(1, meta);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("a window of 4294967295 blocks"));
+  EXPECT_THAT(client_->PerKey({1}), ::testing::Each(::testing::Eq(wire::LOOKUP_MISS)));
+}
+
 // A node that publishes no events takes the metadata (checked the same) and keeps none.
 TEST_F(NodeBlockMetaTest, ANodeWithoutEventsStoresBlocksWithMetadata) {
   StartNode(/*events=*/false);

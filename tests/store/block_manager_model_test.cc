@@ -119,13 +119,14 @@ std::string StateStr(const BlockManagerState& s) {
           << ListStr(s.af_touched[k], [](uint64_t t) { return t; });
     }
     out << " ghosts=" << ListStr(s.af_ghosts, [](uint32_t g) { return g; })
-        << " free=" << SlotsStr(s.free_slots) << " fresh=" << s.fresh_slots_used;
+        << " spare=" << BlocksStr(s.spare) << " free=" << SlotsStr(s.free_slots)
+        << " fresh=" << s.fresh_slots_used;
     return out.str();
   }
   out << (s.policy == EvictionPolicy::kLru ? "LRU" : "ARC") << " lru=" << BlocksStr(s.lru)
       << " t1=" << BlocksStr(s.t1) << " t2=" << BlocksStr(s.t2) << " b1=" << KeysStr(s.b1)
-      << " b2=" << KeysStr(s.b2) << " p=" << s.arc_target << " free=" << SlotsStr(s.free_slots)
-      << " fresh=" << s.fresh_slots_used;
+      << " b2=" << KeysStr(s.b2) << " p=" << s.arc_target << " spare=" << BlocksStr(s.spare)
+      << " free=" << SlotsStr(s.free_slots) << " fresh=" << s.fresh_slots_used;
   return out.str();
 }
 
@@ -136,7 +137,7 @@ bool StatesEqual(const BlockManagerState& a, const BlockManagerState& b) {
   return a.policy == b.policy && a.lru == b.lru && a.t1 == b.t1 && a.t2 == b.t2 && a.b1 == b.b1 &&
          a.b2 == b.b2 && a.arc_target == b.arc_target && a.free_slots == b.free_slots &&
          a.fresh_slots_used == b.fresh_slots_used && a.af_clock == b.af_clock &&
-         a.af_ghosts == b.af_ghosts;
+         a.af_ghosts == b.af_ghosts && a.spare == b.spare;
 }
 
 std::string EventsStr(const std::vector<OffloadEvent>& events) {
@@ -197,6 +198,8 @@ struct Coverage {
   size_t af_upper_evictions = 0;  // AF-LRU: victims of class 2 or 3
   size_t af_ghost_reinserts = 0;  // AF-LRU: stores that found their key's ghost
   size_t af_refreshes = 0;        // AF-LRU: resident keys touched without a use counted
+  size_t spare_evictions = 0;     // spare blocks evicted
+  size_t spare_uses = 0;          // spare blocks handed to the policy by a use
 
   void Add(const Coverage& o) {
     evictions += o.evictions;
@@ -218,6 +221,8 @@ struct Coverage {
     af_upper_evictions += o.af_upper_evictions;
     af_ghost_reinserts += o.af_ghost_reinserts;
     af_refreshes += o.af_refreshes;
+    spare_evictions += o.spare_evictions;
+    spare_uses += o.spare_uses;
   }
 };
 
@@ -333,6 +338,18 @@ class Model {
   void Touch(const std::vector<BlockKey>& keys, TouchKind kind) {
     for (size_t i = keys.size(); i-- > 0;) {
       const BlockKey& key = keys[i];
+      // §4b: a spare block is the policy's only once used; any other touch keeps it spare.
+      if (std::optional<size_t> at = IndexIn(spare_, key)) {
+        Block block = spare_[*at];
+        spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(*at));
+        if (kind == TouchKind::kUse && block.ref >= 0) {
+          ++coverage_.spare_uses;
+          PolicyInsert(block);
+        } else {
+          spare_.push_back(block);
+        }
+        continue;
+      }
       if (policy_ == EvictionPolicy::kAfLru) {
         // §4a: every key advances the clock; a held key moves to the MRU end of its class,
         // one class up (at most 3) for a use of a block that is not being written.
@@ -403,10 +420,13 @@ class Model {
     return out;
   }
 
-  Status PrepareStore(const std::vector<BlockKey>& keys, StorePlan* plan) {
-    // 1. reuse filter; 2. keys neither stored nor in flight, once each, in call order.
+  Status PrepareStore(const std::vector<BlockKey>& keys, StorePlan* plan,
+                      const std::vector<bool>& spare_hints) {
+    // 1. reuse filter; 2. keys neither stored nor in flight, once each, in call order, each
+    // with the hint given with its first occurrence.
     std::vector<BlockKey> filtered = Filtered(keys);
     std::vector<BlockKey> to_store;
+    std::vector<bool> spare;
     for (const BlockKey& key : filtered) {
       if (Find(key) != nullptr) continue;
       if (std::find(to_store.begin(), to_store.end(), key) != to_store.end()) {
@@ -414,6 +434,9 @@ class Model {
         continue;
       }
       to_store.push_back(key);
+      const size_t at =
+          static_cast<size_t>(std::find(keys.begin(), keys.end(), key) - keys.begin());
+      spare.push_back(at < spare_hints.size() && spare_hints[at]);
     }
     coverage_.filtered_keys += keys.size() - filtered.size();
     *plan = StorePlan{};
@@ -425,20 +448,40 @@ class Model {
     if (to_store.size() > free_count) {
       size_t need = to_store.size() - free_count;
       std::set<BlockKey> protected_keys(filtered.begin(), filtered.end());
+      // §4b: spare blocks first, least recent first; then the policy for the rest. All or
+      // nothing: a policy that cannot find the rest undoes the spare victims.
+      const List spare_before = spare_;
+      const std::vector<SlotId> free_before = free_slots_;
+      std::vector<BlockKey> spare_victims;
+      while (spare_victims.size() < need) {
+        std::optional<size_t> at = ScanEligible(spare_, protected_keys, {});
+        if (!at) break;
+        spare_victims.push_back(spare_[*at].key);
+        free_slots_.push_back(spare_[*at].slot);
+        spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(*at));
+      }
+      const size_t rest = need - spare_victims.size();
       std::optional<std::vector<BlockKey>> victims =
-          policy_ == EvictionPolicy::kLru   ? LruEvict(need, protected_keys)
-          : policy_ == EvictionPolicy::kArc ? ArcEvict(need, protected_keys)
-                                            : AfEvict(need, protected_keys);
+          rest == 0                         ? std::vector<BlockKey>()
+          : policy_ == EvictionPolicy::kLru ? LruEvict(rest, protected_keys)
+          : policy_ == EvictionPolicy::kArc ? ArcEvict(rest, protected_keys)
+                                            : AfEvict(rest, protected_keys);
       if (!victims) {
+        spare_ = spare_before;
+        free_slots_ = free_before;
         ++coverage_.refused_stores;
         return Status(StatusCode::kResourceExhausted, "model: no room");
       }
       ++coverage_.evictions;
-      evicted = *victims;
+      coverage_.spare_evictions += spare_victims.size();
+      evicted = spare_victims;
+      evicted.insert(evicted.end(), victims->begin(), victims->end());
       if (events_on_) events_.push_back(OffloadEvent{OffloadEvent::Kind::kRemoved, evicted});
     }
-    // 5. allocate (fresh first, then LIFO) and insert at MRU (ARC: T1, leaving the ghosts).
-    for (const BlockKey& key : to_store) {
+    // 5. allocate (fresh first, then LIFO) and insert at MRU (ARC: T1, leaving the ghosts; a
+    // spare block: the spare list, which the policy does not see).
+    for (size_t i = 0; i < to_store.size(); ++i) {
+      const BlockKey& key = to_store[i];
       SlotId slot;
       if (fresh_used_ < capacity_) {
         slot = static_cast<SlotId>(fresh_used_++);
@@ -448,6 +491,22 @@ class Model {
         ++coverage_.lifo_reuses;
       }
       Block block{key, slot, -1};
+      if (spare[i]) {
+        spare_.push_back(block);
+      } else {
+        PolicyInsert(block);
+      }
+      plan->keys_to_store.push_back(key);
+      plan->slots.push_back(slot);
+    }
+    plan->evicted = evicted;
+    return Status::OK();
+  }
+
+  // A block enters the policy's order: new, or a spare block used (§4b).
+  void PolicyInsert(Block block) {
+    const BlockKey key = block.key;
+    {
       if (policy_ == EvictionPolicy::kLru) {
         lru_.push_back(block);
       } else if (policy_ == EvictionPolicy::kAfLru) {
@@ -469,11 +528,7 @@ class Model {
         EraseGhost(b1_, key);
         EraseGhost(b2_, key);
       }
-      plan->keys_to_store.push_back(key);
-      plan->slots.push_back(slot);
     }
-    plan->evicted = evicted;
-    return Status::OK();
   }
 
   void CompleteStore(const std::vector<BlockKey>& keys, bool success) {
@@ -510,6 +565,7 @@ class Model {
   }
 
   void Reset() {
+    spare_.clear();
     for (List& list : af_) list.clear();
     ghosts_.clear();
     clock_ = 0;
@@ -553,6 +609,7 @@ class Model {
       s.b2 = b2_;
       s.arc_target = p_;
     }
+    s.spare = Infos(spare_);
     s.free_slots = free_slots_;
     s.fresh_slots_used = fresh_used_;
     return s;
@@ -619,14 +676,14 @@ class Model {
   }
 
   std::vector<List*> Lists() {
-    if (policy_ == EvictionPolicy::kLru) return {&lru_};
-    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2]};
-    return {&t1_, &t2_};
+    if (policy_ == EvictionPolicy::kLru) return {&lru_, &spare_};
+    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2], &spare_};
+    return {&t1_, &t2_, &spare_};
   }
   std::vector<const List*> Lists() const {
-    if (policy_ == EvictionPolicy::kLru) return {&lru_};
-    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2]};
-    return {&t1_, &t2_};
+    if (policy_ == EvictionPolicy::kLru) return {&lru_, &spare_};
+    if (policy_ == EvictionPolicy::kAfLru) return {&af_[0], &af_[1], &af_[2], &spare_};
+    return {&t1_, &t2_, &spare_};
   }
 
   Block* Find(const BlockKey& key) {
@@ -806,6 +863,7 @@ class Model {
   List lru_;
   List t1_, t2_;
   List af_[3];  // AF-LRU: class k + 1, least recent first
+  List spare_;  // §4b: blocks stored as StoreHint::kSpare, least recent first
   uint64_t clock_ = 0;
   std::vector<Ghost> ghosts_;  // oldest first
   uint64_t ghost_pushes_ = 0;
@@ -840,10 +898,11 @@ enum class OpKind : uint8_t {
 struct Op {
   OpKind kind = OpKind::kLookup;
   std::vector<KeyId> keys;
-  bool success = true;   // CompleteStore
-  size_t window = 1;     // LookupWindow
-  double target = 0.0;   // SetArcTarget
-  bool refresh = false;  // Touch: TouchKind::kRefresh
+  bool success = true;      // CompleteStore
+  size_t window = 1;        // LookupWindow
+  double target = 0.0;      // SetArcTarget
+  bool refresh = false;     // Touch: TouchKind::kRefresh
+  std::vector<bool> spare;  // PrepareStore: none, or StoreHint::kSpare per key
 };
 
 std::string OpStr(const Op& op) {
@@ -863,7 +922,11 @@ std::string OpStr(const Op& op) {
       out << "LookupWindow(" << IdsStr(op.keys) << ", window=" << op.window << ")";
       break;
     case OpKind::kPrepareStore:
-      out << "PrepareStore(" << IdsStr(op.keys) << ")";
+      out << "PrepareStore(" << IdsStr(op.keys);
+      if (!op.spare.empty()) {
+        out << ", spare=" << ListStr(op.spare, [](bool spare) { return spare ? 1 : 0; });
+      }
+      out << ")";
       break;
     case OpKind::kCompleteStore:
       out << "CompleteStore(" << IdsStr(op.keys) << ", " << (op.success ? "true" : "false") << ")";
@@ -934,6 +997,10 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
   for (const std::vector<BlockInfo>& cls : s.af) {
     blocks.insert(blocks.end(), cls.begin(), cls.end());
   }
+  // A spare block's key may still be one of ARC's ghosts: the policy does not see it (§4b).
+  std::set<BlockKey> seen_by_policy;
+  for (const BlockInfo& b : blocks) seen_by_policy.insert(b.key);
+  blocks.insert(blocks.end(), s.spare.begin(), s.spare.end());
   if (blocks.size() > capacity) return "more resident blocks than capacity";
   if (blocks.size() != resident_blocks) return "resident_blocks() disagrees with DebugState";
   if (s.fresh_slots_used > capacity) return "fresh_slots_used above capacity";
@@ -960,7 +1027,7 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
     if (!ghosts.insert(k).second) return "duplicate ghost";
   }
   for (const BlockKey& k : ghosts) {
-    if (keys.count(k) != 0) return "a resident key is also a ghost";
+    if (seen_by_policy.count(k) != 0) return "a resident key is also a ghost";
   }
   if (!(s.arc_target >= 0.0 && s.arc_target <= static_cast<double>(capacity))) {
     return "arc_target outside [0, capacity]";
@@ -969,7 +1036,8 @@ std::optional<std::string> CheckStateInvariants(const BlockManagerState& s, size
 }
 
 const BlockInfo* FindInfo(const BlockManagerState& s, const BlockKey& key) {
-  for (const std::vector<BlockInfo>* list : {&s.lru, &s.t1, &s.t2, &s.af[0], &s.af[1], &s.af[2]}) {
+  for (const std::vector<BlockInfo>* list :
+       {&s.lru, &s.t1, &s.t2, &s.af[0], &s.af[1], &s.af[2], &s.spare}) {
     for (const BlockInfo& b : *list) {
       if (b.key == key) return &b;
     }
@@ -1034,10 +1102,12 @@ class Harness {
       }
       case OpKind::kPrepareStore: {
         std::vector<BlockKey> protected_keys = model_.Filtered(keys);
+        std::vector<StoreHint> hints;
+        for (bool spare : op.spare) hints.push_back(spare ? StoreHint::kSpare : StoreHint::kNormal);
         StorePlan got_plan;
-        Status got = impl_->PrepareStore(keys, &got_plan);
+        Status got = impl_->PrepareStore(keys, &got_plan, hints);
         StorePlan want_plan;
-        Status want = model_.PrepareStore(keys, &want_plan);
+        Status want = model_.PrepareStore(keys, &want_plan, op.spare);
         if (got.code() != want.code()) {
           diff << "PrepareStore: got " << CodeStr(got) << ", want " << CodeStr(want);
           if (got.ok()) diff << " (got plan " << PlanStr(got_plan) << ")";
@@ -1258,6 +1328,9 @@ class Generator {
       op.kind = OpKind::kPrepareStore;
       op.keys = KeyRun(Chance(3) ? 0 : Uniform(1, 6), resident, in_flight, ghosts);
       if (!op.keys.empty() && Chance(20)) Duplicate(op.keys);
+      if (Chance(40)) {
+        for (size_t i = 0; i < op.keys.size(); ++i) op.spare.push_back(Chance(50));
+      }
     } else if (take(130)) {
       op.kind = OpKind::kCompleteStore;
       op.success = Chance(75);
@@ -1432,7 +1505,8 @@ std::string CoverageStr(const Coverage& c) {
       << " retries=" << c.retries << " tracker_drops=" << c.tracker_drops
       << " filtered_keys=" << c.filtered_keys << " af_promotions=" << c.af_promotions
       << " af_upper_evictions=" << c.af_upper_evictions
-      << " af_ghost_reinserts=" << c.af_ghost_reinserts << " af_refreshes=" << c.af_refreshes;
+      << " af_ghost_reinserts=" << c.af_ghost_reinserts << " af_refreshes=" << c.af_refreshes
+      << " spare_evictions=" << c.spare_evictions << " spare_uses=" << c.spare_uses;
   return out.str();
 }
 
@@ -1489,6 +1563,8 @@ TEST_P(BlockManagerModelTest, RandomOpsMatchModel) {
   EXPECT_GT(c.failed_loads, 100u);
   EXPECT_GT(c.failed_store_frees, 100u);
   EXPECT_GT(c.retries, 100u);
+  EXPECT_GT(c.spare_evictions, 100u);
+  EXPECT_GT(c.spare_uses, 100u);
   if (GetParam() == EvictionPolicy::kArc) {
     EXPECT_GT(c.arc_t2_evictions, 100u);
     EXPECT_GT(c.arc_t1_fallbacks, 20u);
@@ -1598,14 +1674,15 @@ TEST(BlockManagerModelSelfTest, ReferenceVectorsThroughHarness) {
   Harness h(arc);
   for (const Op& op : b5) ASSERT_FALSE(h.Step(op).has_value());
   BlockManagerState s = h.model().State();
-  EXPECT_EQ(StateStr(s), "ARC lru=[] t1=[(3,0,-1)] t2=[(2,1,1)] b1=[1] b2=[] p=2 free=[] fresh=2");
+  EXPECT_EQ(StateStr(s),
+            "ARC lru=[] t1=[(3,0,-1)] t2=[(2,1,1)] b1=[1] b2=[] p=2 spare=[] free=[] fresh=2");
 
   std::vector<Op> b10 = {ps({1, 2}), cs({1, 2}), ps({3}), cs({3}),    ps({4}),
                          cs({4}),    ps({5}),    cs({5}), touch({3}), ps({3})};
   Harness h10(arc);
   for (const Op& op : b10) ASSERT_FALSE(h10.Step(op).has_value());
   EXPECT_EQ(StateStr(h10.model().State()),
-            "ARC lru=[] t1=[(5,0,0) (3,1,-1)] t2=[] b1=[4] b2=[] p=1 free=[] fresh=2");
+            "ARC lru=[] t1=[(5,0,0) (3,1,-1)] t2=[] b1=[4] b2=[] p=1 spare=[] free=[] fresh=2");
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, BlockManagerModelTest,

@@ -166,6 +166,22 @@ void TrackedRequests::AdvanceStored(TrackedRequest& state, size_t offloadable) c
   }
 }
 
+namespace {
+BlockMeta::Kind MetaKind(OffloadGroupKind kind) {
+  switch (kind) {
+    case OffloadGroupKind::kSlidingWindow:
+      return BlockMeta::Kind::kSlidingWindow;
+    case OffloadGroupKind::kState:
+      return BlockMeta::Kind::kState;
+    case OffloadGroupKind::kChunkedLocal:
+      return BlockMeta::Kind::kChunkedLocal;
+    case OffloadGroupKind::kFull:
+      break;
+  }
+  return BlockMeta::Kind::kFull;
+}
+}  // namespace
+
 StoreCandidates TrackedRequests::CandidatesOf(const TrackedRequest& state,
                                               size_t offloadable) const {
   // The full offloaded blocks not stored yet, per group, but a block whose last GPU block is
@@ -195,12 +211,23 @@ void TrackedRequests::PlanStore(TrackedRequest& state, const StoreCandidates& ca
     std::vector<GpuBlockId>* sources = groups_.IsWindow(g) ? window : full;
     std::optional<size_t> first_block;
     uint32_t group_size = 0;
+    // The job's last block of the group: a later request's hit may end there, and so needs the
+    // window blocks before it (docs/semantics.md §4b); the window and state blocks before those
+    // are stored spare.
+    size_t last = 0;
+    for (const size_t i : candidates.blocks[g]) {
+      if (chosen.contains(group_state.keys[i])) last = i;
+    }
+    const uint32_t window = groups_[g].window_blocks.value_or(0);
     for (const size_t i : candidates.blocks[g]) {
       if (!chosen.contains(group_state.keys[i])) continue;
       job->keys.push_back(group_state.keys[i]);
       BlockMeta& meta = job->metas.emplace_back();
       if (i > 0) meta.parent = group_state.keys[i - 1].hash;
       meta.tokens = groups_[g].offloaded_block_size;
+      meta.kind = MetaKind(groups_[g].config.kind);
+      meta.window_blocks = window;
+      meta.at_hit_end = i + window > last;
       for (size_t j = i * f; j < i * f + f; ++j) {
         // Null blocks lead (the group skipped them); the worker places the first real one by
         // block_indices.

@@ -41,8 +41,22 @@ struct BlockKey {
 // that the node's KV events say it too (docs/semantics.md §19): the block before it in its
 // request, in the same group, and the tokens it holds. A value type.
 struct BlockMeta {
+  // The kind of the block's KV-cache group, for a node's eviction (docs/semantics.md §4b).
+  enum class Kind : uint8_t { kUnspecified, kFull, kSlidingWindow, kChunkedLocal, kState };
+
   std::optional<BlockHash> parent;  // the previous block's hash; none: the request's first block
   uint32_t tokens = 0;
+  Kind kind = Kind::kUnspecified;
+  // A sliding-window or chunked-local group: the blocks a hit must end with; state: 1.
+  uint32_t window_blocks = 0;
+  // The client expects a later request's hit to end within this block's window: it is among
+  // the last window_blocks blocks before its request's end, or before where the request's
+  // prefix left what the nodes held. A window or state block that is not is stored spare.
+  bool at_hit_end = false;
+
+  // Whether a node stores the block spare (store::StoreHint::kSpare): a sliding-window,
+  // chunked-local or state block that no expected hit end needs.
+  bool spare() const { return kind >= Kind::kSlidingWindow && !at_hit_end; }
 
   friend bool operator==(const BlockMeta&, const BlockMeta&) = default;
 };

@@ -118,7 +118,9 @@ class NodeService {
   // block size; AlreadyExists when this session is storing the key already; ResourceExhausted
   // when no slot can be had (the tier is pinned full, or the namespace is at its quota: then
   // counted and the message names the namespace).
-  Result<PutSlot> BeginPut(uint64_t connection, const BlockKey& key, size_t length);
+  // `hint`: what the put said the block is for (store::StoreHint).
+  Result<PutSlot> BeginPut(uint64_t connection, const BlockKey& key, size_t length,
+                           store::StoreHint hint = store::StoreHint::kNormal);
   // The bytes of a BeginPut are in the slot (`received` OK) or could not arrive. Commits the
   // block when they are in and match `checksum` (xxh3-64; 0: unchecked; docs/semantics.md
   // §18), aborts it otherwise, so a block is readable whole or not at all. `received`, or DataLoss

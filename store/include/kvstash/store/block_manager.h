@@ -27,6 +27,13 @@ enum class EvictionPolicy : uint8_t { kLru, kArc, kAfLru };
 // both as vLLM's touch.
 enum class TouchKind : uint8_t { kUse, kRefresh };
 
+// What a block being stored is for, as its client states it (docs/semantics.md §4b).
+// kSpare: a hybrid model's sliding-window or state block that no hit ending where a later
+// request's hit is expected to end needs (outside its window's reach of those ends): stored,
+// but kept apart from the policy's order and evicted before any other block until a use (a
+// touch of kind kUse) admits it like a new block.
+enum class StoreHint : uint8_t { kNormal, kSpare };
+
 // "lru", "arc" or "aflru" (case-sensitive); InvalidArgument otherwise.
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 std::string_view EvictionPolicyName(EvictionPolicy policy);
@@ -126,6 +133,7 @@ struct BlockManagerState {
   std::vector<BlockInfo> t1, t2;  // ARC: recency and frequency lists, least recent first
   std::vector<BlockKey> b1, b2;   // ARC: ghost lists, oldest first
   double arc_target = 0.0;        // ARC: p, the target size of T1
+  std::vector<BlockInfo> spare;   // blocks stored as StoreHint::kSpare, least recent first
   // AF-LRU: the blocks of each frequency class (used by 1, 2, 3+ requests), least recent first,
   // with the clock of each one's last touch; the clock; the ghosts, oldest first, each its
   // fingerprint << 2 | its class.
@@ -147,6 +155,7 @@ struct PolicySizes {
                             // b1
   double arc_target = 0.0;  // ARC: p, the target size of T1
   size_t t3 = 0;            // AF-LRU: blocks used by three requests or more
+  size_t spare = 0;         // blocks stored as StoreHint::kSpare and not used since
 };
 
 // Answers lookups for the blocks of one tier and decides where new blocks go and what is evicted.
@@ -203,7 +212,13 @@ class BlockManager {
   // by evicting its own least recently used idle blocks first (listed in `evicted` after the
   // policy's victims); when too few are idle the whole call is refused, like a full tier
   // (ResourceExhausted, no change, plan->quota_namespace and quota_refused set).
-  virtual Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) = 0;
+  // `hints`: none (every key kNormal), or one per key; a key stored as kSpare waits apart and
+  // is evicted first (StoreHint).
+  virtual Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
+                              std::span<const StoreHint> hints) = 0;
+  Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan) {
+    return PrepareStore(keys, plan, {});
+  }
   // success: keys being written become readable (one stored event for them). Failure: keys
   // being written are dropped and their slots freed. Keys already readable, or absent, are
   // ignored either way.

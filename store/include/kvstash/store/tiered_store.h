@@ -169,9 +169,10 @@ class TieredStore {
   // CpuSlot(plan->slots[i]), then CompleteStore. With `gate`, never waits for a disk: *gate is
   // set when the slots may be written only once it opens (null: at once). Without, waits for
   // such a gate itself. A store aborted (CompleteStore false) before its gate opened frees its
-  // slots when it opens.
+  // slots when it opens. `hints`: none, or one per key (StoreHint).
   Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
-                      std::shared_ptr<SlotGate>* gate = nullptr);
+                      std::shared_ptr<SlotGate>* gate = nullptr,
+                      std::span<const StoreHint> hints = {});
   std::span<std::byte> CpuSlot(SlotId slot) { return slab_->Slot(slot); }
   // Publishes (or on failure drops) the keys; under write-through, starts their cascade.
   void CompleteStore(std::span<const BlockKey> keys, bool success);
