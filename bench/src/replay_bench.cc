@@ -59,6 +59,7 @@ struct BenchReplayFlags {
   std::vector<std::string> policies;
   std::vector<size_t> capacities;
   std::vector<double> shares;
+  std::string admission = "all";
   int timeout_ms = 5000;
   int lookup_budget_ms = 50;
   OutputOptions output;
@@ -253,6 +254,7 @@ class Replayer {
 struct NodeShape {
   size_t capacity_blocks = 0;
   store::EvictionPolicy policy = store::EvictionPolicy::kLru;
+  std::string admission = "all";  // as --admission says it
   bool has_ssd = false;
 };
 
@@ -336,6 +338,14 @@ Result<ReplaySettings> Settings(const BenchReplayFlags& flags) {
   return settings;
 }
 
+// --admission: all (store every block), filter (store a block on its second reference) or
+// adaptive (the node switches the filter by itself, docs/semantics.md §2a).
+void ApplyAdmission(const std::string& admission, store::BlockManagerOptions* options) {
+  if (admission == "all") return;
+  options->store_threshold = 2;
+  options->adaptive_admission = admission == "adaptive";
+}
+
 // --model-only: the trace through the in-process model of one node per policy and capacity,
 // printed as a table (or --json). No node is needed.
 int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& reporter) {
@@ -382,6 +392,7 @@ int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& report
       store::BlockManagerOptions options;
       options.capacity_blocks = blocks;
       options.policy = policy;
+      ApplyAdmission(flags.admission, &options);
       auto counts = ReplayModel(*trace, std::span(&options, 1), everyone, *settings);
       if (!counts.ok()) return reporter.Fail(kExitUsage, counts.status().message());
       rows.push_back({{"policy", store::EvictionPolicyName(policy)},
@@ -488,6 +499,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
                    : value("cpu.policy_aflru") != 0 ? store::EvictionPolicy::kAfLru
                                                     : store::EvictionPolicy::kLru;
     shape.has_ssd = value("ssd.capacity_blocks") != 0;
+    shape.admission = value("cpu.admission_adaptive") != 0 ? "adaptive"
+                      : value("cpu.reuse_filter_on") != 0  ? "filter"
+                                                           : "all";
     resident += value("cpu.resident_blocks") + value("ssd.resident_blocks");
     capacity += shape.capacity_blocks;
     shapes.push_back(shape);
@@ -505,6 +519,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     store::BlockManagerOptions o;
     o.capacity_blocks = shape.capacity_blocks;
     o.policy = shape.policy;
+    ApplyAdmission(shape.admission, &o);
     model_nodes.push_back(o);
   }
   // Each key's nodes (its replicas), as the client places it: indices of `nodes`.
@@ -639,6 +654,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Set("nodes", nodes.size());
   report.Set("replicas", flags.source.replicas);
   report.Set("policy", policy);
+  report.Set("admission", shapes.front().admission);
   report.Set("capacity_blocks", capacity);
   report.Set("block_bytes", block_bytes);
   report.Set("concurrency", flags.concurrency);
@@ -739,6 +755,12 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
                 "Run the in-process model alone, no nodes: one node of each --policy at each "
                 "--capacity-blocks and --capacity-share, a table of block, token and "
                 "group-blind token hit ratios (--json: one object with \"rows\")");
+  cmd->add_option("--admission", flags->admission,
+                  "With --model-only: all (every block stored), filter (a block stored on its "
+                  "second reference) or adaptive (the node switches the filter on and off by "
+                  "itself)")
+      ->check(CLI::IsMember({"all", "filter", "adaptive"}))
+      ->capture_default_str();
   cmd->add_option("--policy", flags->policies,
                   "With --model-only: the policies to model (lru, arc, aflru; default all)")
       ->delimiter(',');
@@ -763,7 +785,8 @@ void AddBenchReplayCommand(CLI::App& bench, int* exit_code) {
   AddOutputFlags(*cmd, &flags->output);
   cmd->footer(FiguresHelp(ReplaySpec()) +
               "One round: the replay, then the limit (a second replay would find the first's "
-              "blocks). --json also carries trace, nodes, policy, capacity_blocks, block_bytes, "
+              "blocks). --json also carries trace, nodes, policy, admission (all, filter or "
+              "adaptive), capacity_blocks, block_bytes, "
               "concurrency, speed, stored_blocks (\"full blocks\" or \"every block\"), "
               "model_covers (\"every tier\", or \"cpu tier only\" with SSD "
               "tiers), requests, block_refs, blocks_hit, bytes_stored, bytes_read, seconds, "

@@ -53,6 +53,14 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& flags) {
                  "hold (a System V segment, else --shm-dir's free space) or than RLIMIT_MEMLOCK "
                  "(where an InfiniBand device pins it) is refused with exit status 2")
       ->capture_default_str();
+  app.add_option("--cpu-admission", flags.cpu_admission,
+                 "What the CPU tier stores: all (every block offered), filter (a block on its "
+                 "second lookup: fewer one-off blocks when the tier holds a small share of what "
+                 "is reused, fewer hits when it holds much) or adaptive (the node switches the "
+                 "filter on and off by itself, by which of two sampled shadow tiers hits more; "
+                 "stats cpu.reuse_filter_on; docs/semantics.md §2a)")
+      ->check(CLI::IsMember({"all", "filter", "adaptive"}))
+      ->capture_default_str();
   app.add_option("--cpu-policy", flags.cpu_policy,
                  "Eviction policy of the CPU tier: lru, arc (vLLM's) or aflru (age over frequency, "
                  "docs/semantics.md §4a)")
@@ -385,6 +393,10 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   options.store.block_bytes = block;
   options.store.cpu_capacity_blocks = cpu / block;
   KVSTASH_ASSIGN_OR_RETURN(options.store.cpu_policy, Policy("cpu-policy", flags.cpu_policy));
+  if (flags.cpu_admission != "all") {
+    options.store.cpu_store_threshold = 2;
+    options.store.cpu_adaptive_admission = flags.cpu_admission == "adaptive";
+  }
   options.store.huge_pages = flags.huge_pages;
   KVSTASH_RETURN_IF_ERROR(NamespaceQuotas(flags, block, &options));
   auto cascade = store::ParseCascadeMode(flags.cascade);

@@ -30,6 +30,7 @@ struct DaemonFlags {
   std::string block_bytes = "256KiB";
   std::string cpu_bytes = "1GiB";
   std::string cpu_policy = "lru";
+  std::string cpu_admission = "all";
   bool huge_pages = false;           // the CPU tier in transparent huge pages
   std::string shm_dir = "/dev/shm";  // where UCX's posix allocator writes (shm_directory.h)
   std::string ssd_dir;

@@ -51,6 +51,10 @@ const MetricFamilyDef kAfLruBlocks{
     "kvstash_cpu_aflru_blocks", MetricType::Gauge,
     "AF-LRU's classes in the CPU tier (absent under LRU and ARC): blocks used by one, two, and "
     "three or more requests"};
+const MetricFamilyDef kReuseFilter{
+    "kvstash_cpu_reuse_filter_on", MetricType::Gauge,
+    "1 while the CPU tier stores a block only on its second lookup (--cpu-admission filter, or "
+    "adaptive in its filtering regime), else 0"};
 const MetricFamilyDef kSpareBlocks{
     "kvstash_cpu_spare_blocks", MetricType::Gauge,
     "Blocks of the CPU tier stored spare (a hybrid model's window or state blocks that no "
@@ -67,6 +71,10 @@ const MetricFamilyDef kStored{"kvstash_blocks_stored_total", MetricType::Counter
 const MetricFamilyDef kAborted{
     "kvstash_blocks_aborted_total", MetricType::Counter,
     "Block stores aborted (a failed transfer, a checksum mismatch or an ended session)"};
+const MetricFamilyDef kNotAdmitted{
+    "kvstash_blocks_not_admitted_total", MetricType::Counter,
+    "Blocks offered that the CPU tier's reuse filter turned away (looked up too few times); "
+    "their put is answered skipped"};
 const MetricFamilyDef kLoaded{"kvstash_blocks_loaded_total", MetricType::Counter,
                               "Blocks sent to clients"};
 const MetricFamilyDef kPayload{"kvstash_payload_bytes_total", MetricType::Counter,
@@ -148,6 +156,16 @@ const std::vector<CounterDef>& Defs() {
       {"cpu.aflru_class2_blocks", KVSTASH_AFLRU(t2), &kAfLruBlocks, {{"class", "2"}}},
       {"cpu.aflru_class3_blocks", KVSTASH_AFLRU(t3), &kAfLruBlocks, {{"class", "3"}}},
       {"cpu.aflru_ghosts", KVSTASH_AFLRU(b1), nullptr, {}},
+      // The reuse filter (docs/semantics.md §2a): on or off, and under adaptive admission what
+      // the sampled shadow tiers decide it by.
+      {"cpu.reuse_filter_on", KVSTASH_STORE(admission.filter_on ? 1u : 0u), &kReuseFilter, {}},
+      {"cpu.admission_adaptive", KVSTASH_STORE(admission.adaptive ? 1u : 0u), nullptr, {}},
+      {"cpu.admission_switches", KVSTASH_STORE(admission.switches), nullptr, {}},
+      {"cpu.admission_shadow_hits_filter",
+       KVSTASH_STORE(admission.shadow_hits_filter),
+       nullptr,
+       {}},
+      {"cpu.admission_shadow_hits_all", KVSTASH_STORE(admission.shadow_hits_all), nullptr, {}},
       // Blocks stored spare (docs/semantics.md §4b): evicted first until a request uses them.
       {"cpu.spare_blocks", KVSTASH_STORE(arc_sizes.spare), &kSpareBlocks, {}},
       // ARC's lists: T2 grows as blocks are used again (a touch, a store of a held block).
@@ -171,6 +189,7 @@ const std::vector<CounterDef>& Defs() {
       {"node.lookup_retries", NodeValue<N::kLookupRetries>, &kLookups, {{"result", "retry"}}},
       {"node.blocks_stored", NodeValue<N::kBlocksStored>, &kStored, {}},
       {"node.blocks_aborted", NodeValue<N::kBlocksAborted>, &kAborted, {}},
+      {"node.blocks_not_admitted", NodeValue<N::kBlocksNotAdmitted>, &kNotAdmitted, {}},
       {"node.blocks_loaded", NodeValue<N::kBlocksLoaded>, &kLoaded, {}},
       {"node.bytes_in", NodeValue<N::kBytesIn>, &kPayload, {{"direction", "in"}}},
       {"node.bytes_out", NodeValue<N::kBytesOut>, &kPayload, {{"direction", "out"}}},
@@ -253,6 +272,7 @@ CounterSnapshot::Store SnapshotOf(store::TieredStore& store) {
   s.arc = store.cpu().policy() == store::EvictionPolicy::kArc;
   s.aflru = store.cpu().policy() == store::EvictionPolicy::kAfLru;
   s.arc_sizes = store.cpu().policy_sizes();
+  s.admission = store.cpu().admission();
   return s;
 }
 

@@ -40,8 +40,9 @@ enum class NodeCounter : size_t {
   kStoresAbortedOnClose,  // stores an ended session never finished
   kLeasesExpired,         // silent sessions whose pins and stores were undone
   kPinsReleasedOnExpiry,
-  kTouchedKeys,  // keys marked used: touches, and stores of blocks the node held
-  kPinnedKeys,   // pins taken by Load
+  kTouchedKeys,        // keys marked used: touches, and stores of blocks the node held
+  kPinnedKeys,         // pins taken by Load
+  kBlocksNotAdmitted,  // puts the reuse filter turned away (answered skipped, not stored)
   kCount
 };
 
@@ -72,6 +73,7 @@ struct CounterSnapshot {
     uint64_t ssd_capacity = 0, ssd_resident = 0;
     bool arc = false;
     bool aflru = false;
+    store::AdmissionState admission;
     store::PolicySizes arc_sizes;  // the policy's lists
   };
   std::optional<Store> store;

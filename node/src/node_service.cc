@@ -122,7 +122,10 @@ class NodeService::Impl {
     }
     if (plan.keys_to_store.empty()) {
       // Held or being stored already: the bytes are not taken, and the store counts as a use
-      // of the block (as the connector's touch after a store, docs/semantics.md §7.6).
+      // of the block (as the connector's touch after a store, docs/semantics.md §7.6). Or
+      // turned away by the reuse filter (§2a): not stored, answered skipped all the same (a
+      // cache may decline a block as it may evict one), and counted.
+      counters_.Add(NodeCounter::kBlocksNotAdmitted, plan.filtered);
       Touch(std::span(&key, 1), store::TouchKind::kRefresh);
       put.skipped = true;
       return put;

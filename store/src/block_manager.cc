@@ -131,6 +131,107 @@ std::unique_ptr<ReplacementPolicy> MakePolicy(const BlockManagerOptions& options
   return MakeSpareFirstPolicy(std::move(policy), entries, capacity, stamp);
 }
 
+// Adaptive admission (docs/semantics.md §2a): two shadow managers of keys only, fed the
+// operations on a sample of the keys (one in `rate_`, by a hash of the block hash and group),
+// at capacity / rate, one storing every block, the other with the reuse filter. Every
+// kHalfLife sampled lookups the filter is set on if the second hit more of them, with older
+// windows counting half as much as each newer one. Not thread-safe: the owner's lock covers
+// it.
+class AdmissionShadows {
+ public:
+  static constexpr size_t kShadowBlocks = 2048;  // at most, each
+  static constexpr uint64_t kHalfLife = 4096;    // sampled lookups
+
+  explicit AdmissionShadows(const BlockManagerOptions& options)
+      : rate_(std::max<size_t>(1, options.capacity_blocks / kShadowBlocks)) {
+    BlockManagerOptions shadow;
+    shadow.capacity_blocks = std::max<size_t>(1, options.capacity_blocks / rate_);
+    shadow.policy = options.policy;
+    off_ = BlockManager::Create(shadow).value();
+    shadow.store_threshold = options.store_threshold;
+    shadow.max_tracker_size = std::max<size_t>(16, options.max_tracker_size / rate_);
+    on_ = BlockManager::Create(shadow).value();
+  }
+
+  bool filter_on() const { return filter_on_; }
+  AdmissionState State() const { return {true, filter_on_, hits_on_, hits_off_, switches_, rate_}; }
+
+  void Lookup(const BlockKey& key) {
+    if (!Sampled(key)) return;
+    hits_off_ += off_->Lookup(key) == LookupResult::kHit ? 1 : 0;
+    hits_on_ += on_->Lookup(key) == LookupResult::kHit ? 1 : 0;
+    if (++lookups_ % kHalfLife == 0) {
+      const bool on = hits_on_ > hits_off_;
+      if (on != filter_on_) ++switches_;
+      filter_on_ = on;
+      hits_on_ /= 2;
+      hits_off_ /= 2;
+    }
+  }
+
+  void Touch(std::span<const BlockKey> keys, TouchKind kind) {
+    if (!Sample(keys)) return;
+    off_->Touch(sampled_, kind);
+    on_->Touch(sampled_, kind);
+  }
+
+  // The shadows store at once what is not filtered out (each its own way): they hold no bytes.
+  void Store(std::span<const BlockKey> keys, std::span<const StoreHint> hints) {
+    sampled_.clear();
+    sampled_hints_.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!Sampled(keys[i])) continue;
+      sampled_.push_back(keys[i]);
+      if (!hints.empty()) sampled_hints_.push_back(hints[i]);
+    }
+    if (sampled_.empty()) return;
+    for (BlockManager* shadow : {off_.get(), on_.get()}) {
+      StorePlan plan;
+      if (shadow->PrepareStore(sampled_, &plan, sampled_hints_).ok()) {
+        shadow->CompleteStore(plan.keys_to_store, true);
+      }
+    }
+  }
+
+  void Remove(std::span<const BlockKey> keys) {
+    if (!Sample(keys)) return;
+    off_->Remove(sampled_);
+    on_->Remove(sampled_);
+  }
+
+  void Reset() {
+    off_->Reset();
+    on_->Reset();
+  }
+
+  size_t MemoryBytes() const {
+    return sizeof(*this) + off_->MetadataBytes() + on_->MetadataBytes() +
+           (sampled_.capacity() * sizeof(BlockKey)) + sampled_hints_.capacity();
+  }
+
+ private:
+  bool Sampled(const BlockKey& key) const {
+    if (rate_ == 1) return true;
+    const uint64_t h = Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ (key.group + 0x51ed27)));
+    return h % rate_ == 0;
+  }
+  // The sampled keys of `keys` into sampled_, in order; false when there are none.
+  bool Sample(std::span<const BlockKey> keys) {
+    sampled_.clear();
+    for (const BlockKey& key : keys) {
+      if (Sampled(key)) sampled_.push_back(key);
+    }
+    return !sampled_.empty();
+  }
+
+  const size_t rate_;
+  std::unique_ptr<BlockManager> off_, on_;
+  uint64_t hits_on_ = 0, hits_off_ = 0, lookups_ = 0, switches_ = 0;
+  bool filter_on_ = false;
+  std::vector<BlockKey> sampled_;
+  std::vector<StoreHint> sampled_hints_;
+};
+
 class BlockManagerImpl final : public BlockManager {
  public:
   explicit BlockManagerImpl(const BlockManagerOptions& options)
@@ -145,6 +246,7 @@ class BlockManagerImpl final : public BlockManager {
     if (options.store_threshold >= 2) {
       tracker_ = std::make_unique<KeyLists>(options.max_tracker_size, 1);
     }
+    if (options.adaptive_admission) shadows_ = std::make_unique<AdmissionShadows>(options);
   }
 
   LookupResult Lookup(const BlockKey& key) override {
@@ -236,18 +338,21 @@ class BlockManagerImpl final : public BlockManager {
       policy_->Touch(keys[i], hash, id, kind);
       if (quotas && id != kNoId) book_->Touch(id, keys[i].namespace_id);
     }
+    if (shadows_) shadows_->Touch(keys, kind);
   }
 
   using BlockManager::PrepareStore;
   Status PrepareStore(std::span<const BlockKey> keys, StorePlan* plan,
                       std::span<const StoreHint> hints) override {
     MutexLock lock(&mu_);
+    if (shadows_) shadows_->Store(keys, hints);
     plan->keys_to_store.clear();
     plan->slots.clear();
     plan->evicted.clear();
     plan->evicted_slots.clear();
     plan->quota_namespace = 0;
     plan->quota_refused = 0;
+    plan->filtered = 0;
 
     // Keys to store (absent, once each) and keys to protect (every key of the call that passes
     // the reuse filter, stored or not).
@@ -257,7 +362,10 @@ class BlockManagerImpl final : public BlockManager {
     PrefetchingWalk walk = WalkForStore(keys);
     for (size_t i = 0; i < keys.size(); ++i) {
       const uint64_t hash = walk.Next();
-      if (tracker_ && !PassesReuseFilter(keys[i], hash)) continue;
+      if (tracker_ && FilterOn() && !PassesReuseFilter(keys[i], hash)) {
+        if (FindHashed(keys[i], hash) == kNoId) ++plan->filtered;
+        continue;
+      }
       const uint32_t id = FindHashed(keys[i], hash);
       if (id != kNoId) {
         if (!entries_[id].marked) {
@@ -361,6 +469,7 @@ class BlockManagerImpl final : public BlockManager {
 
   size_t Remove(std::span<const BlockKey> keys, std::vector<BlockKey>* out) override {
     MutexLock lock(&mu_);
+    if (shadows_) shadows_->Remove(keys);
     std::vector<BlockKey> removed;
     PrefetchingWalk walk = Walk(keys);
     for (const BlockKey& key : keys) {
@@ -461,6 +570,7 @@ class BlockManagerImpl final : public BlockManager {
 
   void Reset() override {
     MutexLock lock(&mu_);
+    if (shadows_) shadows_->Reset();
     policy_->Clear();
     index_.Clear();
     entries_.Zero();
@@ -490,11 +600,20 @@ class BlockManagerImpl final : public BlockManager {
                    (victims_.capacity() + scratch_ids_.capacity()) * sizeof(uint32_t) +
                    hashes_.capacity() * sizeof(uint64_t);
     if (tracker_) bytes += tracker_->MemoryBytes();
+    if (shadows_) bytes += shadows_->MemoryBytes();
     if (book_) bytes += book_->MemoryBytes() + own_victims_.capacity() * sizeof(uint32_t);
     return bytes;
   }
 
   EvictionPolicy policy() const override { return options_.policy; }
+
+  AdmissionState admission() const override {
+    MutexLock lock(&mu_);
+    if (shadows_) return shadows_->State();
+    AdmissionState state;
+    state.filter_on = tracker_ != nullptr;
+    return state;
+  }
 
   PolicySizes policy_sizes() const override {
     MutexLock lock(&mu_);
@@ -541,6 +660,7 @@ class BlockManagerImpl final : public BlockManager {
 
   LookupResult LookupLocked(const BlockKey& key, uint64_t hash) REQUIRES(mu_) {
     if (tracker_) CountLookup(key, hash);
+    if (shadows_) shadows_->Lookup(key);
     const uint32_t id = FindHashed(key, hash);
     if (id == kNoId) return LookupResult::kMiss;
     return entries_[id].ref < 0 ? LookupResult::kRetry : LookupResult::kHit;
@@ -556,6 +676,9 @@ class BlockManagerImpl final : public BlockManager {
     if (tracker_->size(0) >= tracker_->per_list()) tracker_->PopLru(0);
     tracker_->PushMru(0, key, hash, 1);
   }
+
+  // Whether the reuse filter applies now: always when set, or as the shadows decide.
+  bool FilterOn() const REQUIRES(mu_) { return !shadows_ || shadows_->filter_on(); }
 
   bool PassesReuseFilter(const BlockKey& key, uint64_t hash) const REQUIRES(mu_) {
     const uint32_t node = tracker_->Find(key, hash);
@@ -680,7 +803,8 @@ class BlockManagerImpl final : public BlockManager {
   HugeArray<Entry> entries_ GUARDED_BY(mu_);  // by slot; never moves (the policy points in)
   FlatIndex index_ GUARDED_BY(mu_);
   const std::unique_ptr<ReplacementPolicy> policy_ PT_GUARDED_BY(mu_);
-  std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);  // reuse filter, when on
+  std::unique_ptr<KeyLists> tracker_ PT_GUARDED_BY(mu_);          // reuse filter, when on
+  std::unique_ptr<AdmissionShadows> shadows_ PT_GUARDED_BY(mu_);  // adaptive admission
   // Per-namespace counts and quotas, when asked for; none: no per-namespace work at all.
   std::unique_ptr<NamespaceBook> book_ PT_GUARDED_BY(mu_);
   uint32_t fresh_used_ GUARDED_BY(mu_) = 0;
@@ -704,6 +828,12 @@ Result<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOpt
   if (options.capacity_blocks == 0 || options.capacity_blocks > kMaxCapacity) {
     return InvalidArgumentError("capacity of {} blocks is outside [1, {}]", options.capacity_blocks,
                                 kMaxCapacity);
+  }
+  if (options.adaptive_admission && options.store_threshold < 2) {
+    return InvalidArgumentError(
+        "adaptive admission switches the reuse filter: it needs a store threshold of 2 or more, "
+        "not {}",
+        options.store_threshold);
   }
   if (options.store_threshold >= 2 &&
       (options.max_tracker_size == 0 || options.max_tracker_size > kMaxCapacity)) {

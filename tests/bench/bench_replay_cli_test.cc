@@ -274,6 +274,27 @@ TEST(BenchReplayCliTest, StorePartialStoresTheLastBlockToo) {
   EXPECT_NEAR(full["block_hit_ratio"].get<double>(), LruHitRatio(trace, 256, false), 0.01);
 }
 
+// A node under --cpu-admission adaptive (docs/semantics.md §2a) equals the model, which reads
+// the node's admission from its stats.
+TEST(BenchReplayCliTest, AdaptiveAdmissionLiveEqualsTheModel) {
+  TempDir dir;
+  const std::string path = WriteTrace(dir, GenerateTrace(1500, 7));
+  auto node = std::make_unique<Daemon>(
+      std::vector<std::string>{"--block-bytes", std::to_string(kBlockBytes), "--cpu-bytes",
+                               std::to_string(256 * kBlockBytes), "--cpu-policy", "aflru",
+                               "--cpu-admission", "adaptive"},
+      /*sizes=*/false);
+  ASSERT_NE(node->port(), 0);
+  const auto r = RunProcess({kKvstash, "bench", "replay", "--trace", path, "--node", Address(*node),
+                             "--lookup-budget-ms", "60000", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const Json s = Summary(r.out);
+  EXPECT_EQ(s["admission"], "adaptive");
+  EXPECT_EQ(s["policy"], "aflru");
+  EXPECT_DOUBLE_EQ(s["block_hit_ratio"].get<double>(), s["model_block_hit_ratio"].get<double>());
+  EXPECT_GT(s["block_hit_ratio"].get<double>(), 0.05);
+}
+
 // --model-only: no node, one row per policy and capacity; LRU's follows an independent LRU.
 TEST(BenchReplayCliTest, ModelOnlyTablesPoliciesByCapacity) {
   TempDir dir;

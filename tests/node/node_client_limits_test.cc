@@ -253,6 +253,32 @@ TEST(NodeClientRecencyTest, AfLruCountsAUseOncePerRequest) {
   EXPECT_EQ(Counter(*lru_client, 0, "cpu.aflru_class1_blocks"), ~uint64_t{0});
 }
 
+// --cpu-admission filter (docs/semantics.md §2a): a block is stored on its second lookup; a put
+// before that is answered skipped and counted as not admitted. Adaptive says its regime.
+TEST(NodeClientRecencyTest, TheReuseFilterStoresABlockOnItsSecondLookup) {
+  auto daemons = StartNodes(1, {"--cpu-admission", "filter"});
+  auto client = Client(daemons);
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(Counter(*client, 0, "cpu.reuse_filter_on"), 1u);
+  EXPECT_EQ(Counter(*client, 0, "cpu.admission_adaptive"), 0u);
+  EXPECT_EQ(client->Lookup(Keys(0, 2)), (std::vector<LookupResult>(2, LookupResult::kMiss)));
+  PutAll(*client, Keys(0, 2));
+  EXPECT_EQ(Counter(*client, 0, "node.blocks_not_admitted"), 2u);
+  EXPECT_EQ(client->Lookup(Keys(0, 2)), (std::vector<LookupResult>(2, LookupResult::kMiss)));
+  PutAll(*client, Keys(0, 2));  // looked up twice now
+  EXPECT_EQ(client->Lookup(Keys(0, 2)), (std::vector<LookupResult>(2, LookupResult::kHit)));
+  EXPECT_EQ(Counter(*client, 0, "node.blocks_not_admitted"), 2u);
+
+  auto adaptive = StartNodes(1, {"--cpu-admission", "adaptive"});
+  auto adaptive_client = Client(adaptive);
+  ASSERT_NE(adaptive_client, nullptr);
+  EXPECT_EQ(Counter(*adaptive_client, 0, "cpu.admission_adaptive"), 1u);
+  EXPECT_EQ(Counter(*adaptive_client, 0, "cpu.reuse_filter_on"), 0u);  // it starts off
+  PutAll(*adaptive_client, Keys(0, 2));
+  EXPECT_EQ(adaptive_client->Lookup(Keys(0, 2)),
+            (std::vector<LookupResult>(2, LookupResult::kHit)));
+}
+
 TEST(NodeClientErrorsTest, ARefusalIsCountedAndReturnedNeverASilentMiss) {
   const std::filesystem::path token_file =
       std::filesystem::temp_directory_path() / ("kvstash-token-" + std::to_string(::getpid()));

@@ -72,11 +72,20 @@ TEST(BlockManagerOptionsTest, RejectsBadOptions) {
   options.store_threshold = 2;
   options.max_tracker_size = 0;
   EXPECT_EQ(BlockManager::Create(options).status().code(), StatusCode::kInvalidArgument);
+
+  options.max_tracker_size = 16;
+  options.store_threshold = 0;
+  options.adaptive_admission = true;
+  auto adaptive = BlockManager::Create(options);
+  ASSERT_FALSE(adaptive.ok());
+  EXPECT_THAT(std::string(adaptive.status().message()), HasSubstr("store threshold of 2"));
 }
 
 TEST(BlockManagerOptionsTest, ParsesPolicyNames) {
   EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
   EXPECT_EQ(*ParseEvictionPolicy("arc"), EvictionPolicy::kArc);
+  EXPECT_EQ(*ParseEvictionPolicy("aflru"), EvictionPolicy::kAfLru);
+  EXPECT_EQ(EvictionPolicyName(EvictionPolicy::kAfLru), "aflru");
   auto bad = ParseEvictionPolicy("fifo");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("'fifo'"));
@@ -334,8 +343,87 @@ TEST_P(BlockManagerTest, RestoreRejectsBadInputAndChangesNothing) {
   EXPECT_EQ(m->Restore(std::vector<BlockInfo>{Block(3, 3)}).code(), StatusCode::kInvalidArgument);
 }
 
+// Adaptive admission (docs/semantics.md §2a) over `requests`, each a list of keys looked up and
+// then stored, as a node sees them. Returns the manager.
+std::unique_ptr<BlockManager> AdaptiveRun(EvictionPolicy policy, size_t capacity,
+                                          const std::vector<std::vector<uint64_t>>& requests,
+                                          uint64_t* hits) {
+  BlockManagerOptions options;
+  options.capacity_blocks = capacity;
+  options.policy = policy;
+  options.store_threshold = 2;
+  options.adaptive_admission = true;
+  auto manager = BlockManager::Create(options);
+  EXPECT_TRUE(manager.ok());
+  *hits = 0;
+  for (const std::vector<uint64_t>& ids : requests) {
+    std::vector<BlockKey> keys;
+    for (uint64_t id : ids) keys.push_back(Key(id));
+    for (const BlockKey& key : keys) *hits += (*manager)->Lookup(key) == LookupResult::kHit;
+    (*manager)->Touch(keys);
+    StorePlan plan;
+    if ((*manager)->PrepareStore(keys, &plan).ok()) {
+      (*manager)->CompleteStore(plan.keys_to_store, true);
+    }
+  }
+  return std::move(*manager);
+}
+
+TEST_P(BlockManagerTest, AdaptiveAdmissionFiltersOneOffsThatWouldFlushAHotSet) {
+  // A hot set of 64 keys, each request one of them and 8 keys seen once: without the filter
+  // the one-offs push the hot keys out of 256 slots; with it they are never stored.
+  std::vector<std::vector<uint64_t>> requests;
+  uint64_t next = 1000;
+  for (uint64_t r = 0; r < 2000; ++r) {
+    std::vector<uint64_t> ids = {r % 64};
+    for (int i = 0; i < 8; ++i) ids.push_back(next++);
+    requests.push_back(ids);
+  }
+  uint64_t hits = 0;
+  auto m = AdaptiveRun(GetParam(), 256, requests, &hits);
+  const AdmissionState state = m->admission();
+  EXPECT_TRUE(state.adaptive);
+  EXPECT_TRUE(state.filter_on);
+  EXPECT_GT(state.shadow_hits_filter, state.shadow_hits_all);
+  EXPECT_EQ(state.sample_rate, 1u);
+  EXPECT_GT(hits, 1500u);  // the hot set hits once the filter is on
+  // A one-off key offered now is turned away, and said so.
+  StorePlan plan;
+  ASSERT_TRUE(m->PrepareStore(Keys({999999}), &plan).ok());
+  EXPECT_THAT(plan.keys_to_store, IsEmpty());
+  EXPECT_EQ(plan.filtered, 1u);
+}
+
+TEST_P(BlockManagerTest, AdaptiveAdmissionStoresEverythingWhenBlocksComeBackOnce) {
+  // Each key is asked for twice, 50 requests apart, and 256 slots hold that distance: every
+  // second ask hits when every block is stored, none when stored on the second ask.
+  std::vector<std::vector<uint64_t>> requests;
+  for (uint64_t r = 0; r < 6000; ++r) {
+    std::vector<uint64_t> ids = {r};
+    if (r >= 50) ids.push_back(r - 50);
+    requests.push_back(ids);
+  }
+  uint64_t hits = 0;
+  auto m = AdaptiveRun(GetParam(), 256, requests, &hits);
+  const AdmissionState state = m->admission();
+  EXPECT_FALSE(state.filter_on);
+  EXPECT_GT(state.shadow_hits_all, state.shadow_hits_filter);
+  EXPECT_GT(hits, 5500u);  // of 5,950 second asks; none with the filter on
+}
+
+TEST(BlockManagerAdmissionTest, AFixedFilterOrNoneSaysSo) {
+  BlockManagerOptions options;
+  options.capacity_blocks = 8;
+  EXPECT_FALSE(BlockManager::Create(options).value()->admission().filter_on);
+  options.store_threshold = 2;
+  const AdmissionState fixed = BlockManager::Create(options).value()->admission();
+  EXPECT_TRUE(fixed.filter_on);
+  EXPECT_FALSE(fixed.adaptive);
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, BlockManagerTest,
-                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kArc),
+                         ::testing::Values(EvictionPolicy::kLru, EvictionPolicy::kArc,
+                                           EvictionPolicy::kAfLru),
                          [](const auto& param_info) {
                            return std::string(EvictionPolicyName(param_info.param));
                          });

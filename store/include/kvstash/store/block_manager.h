@@ -57,6 +57,9 @@ struct BlockManagerOptions {
   // many times (counted in a tracker of at most `max_tracker_size` keys, least recent dropped).
   uint32_t store_threshold = 0;
   size_t max_tracker_size = 64000;
+  // With the reuse filter: let the manager switch it on and off by itself, by which of two
+  // sampled shadow caches (one with the filter, one without) hits more (docs/semantics.md §2a).
+  bool adaptive_admission = false;
   // Record stored/removed events for TakeEvents. Off by default: nothing drains them.
   bool enable_events = false;
   // The most keys undrained events may name; past it they are all dropped for one kLost event.
@@ -91,6 +94,8 @@ struct StorePlan {
   // blocks of it the call asked for. 0 otherwise.
   NamespaceId quota_namespace = 0;
   size_t quota_refused = 0;
+  // Keys the reuse filter turned away (not held, looked up too few times): not stored.
+  size_t filtered = 0;
 };
 
 struct OffloadEvent {
@@ -156,6 +161,17 @@ struct PolicySizes {
   double arc_target = 0.0;  // ARC: p, the target size of T1
   size_t t3 = 0;            // AF-LRU: blocks used by three requests or more
   size_t spare = 0;         // blocks stored as StoreHint::kSpare and not used since
+};
+
+// The reuse filter's regime (docs/semantics.md §2a).
+struct AdmissionState {
+  bool adaptive = false;   // the manager switches the filter by itself
+  bool filter_on = false;  // stores keep only keys looked up store_threshold times or more
+  // Adaptive: the decayed hits of the sampled shadow with the filter and without it (the
+  // filter is on while the first is higher), how many times it switched, and the share of
+  // keys sampled (one in sample_rate).
+  uint64_t shadow_hits_filter = 0, shadow_hits_all = 0, switches = 0;
+  size_t sample_rate = 0;
 };
 
 // Answers lookups for the blocks of one tier and decides where new blocks go and what is evicted.
@@ -256,6 +272,7 @@ class BlockManager {
   virtual BlockManagerState DebugState() const = 0;
   virtual EvictionPolicy policy() const = 0;
   virtual PolicySizes policy_sizes() const = 0;
+  virtual AdmissionState admission() const = 0;
   // Tests: sets ARC's p. FailedPrecondition under LRU, InvalidArgument outside [0, capacity].
   virtual Status SetArcTargetForTesting(double target) = 0;
 };
