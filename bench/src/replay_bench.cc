@@ -254,7 +254,7 @@ class Replayer {
 struct NodeShape {
   size_t capacity_blocks = 0;
   store::EvictionPolicy policy = store::EvictionPolicy::kLru;
-  std::string admission = "all";  // as --admission says it
+  store::Admission admission = store::Admission::kAll;
   bool has_ssd = false;
 };
 
@@ -338,14 +338,6 @@ Result<ReplaySettings> Settings(const BenchReplayFlags& flags) {
   return settings;
 }
 
-// --admission: all (store every block), filter (store a block on its second reference) or
-// adaptive (the node switches the filter by itself, docs/semantics.md §2a).
-void ApplyAdmission(const std::string& admission, store::BlockManagerOptions* options) {
-  if (admission == "all") return;
-  options->store_threshold = 2;
-  options->adaptive_admission = admission == "adaptive";
-}
-
 // --model-only: the trace through the in-process model of one node per policy and capacity,
 // printed as a table (or --json). No node is needed.
 int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& reporter) {
@@ -364,6 +356,8 @@ int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& report
     }
     policies.push_back(*policy);
   }
+  const Result<store::Admission> admission = store::ParseAdmission(flags.admission);
+  if (!admission.ok()) return reporter.Fail(kExitUsage, admission.status().message());
   auto trace = ReadTrace(flags.trace, flags.limit);
   if (!trace.ok()) {
     return reporter.Fail(
@@ -392,7 +386,7 @@ int RunModelOnly(const BenchReplayFlags& flags, const cli::ErrorReporter& report
       store::BlockManagerOptions options;
       options.capacity_blocks = blocks;
       options.policy = policy;
-      ApplyAdmission(flags.admission, &options);
+      store::ApplyAdmission(*admission, &options);
       auto counts = ReplayModel(*trace, std::span(&options, 1), everyone, *settings);
       if (!counts.ok()) return reporter.Fail(kExitUsage, counts.status().message());
       rows.push_back({{"policy", store::EvictionPolicyName(policy)},
@@ -499,9 +493,9 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
                    : value("cpu.policy_aflru") != 0 ? store::EvictionPolicy::kAfLru
                                                     : store::EvictionPolicy::kLru;
     shape.has_ssd = value("ssd.capacity_blocks") != 0;
-    shape.admission = value("cpu.admission_adaptive") != 0 ? "adaptive"
-                      : value("cpu.reuse_filter_on") != 0  ? "filter"
-                                                           : "all";
+    shape.admission = value("cpu.admission_adaptive") != 0 ? store::Admission::kAdaptive
+                      : value("cpu.reuse_filter_on") != 0  ? store::Admission::kFilter
+                                                           : store::Admission::kAll;
     resident += value("cpu.resident_blocks") + value("ssd.resident_blocks");
     capacity += shape.capacity_blocks;
     shapes.push_back(shape);
@@ -519,7 +513,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
     store::BlockManagerOptions o;
     o.capacity_blocks = shape.capacity_blocks;
     o.policy = shape.policy;
-    ApplyAdmission(shape.admission, &o);
+    store::ApplyAdmission(shape.admission, &o);
     model_nodes.push_back(o);
   }
   // Each key's nodes (its replicas), as the client places it: indices of `nodes`.
@@ -654,7 +648,7 @@ int RunBenchReplay(const BenchReplayFlags& flags) {
   report.Set("nodes", nodes.size());
   report.Set("replicas", flags.source.replicas);
   report.Set("policy", policy);
-  report.Set("admission", shapes.front().admission);
+  report.Set("admission", std::string(store::AdmissionName(shapes.front().admission)));
   report.Set("capacity_blocks", capacity);
   report.Set("block_bytes", block_bytes);
   report.Set("concurrency", flags.concurrency);

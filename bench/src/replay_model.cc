@@ -40,6 +40,14 @@ std::vector<Layout> Layouts() {
   return layouts;
 }
 
+// The blocks of `r` a connector stores: those input_length fills, or every one with
+// store_partial.
+size_t StoredBlocks(const TraceRequest& r, const ReplaySettings& settings) {
+  if (settings.store_partial) return r.hash_ids.size();
+  return static_cast<size_t>(
+      std::min<uint64_t>(r.hash_ids.size(), r.input_length / settings.block_tokens));
+}
+
 }  // namespace
 
 BlockKey ReplayKey(uint64_t id, uint32_t group) {
@@ -137,10 +145,7 @@ void RequestPlan::Decide(std::span<const LookupResult> states) {
     }
   }
   // Touch, store and refresh, group by group.
-  const size_t stored =
-      settings_.store_partial
-          ? n_
-          : static_cast<size_t>(std::min<uint64_t>(n_, request_.input_length / bt));
+  const size_t stored = StoredBlocks(request_, settings_);
   // Where a later request's hit may end: after this request's last stored block, and where its
   // prefix left what the nodes held when that is beyond its own hit (a branch).
   std::vector<size_t> ends;
@@ -260,10 +265,7 @@ Result<ReplayCounts> ReplayModel(const std::vector<TraceRequest>& trace,
 uint64_t WorkingSetBlocks(const std::vector<TraceRequest>& trace, const ReplaySettings& settings) {
   std::unordered_set<uint64_t> ids;
   for (const TraceRequest& r : trace) {
-    const size_t stored = settings.store_partial
-                              ? r.hash_ids.size()
-                              : static_cast<size_t>(std::min<uint64_t>(
-                                    r.hash_ids.size(), r.input_length / settings.block_tokens));
+    const size_t stored = StoredBlocks(r, settings);
     ids.insert(r.hash_ids.begin(), r.hash_ids.begin() + static_cast<ptrdiff_t>(stored));
   }
   return ids.size() * settings.layout.groups.size();

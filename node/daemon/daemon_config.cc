@@ -393,10 +393,7 @@ Result<NodeOptions> ToNodeOptions(const DaemonFlags& flags) {
   options.store.block_bytes = block;
   options.store.cpu_capacity_blocks = cpu / block;
   KVSTASH_ASSIGN_OR_RETURN(options.store.cpu_policy, Policy("cpu-policy", flags.cpu_policy));
-  if (flags.cpu_admission != "all") {
-    options.store.cpu_store_threshold = 2;
-    options.store.cpu_adaptive_admission = flags.cpu_admission == "adaptive";
-  }
+  KVSTASH_ASSIGN_OR_RETURN(options.store.cpu_admission, store::ParseAdmission(flags.cpu_admission));
   options.store.huge_pages = flags.huge_pages;
   KVSTASH_RETURN_IF_ERROR(NamespaceQuotas(flags, block, &options));
   auto cascade = store::ParseCascadeMode(flags.cascade);

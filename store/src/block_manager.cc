@@ -34,6 +34,30 @@ std::string_view EvictionPolicyName(EvictionPolicy policy) {
   return "lru";
 }
 
+Result<Admission> ParseAdmission(std::string_view name) {
+  if (name == "all") return Admission::kAll;
+  if (name == "filter") return Admission::kFilter;
+  if (name == "adaptive") return Admission::kAdaptive;
+  return InvalidArgumentError("unknown admission '{}' (expected all, filter or adaptive)", name);
+}
+
+std::string_view AdmissionName(Admission admission) {
+  switch (admission) {
+    case Admission::kFilter:
+      return "filter";
+    case Admission::kAdaptive:
+      return "adaptive";
+    case Admission::kAll:
+      break;
+  }
+  return "all";
+}
+
+void ApplyAdmission(Admission admission, BlockManagerOptions* options) {
+  options->store_threshold = admission == Admission::kAll ? 0 : 2;
+  options->adaptive_admission = admission == Admission::kAdaptive;
+}
+
 namespace {
 
 constexpr size_t kMaxCapacity = size_t{1} << 31;
@@ -212,8 +236,7 @@ class AdmissionShadows {
  private:
   bool Sampled(const BlockKey& key) const {
     if (rate_ == 1) return true;
-    const uint64_t h = Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ (key.group + 0x51ed27)));
-    return h % rate_ == 0;
+    return NamespaceFreeHash(key) % rate_ == 0;
   }
   // The sampled keys of `keys` into sampled_, in order; false when there are none.
   bool Sample(std::span<const BlockKey> keys) {

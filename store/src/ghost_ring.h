@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "kvstash/common/block_key.h"
-#include "kvstash/common/hash.h"
 
 namespace kvstash::store {
 
@@ -25,9 +24,7 @@ class GhostRing {
   // namespaces' blocks of one hash share a ghost: a block one of them lost starts a class
   // higher in the other, and nothing else passes between them.
   static uint32_t Fingerprint(const BlockKey& key) {
-    const uint64_t h =
-        Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ (key.group * 0x9e3779b97f4a7c15ULL)));
-    const auto fp = static_cast<uint32_t>(h >> 34);
+    const auto fp = static_cast<uint32_t>(NamespaceFreeHash(key) >> 34);
     return fp == 0 ? 1 : fp;
   }
 

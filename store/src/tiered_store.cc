@@ -134,8 +134,7 @@ Result<std::unique_ptr<TieredStore>> TieredStore::Create(const TieredStoreOption
   BlockManagerOptions cpu_options;
   cpu_options.capacity_blocks = options.cpu_capacity_blocks;
   cpu_options.policy = options.cpu_policy;
-  cpu_options.store_threshold = options.cpu_store_threshold;
-  cpu_options.adaptive_admission = options.cpu_adaptive_admission;
+  ApplyAdmission(options.cpu_admission, &cpu_options);
   cpu_options.quotas = options.cpu_quotas;
   cpu_options.count_namespaces = options.count_namespaces;
   cpu_options.enable_events = options.enable_events;

@@ -71,6 +71,13 @@ inline uint64_t KeyHash(const BlockKey& key) {
   return Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ tag));
 }
 
+// A hash of a key's block hash and group, not of its namespace: the same in every namespace,
+// so that an in-process model of a node, which cannot know the ids a node gives namespaces,
+// hashes a key as the node does (AF-LRU's ghost fingerprints, adaptive admission's sample).
+inline uint64_t NamespaceFreeHash(const BlockKey& key) {
+  return Mix64(key.hash.lo ^ Mix64(key.hash.hi ^ (key.group * 0x9e3779b97f4a7c15ULL)));
+}
+
 // A lookup's answer for one key.
 enum class LookupResult : uint8_t {
   kMiss = 0,   // not stored

@@ -34,6 +34,14 @@ enum class TouchKind : uint8_t { kUse, kRefresh };
 // touch of kind kUse) admits it like a new block.
 enum class StoreHint : uint8_t { kNormal, kSpare };
 
+// What a tier stores (docs/semantics.md §2a): every block offered, a block on its second lookup
+// (the reuse filter, store_threshold 2), or the filter switched on and off by the tier itself.
+enum class Admission : uint8_t { kAll, kFilter, kAdaptive };
+
+// "all", "filter" or "adaptive"; InvalidArgument otherwise.
+Result<Admission> ParseAdmission(std::string_view name);
+std::string_view AdmissionName(Admission admission);
+
 // "lru", "arc" or "aflru" (case-sensitive); InvalidArgument otherwise.
 Result<EvictionPolicy> ParseEvictionPolicy(std::string_view name);
 std::string_view EvictionPolicyName(EvictionPolicy policy);
@@ -73,6 +81,9 @@ struct BlockManagerOptions {
   // update per block stored or dropped. Always on with quotas.
   bool count_namespaces = false;
 };
+
+// Sets `options`' reuse filter (store_threshold, adaptive_admission) for `admission`.
+void ApplyAdmission(Admission admission, BlockManagerOptions* options);
 
 // The blocks one namespace holds in a tier.
 struct NamespaceUsage {

@@ -40,9 +40,8 @@ struct TieredStoreOptions {
   size_t block_bytes = 0;
   size_t cpu_capacity_blocks = 0;
   EvictionPolicy cpu_policy = EvictionPolicy::kLru;
-  // The CPU tier's reuse filter and whether it switches by itself (BlockManagerOptions).
-  uint32_t cpu_store_threshold = 0;
-  bool cpu_adaptive_admission = false;
+  // What the CPU tier stores (ApplyAdmission).
+  Admission cpu_admission = Admission::kAll;
   // Per-namespace ceilings in the CPU tier (BlockManagerOptions::quotas), which every store and
   // promotion goes through. The SSD tier has none: it holds what the CPU tier cascades to it.
   NamespaceQuotas cpu_quotas;
