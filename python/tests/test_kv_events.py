@@ -101,14 +101,14 @@ def start_with_events(start_node):
     raise AssertionError("kvstashd printed no KV events line")
 
 
-def await_subscribed(client, sub):
-    """A SUB socket joins asynchronously: stores probe blocks in a namespace of their own until
-    one of its events arrives, then drains that namespace's events."""
+def await_subscribed(client, sub, block_bytes=BLOCK):
+    """A SUB socket joins asynchronously: stores probe blocks (of the node's block size) in a
+    namespace of their own until one of its events arrives, then drains that namespace's events."""
     deadline = time.monotonic() + 10
     sub.sub.setsockopt(zmq.RCVTIMEO, 100)
     i = 0
     while time.monotonic() < deadline:
-        client.put(keys_of(1, prefix=b"probe-%d" % i), [pattern(i)])
+        client.put(keys_of(1, prefix=b"probe-%d" % i), [bytes([i % 256]) * block_bytes])
         i += 1
         try:
             sub.receive()
@@ -220,7 +220,9 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
     --kv-events (what the worker's connector stored, medium CPU): every field decoded as vLLM's
     schema says, each BlockStored's block_size its group's block size, and its parent the block
     before its first in the same group (None for a request's first block), as the worker said
-    it and, through the put's metadata, as the node says it."""
+    it and, through the put's metadata, as the node says it. The worker says a parent before its
+    children; the node's events link by parent in any order (docs/semantics.md §19: the cluster
+    client commits a request's blocks last first, in batches that may end in either order)."""
     kvstashd = os.environ.get("KVSTASHD")
     engine = os.environ.get("KVSTASH_ENGINE")
     if not kvstashd or not engine:
@@ -242,8 +244,14 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
         details = models["data"][0]["kvstash"]
         groups = details["groups"]
         node_sub = Subscriber(node_lines["kvstashd KV events on "].split(",")[0])
+        subs = [node_sub]
+        # The node's SUB socket joins before any prompt (probes in a namespace of their own), so
+        # it sees every event of the worker's blocks; a chain seen from its middle would name a
+        # parent it never saw.
+        with kvstash.Client(node_address, namespace="probe") as probe:
+            await_subscribed(probe, node_sub, block_bytes=4152)
         worker_sub = Subscriber(worker_lines["kvstash-engine KV events on "].split(",")[0])
-        subs = [node_sub, worker_sub]
+        subs.append(worker_sub)
         for s in subs:
             s.sub.setsockopt(zmq.RCVTIMEO, 50)
 
@@ -252,12 +260,22 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
             for name, s in (("node", node_sub), ("worker", worker_sub)):
                 while True:
                     try:
-                        _, _, events = s.receive()
+                        topic, _, events = s.receive()
                     except zmq.Again:
                         break
-                    stored[name] += [e for e in events if e["type"] == "BlockStored"]
+                    if topic != "probe":
+                        stored[name] += [e for e in events if e["type"] == "BlockStored"]
 
-        # SUB sockets join asynchronously: prompts (each new) until both have said something.
+        def unlinked():
+            """The node's events whose parent is none of the node's blocks of that group yet."""
+            held = {}
+            for e in stored["node"]:
+                held.setdefault(e["group_idx"], set()).update(e["block_hashes"])
+            return [e for e in stored["node"] if e["parent_block_hash"] is not None
+                    and e["parent_block_hash"] not in held.get(e["group_idx"], set())]
+
+        # The worker's SUB socket joins asynchronously: prompts (each new) until both have said
+        # something.
         deadline = time.monotonic() + 30
         i = 0
         while (not stored["node"] or not stored["worker"]) and time.monotonic() < deadline:
@@ -271,7 +289,11 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
             end = time.monotonic() + 1
             while time.monotonic() < end and (not stored["node"] or not stored["worker"]):
                 drain()
+        # A request's later batch may still be on its way: until the node's events link up.
         drain()
+        deadline = time.monotonic() + 30
+        while unlinked() and time.monotonic() < deadline:
+            drain()
         assert stored["worker"], "the worker published no BlockStored"
         assert stored["node"], "the node published no BlockStored"
 
@@ -296,10 +318,13 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
                     assert e["kv_cache_spec_kind"] is None, e
                 assert e["token_ids"] == [], e
                 # The parent: None (a request's first block) or a block of the same group this
-                # source said it stored before.
+                # source said it stored (the worker: before).
                 parent = e["parent_block_hash"]
-                assert parent is None or parent in seen.get(group, set()), (source, e)
+                if source == "worker":
+                    assert parent is None or parent in seen.get(group, set()), (source, e)
                 seen.setdefault(group, set()).update(e["block_hashes"])
+            if source == "node":
+                assert not unlinked(), unlinked()
             # Some event of every source chains onto an earlier one (the prompts are 200
             # tokens: several blocks each).
             assert any(e["parent_block_hash"] is not None for e in stored[source]) or any(
