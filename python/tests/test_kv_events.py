@@ -298,7 +298,7 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
         assert stored["node"], "the node published no BlockStored"
 
         for source, medium in (("worker", "GPU"), ("node", "CPU")):
-            seen = {}  # group -> hashes stored so far
+            seen = {}  # the worker's: group -> hashes stored so far
             for e in stored[source]:
                 assert e["medium"] == medium, e
                 group = e["group_idx"]
@@ -317,12 +317,12 @@ def test_a_workers_and_its_nodes_stored_blocks_say_their_parents_and_sizes(tmp_p
                 else:
                     assert e["kv_cache_spec_kind"] is None, e
                 assert e["token_ids"] == [], e
-                # The parent: None (a request's first block) or a block of the same group this
-                # source said it stored (the worker: before).
-                parent = e["parent_block_hash"]
+                # The worker's parent: None (a request's first block) or a block of the same group
+                # it said it stored before (the node's: unlinked(), below).
                 if source == "worker":
+                    parent = e["parent_block_hash"]
                     assert parent is None or parent in seen.get(group, set()), (source, e)
-                seen.setdefault(group, set()).update(e["block_hashes"])
+                    seen.setdefault(group, set()).update(e["block_hashes"])
             if source == "node":
                 assert not unlinked(), unlinked()
             # Some event of every source chains onto an earlier one (the prompts are 200
